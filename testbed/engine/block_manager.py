@@ -1,0 +1,215 @@
+"""Paged KV-cache block manager: block pool, reference counts, prefix cache, per-request block tables.
+
+Invariants (checked by `check_invariants`, exercised by the property tests):
+  * every block is in exactly one state: FREE (ref 0, no hash, in `free_ids`), CACHED (ref 0, hashed,
+    in the LRU `cached`), or USED (ref > 0, in at least one request's block table);
+    so free + cached + used == num_blocks, and no block sits in two free lists;
+  * `hash_to_block` maps exactly the hashed blocks (USED or CACHED), one block per hash;
+  * a block's ref count equals the number of block tables holding it (no double free).
+Allocation takes a FREE block first and evicts the least recently freed CACHED block otherwise;
+allocate, free and a cache hit are O(1) per block. Only full prompt blocks are hashed, each hash
+chained on its parent's, so a hit on block i implies hits on blocks 0..i-1.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+from testbed.engine.request import Request
+
+
+def hash_block_tokens(parent: int | None, tokens: Sequence[int]) -> int:
+    """Chained hash of one full block: equal hashes mean equal prefixes (up to 64-bit collisions)."""
+    return hash((parent, tuple(int(t) for t in tokens)))
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of the full blocks of a prompt, each chained on the previous one."""
+    hashes: list[int] = []
+    parent = None
+    tolist = getattr(token_ids, "tolist", None)
+    tokens = tolist() if tolist else list(token_ids)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start:start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    """Owns the KV block pool of one engine; the scheduler asks it for slots, never for memory."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # stack: pops block 0 first
+        self.cached: OrderedDict[int, None] = OrderedDict()  # CACHED blocks, least recently freed first
+        self.hash_to_block: dict[int, int] = {}
+        self.req_blocks: dict[str, list[int]] = {}
+        self.req_num_registered: dict[str, int] = {}  # leading blocks of a request already offered to the cache
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0     # of which found cached
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: FREE plus evictable CACHED."""
+        return len(self.free_ids) + len(self.cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_ids) - len(self.cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (vLLM's kv_cache_usage)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def ensure_hashes(self, req: Request) -> list[int]:
+        if req.block_hashes is None:
+            req.block_hashes = prompt_block_hashes(req.prompt_token_ids, self.block_size)
+        return req.block_hashes
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of a request's prompt: (block ids, tokens covered). Pure lookup.
+
+        At least one token is always left to compute, so the model produces a first token."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self.ensure_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        blocks: list[int] = []
+        for h in hashes[:max_blocks]:
+            b = self.hash_to_block.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of a hash chain this cache holds (for prefix-affinity routing)."""
+        n = 0
+        for h in block_hashes:
+            if h not in self.hash_to_block:
+                break
+            n += 1
+        return n
+
+    # ---- mutations -----------------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Give `req` blocks for its computed tokens (+ `computed_blocks` hits) plus `num_new_tokens`.
+
+        All or nothing: returns False, changing nothing, when the pool cannot cover it."""
+        blocks = self.req_blocks.get(req.request_id)
+        have = (len(blocks) if blocks is not None else 0) + len(computed_blocks)
+        upto = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        need = -(-upto // self.block_size) - have
+        if need <= 0 and not computed_blocks:
+            if self.enable_prefix_caching:
+                self._cache_full_blocks(req, blocks, upto)
+            return True
+        ref_cnt = self.ref_cnt
+        reviving = sum(1 for b in computed_blocks if ref_cnt[b] == 0)
+        if need > len(self.free_ids) + len(self.cached) - reviving:
+            return False
+        if blocks is None:
+            blocks = self.req_blocks[req.request_id] = []
+        for b in computed_blocks:
+            if ref_cnt[b] == 0:
+                del self.cached[b]
+            ref_cnt[b] += 1
+            blocks.append(b)
+        for _ in range(need):
+            b = self._take_block()
+            ref_cnt[b] = 1
+            blocks.append(b)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req, blocks, upto)
+        return True
+
+    def _take_block(self) -> int:
+        if self.free_ids:
+            return self.free_ids.pop()
+        b, _ = self.cached.popitem(last=False)  # evict the least recently freed cached block
+        del self.hash_to_block[self.block_hash[b]]  # type: ignore[index]
+        self.block_hash[b] = None
+        return b
+
+    def _cache_full_blocks(self, req: Request, blocks: list[int], upto: int) -> None:
+        """Register the full prompt blocks covered by this step so later requests can hit them."""
+        hashes = self.ensure_hashes(req)
+        n_full = min(upto // self.block_size, len(hashes))
+        start = self.req_num_registered.get(req.request_id, 0)
+        if n_full <= start:
+            return
+        block_hash, h2b = self.block_hash, self.hash_to_block
+        for i in range(start, n_full):
+            b = blocks[i]
+            h = hashes[i]
+            if block_hash[b] is not None or h in h2b:  # a hit, or another block holds this content
+                continue
+            block_hash[b] = h
+            h2b[h] = b
+        self.req_num_registered[req.request_id] = n_full
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first, so its tail is evicted before its (shareable) head."""
+        blocks = self.req_blocks.pop(request_id, None)
+        self.req_num_registered.pop(request_id, None)
+        if not blocks:
+            return
+        ref_cnt = self.ref_cnt
+        for b in reversed(blocks):
+            ref_cnt[b] -= 1
+            if ref_cnt[b] == 0:
+                if self.block_hash[b] is not None:
+                    self.cached[b] = None
+                else:
+                    self.free_ids.append(b)
+            elif ref_cnt[b] < 0:
+                raise AssertionError(f"double free of block {b} by request {request_id!r}")
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every CACHED block (used blocks keep their hashes until freed)."""
+        for b in self.cached:
+            del self.hash_to_block[self.block_hash[b]]  # type: ignore[index]
+            self.block_hash[b] = None
+            self.free_ids.append(b)
+        self.cached.clear()
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any invariant in the module docstring is broken."""
+        free, cached = set(self.free_ids), set(self.cached)
+        assert len(free) == len(self.free_ids), "a block is twice in the free list"
+        assert not free & cached, "a block is both FREE and CACHED"
+        holders = [0] * self.num_blocks
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                holders[b] += 1
+        for b in range(self.num_blocks):
+            assert holders[b] == self.ref_cnt[b], f"block {b}: ref {self.ref_cnt[b]} but {holders[b]} holders"
+            state = (b in free) + (b in cached) + (self.ref_cnt[b] > 0)
+            assert state == 1, f"block {b} is in {state} states"
+            if b in free:
+                assert self.block_hash[b] is None, f"FREE block {b} has a hash"
+            if b in cached:
+                assert self.block_hash[b] is not None, f"CACHED block {b} has no hash"
+        assert len(free) + len(cached) + sum(r > 0 for r in self.ref_cnt) == self.num_blocks
+        hashed = {b for b in range(self.num_blocks) if self.block_hash[b] is not None}
+        assert hashed == set(self.hash_to_block.values()), "hash map out of sync with block hashes"
+        for h, b in self.hash_to_block.items():
+            assert self.block_hash[b] == h

@@ -1,0 +1,70 @@
+"""Engine configuration with vLLM's names, validated on construction so bad flags fail early."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DP_POLICIES = ("round_robin", "least_loaded", "kv_aware", "prefix_affinity")
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the flag and how to fix it."""
+
+
+@dataclass
+class EngineConfig:
+    """Scheduler, cache and parallelism settings of one engine (one DP replica).
+
+    `num_gpu_blocks` None means "size from memory": the executor decides it (profiling on a GPU,
+    the cost model's capacity in simulation) before the BlockManager is built.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    dp_policy: str = "least_loaded"
+    max_num_waiting: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, flag: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"--{flag.replace('_', '-')}: {msg}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                     "data_parallel_size"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
+        need(self.block_size & (self.block_size - 1) == 0 and self.block_size <= 256, "block_size",
+             f"must be a power of two up to 256 (e.g. 16), got {self.block_size}")
+        need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+             "max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
+        need(self.num_gpu_blocks is None or (isinstance(self.num_gpu_blocks, int) and self.num_gpu_blocks >= 1),
+             "num_gpu_blocks", f"must be a positive integer, got {self.num_gpu_blocks!r}")
+        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+             f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
+             f"({self.max_num_batched_tokens}) must be >= --max-num-seqs ({self.max_num_seqs}) so every running "
+             "sequence can decode in one step; raise it or lower --max-num-seqs")
+        need(self.policy in SCHEDULING_POLICIES, "policy", f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        need(self.dp_policy in DP_POLICIES, "dp_policy", f"must be one of {DP_POLICIES}, got {self.dp_policy!r}")
+        need(self.max_num_waiting is None or self.max_num_waiting >= 1, "max_num_waiting",
+             f"must be a positive integer, got {self.max_num_waiting!r}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                 f"({self.max_num_batched_tokens}) must be >= --max-model-len ({self.max_model_len}) when chunked "
+                 "prefill is off, or a long prompt could never be scheduled")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,186 @@
+"""EngineCore: one engine replica (scheduler + block manager + records), driven from outside.
+
+A driver calls `schedule(now)`, runs an executor on the returned SchedulerOutput (a cost model in
+simulation, the model on real workers), then `update(output, runner_output, now)`. The core never
+reads a clock: both modes feed it their own `now`, which is why the simulator runs this same code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from testbed.engine.block_manager import BlockManager
+from testbed.engine.config import EngineConfig
+from testbed.engine.metrics import Recorder
+from testbed.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, check_stop
+from testbed.engine.request import Request, RequestStatus
+from testbed.engine.scheduler import Scheduler
+
+
+class Executor(Protocol):
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    """What a replica reports to the DP coordinator."""
+
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_waiting_tokens: int = 0
+
+
+class EngineCore:
+    """Admission (with stated rejections), scheduling, token bookkeeping and stop checks.
+
+    Invariant: every request added ends exactly once, as stop / length / abort / rejected, and is
+    then recorded in `records.requests`.
+    """
+
+    def __init__(self, config: EngineConfig, num_gpu_blocks: int | None = None, max_model_len: int | None = None,
+                 replica: int = 0, stream_outputs: bool = True) -> None:
+        num_gpu_blocks = num_gpu_blocks or config.num_gpu_blocks
+        max_model_len = max_model_len or config.max_model_len
+        if not num_gpu_blocks or not max_model_len:
+            raise ValueError("EngineCore needs num_gpu_blocks and max_model_len (from the config or the executor)")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.replica = replica
+        self.stream_outputs = stream_outputs
+        self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self.records = Recorder()
+        self.num_waiting_tokens = 0
+        self._step = (0.0, 0, 0, 0)
+
+    # ---- admission -----------------------------------------------------------------------------
+    def rejection_reason(self, req: Request) -> str | None:
+        """Why a request can never be served here, or None."""
+        n, mml = req.num_prompt_tokens, self.max_model_len
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is None and n >= mml:
+            return f"prompt has {n} tokens but max_model_len is {mml}; shorten it or raise --max-model-len"
+        if max_tokens is not None and n + max_tokens > mml:
+            return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len "
+                    f"({mml}); shorten the prompt, lower max_tokens or raise --max-model-len")
+        bm = self.block_manager
+        need = bm.blocks_needed(min(n + (max_tokens or mml), mml))
+        if need > bm.num_blocks:
+            return (f"needs {need} KV blocks but the cache has {bm.num_blocks}; raise --num-gpu-blocks or "
+                    f"--gpu-memory-utilization, or shorten the request")
+        limit = self.config.max_num_waiting
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            return f"waiting queue is full ({limit} requests, --max-num-waiting); retry later"
+        return None
+
+    def add_request(self, req: Request, now: float) -> RequestOutput | None:
+        """Queue a request; returns a finished 'rejected' output instead when it cannot be served."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}; ids must be unique among live requests")
+        req.replica = self.replica
+        reason = self.rejection_reason(req)
+        if reason is not None:
+            req.status = RequestStatus.FINISHED_REJECTED
+            req.stop_reason = reason
+            req.finish_time = now
+            self.records.record_request(req)
+            return RequestOutput(req.request_id, [], True, "rejected", reason)
+        if req.sampling_params.max_tokens is None:
+            req.max_tokens = self.max_model_len - req.num_prompt_tokens
+        self.requests[req.request_id] = req
+        self.num_waiting_tokens += req.num_prompt_tokens
+        self.scheduler.add_request(req)
+        return None
+
+    def abort(self, request_id: str, now: float) -> RequestOutput | None:
+        """End a live request (client gone, stop string seen by the front-end); frees its blocks."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        was_running = req.status == RequestStatus.RUNNING
+        self._finish(req, RequestStatus.FINISHED_ABORTED, now)
+        if was_running:
+            self.scheduler.drop_finished()
+        return RequestOutput(request_id, [], True, "abort", req.stop_reason, max(req.num_cached_tokens, 0))
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        if req.first_scheduled_time is None:
+            self.num_waiting_tokens -= req.num_prompt_tokens
+        self.scheduler.finish(req, status)
+        req.finish_time = now
+        self.records.record_request(req)
+        del self.requests[req.request_id]
+
+    # ---- the step ------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        so = self.scheduler.schedule()
+        for req_id in so.new_req_ids:
+            req = self.requests[req_id]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+                self.num_waiting_tokens -= req.num_prompt_tokens
+        self._step = (now, self.block_manager.num_used_blocks, self.scheduler.num_waiting, self.scheduler.num_running)
+        return so
+
+    def update(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float) -> list[RequestOutput]:
+        """Apply sampled tokens, run stop checks, finish requests, record the step."""
+        outputs: list[RequestOutput] = []
+        itl = self.records.itl
+        mml = self.max_model_len
+        stream = self.stream_outputs
+        lps = out.logprobs
+        running = RequestStatus.RUNNING
+        any_finished = False
+        sampled = out.sampled_token_ids
+        for idx, req in enumerate(so.requests):
+            tok = sampled[idx]
+            if tok < 0 or req.status != running:
+                continue
+            req.output_token_ids.append(tok)
+            lp = None
+            if lps is not None and req.logprobs is not None:
+                lp = lps[idx]
+                req.logprobs.append(lp)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            else:
+                itl.append(now - req.last_token_time)
+            req.last_token_time = now
+            status = check_stop(req, tok, mml)
+            if status is not None:
+                self._finish(req, status, now)
+                any_finished = True
+                outputs.append(RequestOutput(req.request_id, [tok], True, status.finish_reason, req.stop_reason,
+                                             req.num_cached_tokens, None if lp is None else [lp]))
+            elif stream:
+                outputs.append(RequestOutput(req.request_id, [tok], False, None, None, req.num_cached_tokens,
+                                             None if lp is None else [lp]))
+        if any_finished:
+            self.scheduler.drop_finished()
+        start, used, waiting, running_n = self._step
+        self.records.steps.append((
+            self.replica, start, now - start, len(so.requests), so.num_prefill_tokens, so.num_decode_tokens,
+            so.sum_context_tokens, so.sum_attn_pairs, used, self.block_manager.num_blocks, waiting, running_n,
+            len(so.preempted_req_ids)))
+        return outputs
+
+    def step(self, now: float, executor: Executor) -> tuple[SchedulerOutput, list[RequestOutput]]:
+        """schedule + execute + update, with the step ending at now + the executor's duration."""
+        so = self.schedule(now)
+        if so.is_empty:
+            return so, []
+        out = executor.execute(so)
+        return so, self.update(so, out, now + out.duration)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> ReplicaStats:
+        bm = self.block_manager
+        return ReplicaStats(self.scheduler.num_waiting, self.scheduler.num_running, bm.usage,
+                            bm.num_free_blocks, bm.num_blocks, self.num_waiting_tokens)

@@ -1,0 +1,119 @@
+"""Per-request and per-step records (one schema for sim and real mode) and their aggregation.
+
+Definitions follow vLLM's benchmark: TTFT = first token - arrival; ITL = gaps between successive
+tokens of a request; TPOT = (E2E - TTFT) / (output tokens - 1); E2E = finish - arrival;
+throughput = output tokens / makespan; goodput = requests meeting every SLO / makespan.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from dataclasses import dataclass, field
+from typing import Any
+
+from testbed.engine.request import Request
+
+REQUEST_COLUMNS = ("request_id", "replica", "priority", "arrival", "first_scheduled", "first_token", "finish",
+                   "input_tokens", "output_tokens", "cached_tokens", "preemptions", "finish_reason")
+STEP_COLUMNS = ("replica", "start", "duration", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
+                "sum_context_tokens", "sum_attn_pairs", "kv_blocks_used", "kv_blocks_total", "num_waiting",
+                "num_running", "num_preempted")
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass
+class Recorder:
+    """Column store of a run's records; appends only, so recording stays O(1) per event."""
+
+    requests: list[tuple] = field(default_factory=list)  # rows in REQUEST_COLUMNS order
+    steps: list[tuple] = field(default_factory=list)     # rows in STEP_COLUMNS order
+    itl: list[float] = field(default_factory=list)
+
+    def record_request(self, req: Request) -> None:
+        self.requests.append((
+            req.request_id, req.replica, req.priority, req.arrival_time, req.first_scheduled_time,
+            req.first_token_time, req.finish_time, req.num_prompt_tokens, len(req.output_token_ids),
+            max(req.num_cached_tokens, 0), req.num_preemptions, req.status.finish_reason))
+
+    def extend(self, other: "Recorder") -> None:
+        self.requests.extend(other.requests)
+        self.steps.extend(other.steps)
+        self.itl.extend(other.itl)
+
+    def request_columns(self) -> dict[str, list]:
+        return _columns(self.requests, REQUEST_COLUMNS)
+
+    def step_columns(self) -> dict[str, list]:
+        return _columns(self.steps, STEP_COLUMNS)
+
+
+def _columns(rows: list[tuple], names: tuple[str, ...]) -> dict[str, list]:
+    cols = list(zip(*rows)) if rows else [()] * len(names)
+    return {name: list(col) for name, col in zip(names, cols)}
+
+
+def _stats(values) -> dict[str, float | None]:
+    """mean and percentiles (numpy's linear interpolation, as vLLM's benchmark); None when empty."""
+    xs = np.asarray(values, dtype=np.float64)
+    if xs.size == 0:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    qs = np.percentile(xs, PERCENTILES)
+    return {"mean": float(xs.mean()), **{f"p{p}": float(q) for p, q in zip(PERCENTILES, qs)}}
+
+
+def summarize(requests: dict[str, list], steps: dict[str, list], itl: list[float],
+              slo_ttft: float | None = None, slo_tpot: float | None = None,
+              prefix_queries: int = 0, prefix_hits: int = 0) -> dict[str, Any]:
+    """Headline metrics of a run from its records (columns as in REQUEST_COLUMNS / STEP_COLUMNS)."""
+    reasons = requests["finish_reason"]
+    done = [i for i, r in enumerate(reasons) if r in ("stop", "length")]
+    arrival, first, finish = requests["arrival"], requests["first_token"], requests["finish"]
+    out_tok, in_tok = requests["output_tokens"], requests["input_tokens"]
+    ttft = [first[i] - arrival[i] for i in done if first[i] is not None]
+    e2e = [finish[i] - arrival[i] for i in done]
+    tpot_by_req = {i: (finish[i] - first[i]) / (out_tok[i] - 1) for i in done if out_tok[i] > 1}
+    start = min(arrival) if arrival else 0.0
+    end = max((finish[i] for i in done), default=start)
+    makespan = end - start
+    total_out = sum(out_tok[i] for i in done)
+    total_in = sum(in_tok[i] for i in done)
+
+    good = 0
+    for i in done:
+        ok = slo_ttft is None or (first[i] - arrival[i]) <= slo_ttft
+        ok = ok and (slo_tpot is None or tpot_by_req.get(i, 0.0) <= slo_tpot)
+        good += ok
+
+    dur = steps["duration"]
+    busy = math.fsum(dur)
+    used, total = steps["kv_blocks_used"], steps["kv_blocks_total"]
+    kv = [u / t for u, t in zip(used, total) if t]
+    kv_mean = math.fsum(k * d for k, d in zip(kv, dur)) / busy if busy > 0 else (sum(kv) / len(kv) if kv else 0.0)
+    per_s = (lambda x: x / makespan) if makespan > 0 else (lambda x: 0.0)
+    return {
+        "num_requests": len(reasons),
+        "num_finished": len(done),
+        "num_rejected": sum(r == "rejected" for r in reasons),
+        "num_aborted": sum(r == "abort" for r in reasons),
+        "makespan_s": makespan,
+        "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(total_out),
+        "total_token_throughput": per_s(total_out + total_in),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "slo": {"ttft_s": slo_ttft, "tpot_s": slo_tpot},
+        "goodput": per_s(good),
+        "num_good_requests": good,
+        "ttft_s": _stats(ttft),
+        "tpot_s": _stats(list(tpot_by_req.values())),
+        "itl_s": _stats(itl),
+        "e2e_s": _stats(e2e),
+        "kv_util_mean": kv_mean,
+        "kv_util_max": max(kv, default=0.0),
+        "num_preemptions": sum(steps["num_preempted"]),
+        "prefix_cache_hit_rate": prefix_hits / prefix_queries if prefix_queries else 0.0,
+        "mean_batch_size": (sum(steps["num_reqs"]) / len(steps["num_reqs"])) if steps["num_reqs"] else 0.0,
+        "num_steps": len(dur),
+        "busy_time_s": busy,
+    }

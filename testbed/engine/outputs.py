@@ -1,0 +1,81 @@
+"""Plain-data structs crossing the core's boundary, and the stop checks applied to each new token."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from testbed.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work. `requests[i]` computes `num_new_tokens[i]` tokens starting at
+    `num_computed_before[i]` (its KV for earlier positions is in its blocks).
+
+    Aggregates (filled by the scheduler, used by cost models and step records):
+    prefill tokens belong to requests still inside their prompt; `sum_context_tokens` is the KV
+    length attended over, summed over requests; `sum_attn_pairs` the number of (query, key) pairs.
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_computed_before: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # each request's block table (live reference)
+    new_req_ids: set[str] = field(default_factory=set)  # first scheduled or resumed: runners (re)build state
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # finished since the previous step
+    total_num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    sum_context_tokens: int = 0
+    sum_attn_pairs: int = 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What an executor returns: one sampled token per scheduled request (-1 where the request was
+    mid-prompt and sampled nothing), optional logprobs, and how long the step took (seconds)."""
+
+    sampled_token_ids: list[int]
+    duration: float = 0.0
+    logprobs: list | None = None  # per request: None or (token_logprob, [(token_id, logprob), ...])
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Incremental result for one request after a step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: list | None = None
+
+
+def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Status the request finishes with after appending `token`, or None to go on.
+
+    Order as vLLM: nothing stops before min_tokens (except the length limits); then EOS (unless
+    ignore_eos), stop_token_ids, max_tokens, and the model's context length.
+    """
+    n_out = len(req.output_token_ids)
+    sp = req.sampling_params
+    if n_out >= sp.min_tokens:
+        if token == req.eos_token_id and not sp.ignore_eos:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -1,0 +1,189 @@
+"""vLLM-V1-style scheduler: one token budget shared by prefills and decodes.
+
+Every request has `num_computed_tokens` that catches up to `num_tokens` (prompt + output). Each
+step: running requests first (in queue order), then waiting ones, each taking up to the remaining
+budget (chunked prefill) while `max_num_seqs` and the block pool allow. When a running request
+cannot get a block, the lowest-ranked running request is preempted by recompute (its blocks freed,
+its progress reset, back to the front of the waiting queue); no waiting request is admitted in a
+step that preempted. Invariants: the step's tokens <= max_num_batched_tokens; running requests <=
+max_num_seqs; a scheduled request always has blocks for all its computed + scheduled tokens.
+Policies: `fcfs` (arrival order; the waiting head blocks those behind it, so nobody starves) and
+`priority` (lower `priority` value first, then arrival; running kept in that order so the victim
+of a preemption is always the last one).
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import deque
+
+from testbed.engine.block_manager import BlockManager
+from testbed.engine.config import EngineConfig
+from testbed.engine.outputs import SchedulerOutput
+from testbed.engine.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """Waiting requests in admission order: a deque for fcfs, a heap on (priority, arrival) otherwise."""
+
+    def __init__(self, policy: str) -> None:
+        self.fcfs = policy == "fcfs"
+        self._dq: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._dq) if self.fcfs else len(self._heap)
+
+    def __iter__(self):
+        return iter(self._dq) if self.fcfs else (e[3] for e in sorted(self._heap))
+
+    def push(self, req: Request, front: bool = False) -> None:
+        if self.fcfs:
+            self._dq.appendleft(req) if front else self._dq.append(req)
+        else:
+            self._seq += 1
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, self._seq, req))
+
+    def peek(self) -> Request:
+        return self._dq[0] if self.fcfs else self._heap[0][3]
+
+    def pop(self) -> Request:
+        return self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)[3]
+
+    def remove(self, req: Request) -> None:
+        if self.fcfs:
+            self._dq.remove(req)
+        else:
+            self._heap = [e for e in self._heap if e[3] is not req]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting and running queues of one engine."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked = config.enable_chunked_prefill
+        self.fcfs = config.policy == "fcfs"
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.push(req)
+
+    def _rank(self, req: Request) -> tuple[int, float]:
+        return (req.priority, req.arrival_time)
+
+    def _admit(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        if self.fcfs:
+            self.running.append(req)
+        else:
+            keys = [self._rank(r) for r in self.running]
+            self.running.insert(bisect.bisect_right(keys, self._rank(req)), req)
+
+    def _preempt_last(self) -> Request:
+        victim = self.running.pop()
+        self.block_manager.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(victim, front=True)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        so = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = []
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        reqs, nnew, nbefore, tables = so.requests, so.num_new_tokens, so.num_computed_before, so.block_ids
+        prefill = decode = ctx = pairs = 0
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = req.num_tokens - computed
+            if n > budget:
+                n = budget
+            scheduled = True
+            while not bm.allocate_slots(req, n):
+                victim = self._preempt_last()
+                so.preempted_req_ids.append(victim.request_id)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            i += 1
+            reqs.append(req); nnew.append(n); nbefore.append(computed); tables.append(bm.req_blocks[req.request_id])
+            budget -= n
+            if n == 1 and computed >= req.num_prompt_tokens:
+                decode += 1
+            else:
+                prefill += n
+            ctx += computed + n
+            pairs += n * computed + n * (n + 1) // 2
+            req.num_computed_tokens = computed + n
+
+        if not so.preempted_req_ids:
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < self.max_num_seqs:
+                req = waiting.peek()
+                hit_blocks, hit = bm.get_computed_blocks(req)
+                n = req.num_tokens - hit
+                if n > budget:
+                    if not self.chunked:
+                        break
+                    n = budget
+                if not bm.allocate_slots(req, n, hit_blocks):
+                    break
+                waiting.pop()
+                self._admit(req)
+                running = self.running
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = hit
+                    bm.record_prefix_lookup(req.num_tokens, hit)
+                so.new_req_ids.add(req.request_id)
+                reqs.append(req); nnew.append(n); nbefore.append(hit); tables.append(bm.req_blocks[req.request_id])
+                budget -= n
+                prefill += n
+                ctx += hit + n
+                pairs += n * hit + n * (n + 1) // 2
+                req.num_computed_tokens = hit + n
+
+        so.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        so.num_prefill_tokens = prefill
+        so.num_decode_tokens = decode
+        so.sum_context_tokens = ctx
+        so.sum_attn_pairs = pairs
+        return so
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Move a request to a finished state and free its blocks (removal from `running` is the caller's
+        batch job via `drop_finished`, to keep it O(batch) per step)."""
+        if req.status == RequestStatus.WAITING or req.status == RequestStatus.PREEMPTED:
+            self.waiting.remove(req)
+        req.status = status
+        self.block_manager.free(req.request_id)
+        self.finished_req_ids.append(req.request_id)
+
+    def drop_finished(self) -> None:
+        self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)

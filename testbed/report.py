@@ -1,0 +1,37 @@
+"""The summary table printed by `testbed simulate`, `replay` and `bench serve` (vLLM's result-block style)."""
+from __future__ import annotations
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.2f}"
+
+
+def format_summary(s: dict, title: str = "Result") -> str:
+    w = 50
+    lines = [f"{' ' + title + ' ':=^{w}}"]
+
+    def row(label: str, value) -> None:
+        lines.append(f"{label:<36}{value:>14}")
+
+    row("Requests finished:", s["num_finished"])
+    row("Requests rejected / aborted:", f"{s['num_rejected']} / {s['num_aborted']}")
+    row("Makespan (s):", f"{s['makespan_s']:.2f}")
+    row("Request throughput (req/s):", f"{s['request_throughput']:.2f}")
+    row("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}")
+    row("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")
+    slo = s.get("slo") or {}
+    slo_txt = ", ".join(f"{k[:-2].upper()}<={v * 1000:g}ms" for k, v in slo.items() if v is not None) or "no SLO"
+    row(f"Goodput (req/s, {slo_txt}):" if len(slo_txt) < 20 else "Goodput (req/s):", f"{s['goodput']:.2f}")
+    lines.append(f"{' Latency (ms) ':-^{w}}")
+    lines.append(f"{'':<6}{'mean':>11}{'p50':>11}{'p90':>11}{'p99':>11}")
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E")):
+        st = s[key]
+        lines.append(f"{label:<6}" + "".join(f"{_ms(st[q]):>11}" for q in ("mean", "p50", "p90", "p99")))
+    lines.append(f"{' Engine ':-^{w}}")
+    row("KV-cache utilisation mean / max:", f"{s['kv_util_mean']:.1%} / {s['kv_util_max']:.1%}")
+    row("Preemptions:", s["num_preemptions"])
+    row("Prefix-cache hit rate:", f"{s['prefix_cache_hit_rate']:.1%}")
+    row("Mean batch size (requests/step):", f"{s['mean_batch_size']:.2f}")
+    row("Engine steps:", s["num_steps"])
+    lines.append("=" * w)
+    return "\n".join(lines)

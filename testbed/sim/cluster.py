@@ -1,0 +1,134 @@
+"""SimPy cluster: an arrival process, the DP coordinator and one process per EngineCore replica.
+
+Each replica loops schedule -> cost model -> `yield env.timeout(duration)` -> update, and sleeps
+on an event while it has no requests. The simulation ends when every trace request has arrived
+and every replica is idle. Deterministic: no wall clock reaches the core or the records.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import simpy
+
+from testbed.engine.block_manager import prompt_block_hashes
+from testbed.engine.config import EngineConfig
+from testbed.engine.coordinator import DPCoordinator
+from testbed.engine.core import EngineCore
+from testbed.engine.metrics import Recorder
+from testbed.engine.request import Request, SamplingParams
+from testbed.sim.cost_model import CostModel
+from testbed.sim.executor import SimExecutor
+from testbed.sim.trace import TraceRequest, synthesize_prompt
+
+
+class LazyPrompt(Sequence[int]):
+    """A trace request's prompt tokens, synthesised on first read (only prefix caching reads them)."""
+
+    __slots__ = ("_req", "_vocab", "_seed", "_tokens")
+
+    def __init__(self, req: TraceRequest, vocab_size: int, seed: int) -> None:
+        self._req, self._vocab, self._seed, self._tokens = req, vocab_size, seed, None
+
+    def __len__(self) -> int:
+        return self._req.input_tokens
+
+    def tolist(self) -> list[int]:
+        return self._materialize().tolist()
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._materialize()[i]
+
+    def _materialize(self):
+        if self._tokens is None:
+            self._tokens = synthesize_prompt(self._req, self._vocab, self._seed)
+        return self._tokens
+
+
+def trace_to_request(tr: TraceRequest, vocab_size: int, seed: int) -> Request:
+    """Engine request for a trace line: its output forced to the trace's length."""
+    sp = SamplingParams(max_tokens=tr.output_tokens, ignore_eos=True, temperature=0.0)
+    prompt = tr.prompt_token_ids if tr.prompt_token_ids is not None else LazyPrompt(tr, vocab_size, seed)
+    return Request(tr.id, prompt, sp, arrival_time=tr.arrival_s, priority=tr.priority)
+
+
+@dataclass
+class SimResult:
+    engines: list[EngineCore]
+    records: Recorder
+    sim_time: float
+    prefix_queries: int
+    prefix_hits: int
+
+
+def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostModel, num_gpu_blocks: int,
+             max_model_len: int, vocab_size: int = 32000,
+             on_progress: Callable[[float, int], None] | None = None, progress_interval_s: float = 5.0) -> SimResult:
+    """Replay a trace through `config.data_parallel_size` EngineCore replicas in simulated time."""
+    env = simpy.Environment()
+    dp = config.data_parallel_size
+    engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False) for r in range(dp)]
+    coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks)
+    executor = SimExecutor(cost_model)
+    wake = [env.event() for _ in range(dp)]
+    done = env.event()
+    state = {"arrived": 0, "idle": set(range(dp))}
+    need_hashes = config.dp_policy == "prefix_affinity"
+
+    def finish_if_done() -> None:
+        if state["arrived"] == len(trace) and len(state["idle"]) == dp and not done.triggered:
+            done.succeed()
+
+    def arrivals():
+        for tr in trace:
+            delay = tr.arrival_s - env.now
+            if delay > 0:
+                yield env.timeout(delay)
+            req = trace_to_request(tr, vocab_size, config.seed)
+            hashes = ()
+            if need_hashes:
+                hashes = req.block_hashes = prompt_block_hashes(req.prompt_token_ids, config.block_size)
+            r = coord.route(req.num_prompt_tokens, hashes)
+            engines[r].add_request(req, env.now)
+            state["arrived"] += 1
+            if not wake[r].triggered:
+                wake[r].succeed()
+        finish_if_done()
+
+    def replica(r: int):
+        eng = engines[r]
+        while True:
+            if not eng.requests:
+                state["idle"].add(r)
+                coord.update_stats(r, eng.stats())
+                finish_if_done()
+                wake[r] = env.event()
+                yield wake[r]
+                state["idle"].discard(r)
+            so = eng.schedule(env.now)
+            if so.is_empty:
+                raise RuntimeError(f"replica {r}: nothing schedulable with {len(eng.requests)} requests live "
+                                   "(scheduler bug: every admitted request must fit the cache)")
+            out = executor.execute(so)
+            yield env.timeout(out.duration)
+            eng.update(so, out, env.now)
+            coord.update_stats(r, eng.stats())
+
+    def progress():
+        while True:
+            yield env.timeout(progress_interval_s)
+            on_progress(env.now, sum(len(e.records.requests) for e in engines))
+
+    env.process(arrivals())
+    for r in range(dp):
+        env.process(replica(r))
+    if on_progress is not None:
+        env.process(progress())
+    if trace:
+        env.run(until=done)
+    records = Recorder()
+    for e in engines:
+        records.extend(e.records)
+    return SimResult(engines, records, env.now,
+                     sum(e.block_manager.prefix_queries for e in engines),
+                     sum(e.block_manager.prefix_hits for e in engines))

@@ -1,0 +1,215 @@
+"""Step-time cost models for sim mode (analytical roofline, and a linear model fitted to real step
+records) and KV-cache capacity. `step_time` is the simulator's hot path: O(1), a handful of float
+operations on constants precomputed in `__init__`, no numpy. An empty step costs 0 s.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from testbed.engine.outputs import SchedulerOutput
+from testbed.presets import ModelSpec
+from testbed.sim.hardware import GPUSpec
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+class CostModel(Protocol):
+    def step_time(self, so: SchedulerOutput) -> float:
+        """Seconds one engine step takes."""
+        ...
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one tensor-parallel rank holds. KV heads are split across ranks, or replicated (one per
+    rank) when tp > num_key_value_heads."""
+
+    num_heads: int
+    num_kv_heads: int
+    layer_linear_params: float  # QKV, O, gate/up/down of all layers on this rank
+    lm_head_params: float
+    weight_params: float        # everything resident on this rank (embedding counted once when tied)
+
+
+def rank_shape(model: ModelSpec, tensor_parallel_size: int = 1) -> RankShape:
+    """Per-rank shape; ValueError when `tensor_parallel_size` cannot split the model's heads."""
+    tp, h, hd, kv = tensor_parallel_size, model.hidden_size, model.head_dim, model.num_key_value_heads
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+    if model.num_attention_heads % tp or (kv % tp and tp % kv):
+        raise ValueError(f"tensor_parallel_size={tp} cannot split {model.name}: it must divide "
+                         f"num_attention_heads={model.num_attention_heads}, and divide or be a multiple of "
+                         f"num_key_value_heads={kv}")
+    heads_r, kv_r = model.num_attention_heads // tp, max(1, kv // tp)
+    q, kvd = heads_r * hd, kv_r * hd
+    linear = h * (q + 2 * kvd) + q * h + 3 * h * model.intermediate_size / tp
+    extra = 2 * h + (q + 2 * kvd if model.attention_bias else 0) + (2 * hd if model.qk_norm else 0)
+    vocab_rows = model.vocab_size * h / tp
+    weights = model.num_hidden_layers * (linear + extra) + vocab_rows * (1 if model.tie_word_embeddings else 2) + h
+    return RankShape(heads_r, kv_r, model.num_hidden_layers * linear, vocab_rows, weights)
+
+
+class RooflineCostModel:
+    """Per step: each part costs max(bytes / mem_bandwidth, flops / matmul_flops) on one TP rank
+    (ranks run in parallel on equal shares), plus 2 ring all-reduces per layer when tp > 1, plus a
+    fixed per-step overhead (launches, scheduling, sampling).
+
+    Parts: decoder linear layers (weights read once, 2*T*params FLOPs); LM head for the last token
+    of each request only (2*B*vocab*hidden FLOPs); attention (C KV positions read per layer,
+    4*P*heads*head_dim FLOPs per layer). Activations and KV writes are ignored (small next to these).
+    """
+
+    def __init__(self, model: ModelSpec, gpu: GPUSpec, tensor_parallel_size: int = 1, dtype_bytes: int = 2,
+                 step_overhead_s: float = 3e-4, allreduce_bandwidth: float | None = None,
+                 allreduce_latency_s: float | None = None) -> None:
+        if step_overhead_s < 0 or dtype_bytes <= 0:
+            raise ValueError(f"step_overhead_s must be >= 0 and dtype_bytes > 0, got {step_overhead_s}, {dtype_bytes}")
+        self.model, self.gpu, self.tensor_parallel_size = model, gpu, tensor_parallel_size
+        r = rank_shape(model, tensor_parallel_size)
+        bw, mm, d, L = gpu.mem_bandwidth, gpu.matmul_flops, dtype_bytes, model.num_hidden_layers
+        self._lin_mem = r.layer_linear_params * d / bw          # s, weight read
+        self._lin_flop = 2 * r.layer_linear_params / mm         # s per scheduled token
+        self._head_mem = r.lm_head_params * d / bw
+        self._head_flop = 2 * r.lm_head_params / mm             # s per request (one logits row each)
+        self._attn_mem = L * 2 * r.num_kv_heads * model.head_dim * d / bw  # s per context token
+        self._attn_flop = L * 4 * r.num_heads * model.head_dim / mm        # s per (query, key) pair
+        tp = tensor_parallel_size
+        ar_bw = allreduce_bandwidth if allreduce_bandwidth is not None else gpu.interconnect_bandwidth
+        ar_lat = allreduce_latency_s if allreduce_latency_s is not None else gpu.allreduce_latency_s
+        if ar_bw <= 0 or ar_lat < 0:
+            raise ValueError(f"allreduce_bandwidth must be > 0 and allreduce_latency_s >= 0, got {ar_bw}, {ar_lat}")
+        n_ar = 2 * L if tp > 1 else 0
+        self._ar_per_token = n_ar * 2 * (tp - 1) / tp * model.hidden_size * d / ar_bw
+        self._fixed = step_overhead_s + n_ar * ar_lat
+
+    def step_time(self, so: SchedulerOutput) -> float:
+        T = so.total_num_scheduled_tokens
+        if T <= 0:
+            return 0.0
+        B = len(so.requests)
+        return (max(self._lin_mem, self._lin_flop * T) + max(self._head_mem, self._head_flop * B)
+                + max(self._attn_mem * so.sum_context_tokens, self._attn_flop * so.sum_attn_pairs)
+                + self._ar_per_token * T + self._fixed)
+
+
+FEATURES = ("intercept", "num_prefill_tokens", "num_decode_tokens", "sum_context_tokens", "sum_attn_pairs", "num_reqs")
+STEP_COLUMNS = ("duration",) + FEATURES[1:]
+
+
+def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||A x - b|| subject to x >= 0 (Lawson-Hanson active set). Scale columns beforehand."""
+    m, n = A.shape
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(float).eps * max(m, n) * max(np.abs(A).sum(axis=0).max(), 1.0)
+    for _ in range(3 * n + 10):
+        w = A.T @ (b - A @ x)
+        if passive.all() or w[~passive].max() <= tol:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        while True:
+            s = np.zeros(n)
+            s[passive] = np.linalg.lstsq(A[:, passive], b, rcond=None)[0]
+            if s[passive].min() > tol:
+                x = s
+                break
+            neg = passive & (s <= tol)
+            step = x[neg] - s[neg]  # > 0 except in degenerate cases, where the variable just leaves
+            x = x + np.min(np.where(step > 0, x[neg] / np.where(step > 0, step, 1.0), 0.0)) * (s - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+class CalibratedCostModel:
+    """duration = c . [1, prefill tokens, decode tokens, context tokens C, attention pairs P, requests],
+    c >= 0, fitted by least squares to step records of a real run (`steps.parquet`)."""
+
+    def __init__(self, coefficients: dict[str, float], model_name: str, gpu_name: str = "",
+                 tensor_parallel_size: int = 1, r2: float = math.nan, mape: float = math.nan, num_rows: int = 0) -> None:
+        missing = [f for f in FEATURES if f not in coefficients]
+        if missing or any(not coefficients[f] >= 0 for f in FEATURES):
+            raise ValueError(f"coefficients need non-negative values for {', '.join(FEATURES)}; "
+                             f"missing {missing}, got {coefficients}")
+        self.coefficients = {f: float(coefficients[f]) for f in FEATURES}
+        self.model_name, self.gpu_name, self.tensor_parallel_size = model_name, gpu_name, tensor_parallel_size
+        self.r2, self.mape, self.num_rows = r2, mape, num_rows
+        (self._c0, self._cp, self._cd, self._cc, self._ca, self._cb) = self.coefficients.values()
+
+    @classmethod
+    def fit(cls, steps: "pd.DataFrame", model: ModelSpec, gpu_name: str = "", tensor_parallel_size: int = 1,
+            min_rows: int = 20) -> "CalibratedCostModel":
+        """Fit to step records; empty steps are dropped. R^2 and MAPE (on the fitted rows) are kept."""
+        missing = [c for c in STEP_COLUMNS if c not in steps.columns]
+        if missing:
+            raise ValueError(f"step table lacks columns {missing} (has {list(steps.columns)}); "
+                             "pass the steps.parquet a real run wrote")
+        rows = steps[(steps["num_prefill_tokens"] + steps["num_decode_tokens"]) > 0]
+        if len(rows) < min_rows:
+            raise ValueError(f"only {len(rows)} non-empty steps (of {len(steps)}); need >= {min_rows} to fit "
+                             f"{len(FEATURES)} coefficients: profile a longer run")
+        y = rows["duration"].to_numpy(dtype=float)
+        X = np.column_stack([np.ones(len(rows))] + [rows[c].to_numpy(dtype=float) for c in FEATURES[1:]])
+        if not (np.isfinite(y).all() and np.isfinite(X).all()) or (y < 0).any() or (X < 0).any():
+            raise ValueError("step table holds NaN, infinite or negative durations/counts; clean the records")
+        for j, f in enumerate(FEATURES[1:], 1):
+            if not X[:, j].any():
+                raise ValueError(f"column {f} is 0 in every step, so its cost cannot be learned; "
+                                 "profile a workload that exercises it (prefills and decodes)")
+        scale = np.linalg.norm(X, axis=0)
+        coef = nnls(X / scale, y) / scale
+        pred = X @ coef
+        ss_tot = float(((y - y.mean()) ** 2).sum())
+        r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else math.nan
+        pos = y > 0
+        mape = float(np.mean(np.abs(pred[pos] - y[pos]) / y[pos])) if pos.any() else math.nan
+        return cls(dict(zip(FEATURES, coef.tolist())), model.name, gpu_name, tensor_parallel_size, r2, mape, len(rows))
+
+    def step_time(self, so: SchedulerOutput) -> float:
+        if so.total_num_scheduled_tokens <= 0:
+            return 0.0
+        return (self._c0 + self._cp * so.num_prefill_tokens + self._cd * so.num_decode_tokens
+                + self._cc * so.sum_context_tokens + self._ca * so.sum_attn_pairs + self._cb * len(so.requests))
+
+    def to_json(self) -> dict:
+        return {"kind": "calibrated", "model": self.model_name, "gpu": self.gpu_name,
+                "tensor_parallel_size": self.tensor_parallel_size, "coefficients": dict(self.coefficients),
+                "r2": self.r2, "mape": self.mape, "num_rows": self.num_rows}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CalibratedCostModel":
+        if d.get("kind") != "calibrated" or not isinstance(d.get("coefficients"), dict) or "model" not in d:
+            raise ValueError(f"not a calibrated cost-model profile (need kind='calibrated', model, coefficients): "
+                             f"keys {sorted(d)}")
+        return cls(d["coefficients"], d["model"], d.get("gpu", ""), int(d.get("tensor_parallel_size", 1)),
+                   float(d.get("r2", math.nan)), float(d.get("mape", math.nan)), int(d.get("num_rows", 0)))
+
+    def __repr__(self) -> str:
+        return (f"CalibratedCostModel({self.model_name}, gpu={self.gpu_name!r}, tp={self.tensor_parallel_size}, "
+                f"r2={self.r2:.4f}, mape={self.mape:.2%}, {self.coefficients})")
+
+
+def num_gpu_blocks(model: ModelSpec, gpu: GPUSpec, block_size: int, gpu_memory_utilization: float = 0.9,
+                   tensor_parallel_size: int = 1, dtype_bytes: int = 2, activation_reserve_bytes: int | None = None) -> int:
+    """KV blocks per rank: (memory * utilization - weights per rank - activation reserve) / block bytes per rank.
+    Default reserve: max(1 GiB, 5% of memory). ValueError when not even one block fits."""
+    if block_size < 1 or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"block_size must be >= 1 and gpu_memory_utilization in (0, 1], "
+                         f"got {block_size}, {gpu_memory_utilization}")
+    r = rank_shape(model, tensor_parallel_size)
+    reserve = activation_reserve_bytes if activation_reserve_bytes is not None else max(1 << 30, 0.05 * gpu.memory_bytes)
+    budget = gpu.memory_bytes * gpu_memory_utilization
+    weights = r.weight_params * dtype_bytes
+    block_bytes = block_size * 2 * model.num_hidden_layers * r.num_kv_heads * model.head_dim * dtype_bytes
+    free = budget - weights - reserve
+    if free < block_bytes:
+        raise ValueError(f"{model.name} does not fit {gpu.name} at tp={tensor_parallel_size}: "
+                         f"{gpu_memory_utilization:.2f} x {gpu.memory_bytes / 1e9:.1f} GB = {budget / 1e9:.1f} GB, "
+                         f"weights {weights / 1e9:.1f} GB/rank, activation reserve {reserve / 1e9:.1f} GB, leaving "
+                         f"{free / 1e9:.2f} GB for KV (one block = {block_bytes / 1e6:.2f} MB); raise "
+                         "--tensor-parallel-size or --gpu-memory-utilization, or pick a bigger GPU")
+    return int(free // block_bytes)

@@ -1,0 +1,81 @@
+"""GPU specs for the sim cost model: achievable (not peak) memory bandwidth and matmul rate.
+
+The H200 row is measured on our device (device-to-device copy; bf16 dense matmul). The other
+rows scale their datasheet peaks by the fractions the H200 achieves of its own datasheet peaks
+(4.8 TB/s, 989 TFLOP/s), so every preset means the same thing: what a tuned kernel reaches.
+Memory sizes are the datasheet's decimal gigabytes (slightly below what CUDA reports: a
+conservative choice for KV sizing). Interconnect numbers and all-reduce latencies are estimates
+until measured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Achieved / datasheet on the H200 we measured; applied to the other GPUs' datasheet peaks.
+BANDWIDTH_FRACTION = 4.28 / 4.8   # ~0.89
+MATMUL_FRACTION = 789 / 989       # ~0.80
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU model. Rates are achievable per second, bandwidths in bytes/s per direction."""
+
+    name: str
+    memory_bytes: int
+    mem_bandwidth: float           # B/s, measured device-to-device copy
+    matmul_flops: float            # FLOP/s, bf16 dense, achievable
+    interconnect_bandwidth: float  # B/s per direction between TP ranks (NVLink or PCIe)
+    allreduce_latency_s: float     # fixed cost of one all-reduce
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for field_name in ("memory_bytes", "mem_bandwidth", "matmul_flops", "interconnect_bandwidth"):
+            if not getattr(self, field_name) > 0:
+                raise ValueError(f"GPUSpec {self.name!r}: {field_name} must be > 0, got {getattr(self, field_name)!r}")
+        if not self.allreduce_latency_s >= 0:
+            raise ValueError(f"GPUSpec {self.name!r}: allreduce_latency_s must be >= 0, got {self.allreduce_latency_s!r}")
+
+
+def _scaled(name: str, memory_gb: float, peak_tbps: float, peak_tflops: float, link_gbps: float,
+            link_note: str, latency_s: float) -> GPUSpec:
+    return GPUSpec(
+        name, int(memory_gb * 1e9), peak_tbps * 1e12 * BANDWIDTH_FRACTION, peak_tflops * 1e12 * MATMUL_FRACTION,
+        link_gbps * 1e9, latency_s,
+        source=(f"datasheet {peak_tbps} TB/s x {BANDWIDTH_FRACTION:.2f}, {peak_tflops} TFLOP/s bf16 dense x "
+                f"{MATMUL_FRACTION:.2f} (H200 achieved fractions); {memory_gb:g} GB datasheet; "
+                f"{link_note} {link_gbps:g} GB/s/direction and {latency_s * 1e6:g} us all-reduce latency: estimates"),
+    )
+
+
+GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
+    GPUSpec("H200", int(141e9), 4.28e12, 789e12, 450e9, 10e-6,
+            source="measured on our H200: 4.28e12 B/s device copy, 789e12 FLOP/s bf16 matmul; 141 GB datasheet "
+                   "(CUDA reports ~150.1e9 B); NVLink 4 450 GB/s/direction and 10 us all-reduce latency: estimates"),
+    _scaled("H100-SXM", 80, 3.35, 989, 450, "NVLink 4", 10e-6),
+    _scaled("A100-80GB", 80, 2.039, 312, 300, "NVLink 3", 10e-6),
+    _scaled("L4", 24, 0.3, 121, 32, "PCIe 4 x16", 25e-6),
+]}
+
+# Normalised spellings (also what torch.cuda.get_device_name() returns, minus "NVIDIA ").
+_ALIASES = {
+    "h100": "H100-SXM", "h100-80gb": "H100-SXM", "h100-sxm5": "H100-SXM", "h100-sxm5-80gb": "H100-SXM",
+    "h100-80gb-hbm3": "H100-SXM", "h200-141gb": "H200", "h200-sxm": "H200", "h200-nvl": "H200",
+    "a100": "A100-80GB", "a100-sxm4-80gb": "A100-80GB", "a100-sxm-80gb": "A100-80GB", "a100-80gb-sxm": "A100-80GB",
+}
+
+
+def _normalise(name: str) -> str:
+    key = "-".join(name.strip().lower().replace("_", " ").replace("-", " ").split())
+    return key.removeprefix("nvidia-")
+
+
+def get_gpu_spec(name: str) -> GPUSpec:
+    """Preset by name, case-insensitive, accepting aliases ("h100", "H100-80GB", "NVIDIA H100 80GB HBM3")."""
+    key = _normalise(name)
+    for spec in GPU_PRESETS.values():
+        if _normalise(spec.name) == key:
+            return spec
+    if key in _ALIASES:
+        return GPU_PRESETS[_ALIASES[key]]
+    raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPU_PRESETS)} "
+                     f"(aliases: {', '.join(sorted(_ALIASES))}); or build a GPUSpec yourself")

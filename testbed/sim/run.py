@@ -1,0 +1,84 @@
+"""`testbed simulate`: load a trace, size the cache, run the SimPy cluster, write the run directory."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from testbed.engine.config import EngineConfig
+from testbed.engine.metrics import summarize
+from testbed.presets import ModelSpec, get_model_spec
+from testbed.rundir import environment_info, write_run
+from testbed.sim.cluster import simulate
+from testbed.sim.cost_model import CalibratedCostModel, CostModel, RooflineCostModel, num_gpu_blocks
+from testbed.sim.hardware import GPUSpec, get_gpu_spec
+from testbed.sim.trace import load_trace
+
+
+def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int) -> CostModel:
+    """'roofline' or the path of a calibrated profile JSON (as written by `testbed profile`)."""
+    if spec == "roofline":
+        return RooflineCostModel(model, gpu, tensor_parallel_size=tp)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--cost-model: {spec!r} is neither 'roofline' nor a calibrated profile JSON file")
+    cm = CalibratedCostModel.from_json(json.loads(path.read_text()))
+    if cm.model_name.lower() != model.name.lower() or cm.tensor_parallel_size != tp:
+        raise ValueError(f"--cost-model {spec}: profile is for {cm.model_name} TP={cm.tensor_parallel_size}, "
+                         f"but the run uses {model.name} TP={tp}; use a matching profile")
+    return cm
+
+
+def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama-3.1-8B", gpu: str = "H100-SXM",
+                   cost_model: str = "roofline", request_rate: float | None = None, burstiness: float = 1.0,
+                   limit: int | None = None, trace_format: str = "auto", slo_ttft: float | None = None,
+                   slo_tpot: float | None = None, output: str | Path | None = None,
+                   progress: bool = True) -> tuple[Path | None, dict]:
+    """Simulate a trace end to end; returns (run directory or None, summary)."""
+    spec, gpu_spec = get_model_spec(model), get_gpu_spec(gpu)
+    tp = config.tensor_parallel_size
+    cm = load_cost_model(cost_model, spec, gpu_spec, tp)
+    blocks = config.num_gpu_blocks or num_gpu_blocks(spec, gpu_spec, config.block_size,
+                                                     config.gpu_memory_utilization, tp)
+    max_model_len = config.max_model_len or spec.max_position_embeddings
+    trace = load_trace(trace_path, request_rate=request_rate, burstiness=burstiness, seed=config.seed,
+                       limit=limit, fmt=trace_format)
+
+    bar = None
+    on_progress = None
+    if progress:
+        from tqdm import tqdm
+        horizon = trace[-1].arrival_s if trace else 0.0
+        bar = tqdm(total=round(horizon, 1), unit="sim-s", desc="simulating", file=sys.stderr, leave=False, mininterval=0.5,
+                   bar_format="{desc} {n:.0f}/{total:.0f} sim-s |{bar}| {postfix} [{elapsed}<{remaining}]")
+
+        def on_progress(now: float, finished: int) -> None:
+            bar.total = max(bar.total, round(now, 1))
+            bar.n = round(now, 1)
+            bar.set_postfix_str(f"{finished}/{len(trace)} done", refresh=False)
+            bar.update(0)
+
+    t0 = time.perf_counter()
+    result = simulate(trace, config, cm, blocks, max_model_len, vocab_size=spec.vocab_size, on_progress=on_progress,
+                      progress_interval_s=max(1.0, (trace[-1].arrival_s if trace else 1.0) / 200))
+    wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    rec = result.records
+    summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot,
+                        result.prefix_queries, result.prefix_hits)
+    run_dir = None
+    if output is not None:
+        manifest = {
+            "mode": "sim", "config": config.to_dict(), "num_gpu_blocks": blocks, "max_model_len": max_model_len,
+            "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
+                      "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
+            "model": asdict(spec), "hardware": asdict(gpu_spec),
+            "cost_model": cost_model if cost_model == "roofline" else {"path": cost_model, **cm.to_json()},
+            "seed": config.seed, "wall_time_s": wall, "simulated_time_s": result.sim_time,
+            "speedup": result.sim_time / wall if wall > 0 else None, **environment_info(),
+        }
+        run_dir = write_run(output, manifest, rec, summary)
+    return run_dir, summary

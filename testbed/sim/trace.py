@@ -1,0 +1,318 @@
+"""Request traces: load the project's JSONL, Azure CSV, Mooncake JSONL and length-only CSVs.
+
+Every loader returns requests ordered by arrival (stable) with the first arrival at 0.0 s.
+Bad input never gets skipped: it raises TraceError("FILE:LINE: reason (how to fix)").
+`synthesize_prompt` turns lengths and hash_ids into deterministic token ids, so equal hash ids
+give equal token runs and shared prefixes really hit a prefix cache.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMATS = ("auto", "jsonl", "azure", "mooncake", "lengths")
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+LENGTHS_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
+JSONL_FIELDS = ("id", "arrival_s", "input_tokens", "output_tokens", "prompt_token_ids",
+                "hash_ids", "hash_block_size", "priority")
+_TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
+
+
+class TraceError(ValueError):
+    """A bad trace file; the message is always "FILE:LINE: reason (how to fix)"."""
+
+    def __init__(self, path, line: int, reason: str):
+        super().__init__(f"{path}:{line}: {reason}")
+        self.path, self.line = str(path), line
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One request of a trace. Invariant after loading: token counts > 0, arrival_s >= 0, and
+    hash_ids (if any) has exactly ceil(input_tokens / hash_block_size) entries."""
+
+    id: str
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    prompt_token_ids: list[int] | None = None
+    hash_ids: list[int] | None = None
+    hash_block_size: int = 512
+    priority: int = 0
+
+
+def load_trace(path, *, request_rate: float | None = None, burstiness: float = 1.0, seed: int = 0,
+               limit: int | None = None, fmt: str = "auto") -> list[TraceRequest]:
+    """Load a trace ordered by arrival, first arrival 0.0. With `request_rate` (req/s) the arrival
+    times are replaced by a gamma process (shape `burstiness`, 1 = Poisson) seeded by `seed`, as
+    vLLM's `--request-rate`/`--burstiness`; length-only traces require it. `limit` keeps the
+    first N requests."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive integer or None; got {limit!r}")
+    if request_rate is not None and not (request_rate > 0):  # also rejects NaN
+        raise ValueError(f"request_rate must be > 0 req/s (or inf: all at once); got {request_rate!r}")
+    if not (0 < burstiness < math.inf):
+        raise ValueError(f"burstiness must be a finite number > 0 (1 = Poisson); got {burstiness!r}")
+    path = Path(path)
+    with open(path, encoding="utf-8-sig") as f:  # FileNotFoundError names the path
+        lines = [line.rstrip("\r") for line in f.read().split("\n")]
+    if not any(line.strip() for line in lines):
+        raise TraceError(path, 1, "empty trace file (write one request per line; see traces/README.md)")
+    fmt = _detect(path, lines) if fmt == "auto" else fmt
+    if fmt == "lengths" and request_rate is None:
+        raise TraceError(path, 1, "a length-only trace has no arrival times "
+                                  "(pass request_rate=..., e.g. --request-rate 5)")
+    reqs = {"jsonl": _load_jsonl, "azure": _load_azure, "mooncake": _load_mooncake,
+            "lengths": _load_lengths}[fmt](path, lines)
+    if not reqs:
+        raise TraceError(path, 1, "no requests after the header (add data rows)")
+    reqs.sort(key=lambda r: r.arrival_s)  # stable: equal arrivals keep file order
+    reqs = reqs[:limit]
+    start = reqs[0].arrival_s
+    for r in reqs:
+        r.arrival_s -= start
+    if request_rate is not None:
+        for r, t in zip(reqs, _gamma_arrivals(len(reqs), request_rate, burstiness, seed)):
+            r.arrival_s = t
+    return reqs
+
+
+def _gamma_arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """n arrival times starting at 0 with gamma inter-arrivals of mean 1/rate (inf: all at 0)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), size=n - 1)
+    return [0.0] + np.cumsum(gaps).tolist()
+
+
+def _detect(path: Path, lines: list[str]) -> str:
+    first_no, first = next((i + 1, l) for i, l in enumerate(lines) if l.strip())
+    if first.lstrip().startswith("{"):
+        obj = _json_object(path, first_no, first)
+        if "timestamp" in obj and "input_length" in obj:
+            return "mooncake"
+        if set(obj) & set(JSONL_FIELDS):
+            return "jsonl"
+        raise TraceError(path, first_no, "unrecognised JSON trace: expected `arrival_s` (project "
+                                         "JSONL) or `timestamp` + `input_length` (Mooncake); or pass fmt=")
+    header = [c.strip() for c in first.split(",")]
+    if AZURE_COLUMNS[0] in header:
+        return "azure"
+    if LENGTHS_COLUMNS[0] in header:
+        return "lengths"
+    raise TraceError(path, first_no, f"unrecognised trace header {first[:80]!r} (expected JSONL, "
+                                     f"{','.join(AZURE_COLUMNS)} or {','.join(LENGTHS_COLUMNS)}; or pass fmt=)")
+
+
+def _json_object(path, no: int, line: str) -> dict:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(path, no, f"bad JSON: {e.msg} at column {e.colno} (one JSON object per line)") from None
+    if not isinstance(obj, dict):
+        raise TraceError(path, no, f"expected a JSON object, got {type(obj).__name__} (one object per line)")
+    return obj
+
+
+def _int(path, no: int, name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceError(path, no, f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise TraceError(path, no, f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _seconds(path, no: int, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise TraceError(path, no, f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _hash_ids(path, no: int, ids, input_tokens: int, block: int) -> list[int]:
+    if not isinstance(ids, list) or any(
+            isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < 2**63 for h in ids):
+        raise TraceError(path, no, "hash_ids must be a list of integers in [0, 2**63)")
+    need = -(-input_tokens // block)
+    if len(ids) != need:
+        raise TraceError(path, no, f"hash_ids has {len(ids)} ids but {input_tokens} input tokens in blocks "
+                                   f"of {block} need exactly {need} (one id per block, last one partial)")
+    return ids
+
+
+def _data_lines(lines: list[str], start: int = 0):
+    """(1-based line number, line) for every non-blank line from index `start`."""
+    return ((i + 1, lines[i]) for i in range(start, len(lines)) if lines[i].strip())
+
+
+def _load_jsonl(path, lines) -> list[TraceRequest]:
+    reqs, seen = [], set()
+    for no, line in _data_lines(lines):
+        d = _json_object(path, no, line)
+        unknown = set(d) - set(JSONL_FIELDS)
+        if unknown:
+            raise TraceError(path, no, f"unknown field(s) {sorted(unknown)} (allowed: {', '.join(JSONL_FIELDS)})")
+        for name in ("arrival_s", "output_tokens"):
+            if name not in d:
+                raise TraceError(path, no, f"missing field `{name}` (see traces/README.md for the schema)")
+        rid = d.get("id", str(no - 1))
+        if not isinstance(rid, str) or not rid:
+            raise TraceError(path, no, f"id must be a non-empty string, got {rid!r}")
+        if rid in seen:
+            raise TraceError(path, no, f"duplicate id {rid!r} (ids must be unique)")
+        seen.add(rid)
+        ptids, hids = d.get("prompt_token_ids"), d.get("hash_ids")
+        if ptids is not None and hids is not None:
+            raise TraceError(path, no, "give either prompt_token_ids or hash_ids, not both")
+        if ptids is not None:
+            if not isinstance(ptids, list) or not ptids or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ptids):
+                raise TraceError(path, no, "prompt_token_ids must be a non-empty list of non-negative integers")
+            d.setdefault("input_tokens", len(ptids))
+        if "input_tokens" not in d:
+            raise TraceError(path, no, "missing field `input_tokens` (or give prompt_token_ids)")
+        n_in = _int(path, no, "input_tokens", d["input_tokens"])
+        if ptids is not None and n_in != len(ptids):
+            raise TraceError(path, no, f"input_tokens is {n_in} but prompt_token_ids has {len(ptids)} "
+                                       "ids (drop input_tokens or make them equal)")
+        if "hash_block_size" in d and hids is None:
+            raise TraceError(path, no, "hash_block_size given without hash_ids (add hash_ids or drop it)")
+        block = _int(path, no, "hash_block_size", d.get("hash_block_size", 512))
+        reqs.append(TraceRequest(
+            rid, _seconds(path, no, "arrival_s", d["arrival_s"]), n_in,
+            _int(path, no, "output_tokens", d["output_tokens"]), ptids,
+            None if hids is None else _hash_ids(path, no, hids, n_in, block), block,
+            _int(path, no, "priority", d.get("priority", 0), minimum=-(2**63))))
+    return reqs
+
+
+def _load_mooncake(path, lines) -> list[TraceRequest]:
+    reqs = []
+    for i, (no, line) in enumerate(_data_lines(lines)):
+        d = _json_object(path, no, line)
+        for name in ("timestamp", "input_length", "output_length"):
+            if name not in d:
+                raise TraceError(path, no, f"missing field `{name}` (Mooncake lines need timestamp in ms, "
+                                           "input_length, output_length, hash_ids)")
+        n_in = _int(path, no, "input_length", d["input_length"])
+        hids = d.get("hash_ids")
+        reqs.append(TraceRequest(
+            f"mooncake-{i}", _seconds(path, no, "timestamp", d["timestamp"]) / 1000.0, n_in,
+            _int(path, no, "output_length", d["output_length"]),
+            hash_ids=None if hids is None else _hash_ids(path, no, hids, n_in, 512)))
+    return reqs
+
+
+def _csv_rows(path, lines, columns: tuple[str, ...]):
+    """(line number, cells of `columns`) for each data row; header must name every column."""
+    header_no, header = next(_data_lines(lines))
+    names = [c.strip() for c in header.split(",")]
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise TraceError(path, header_no, f"missing column(s) {missing} in header {names} "
+                                          f"(need {','.join(columns)})")
+    idx = [names.index(c) for c in columns]
+    for no, line in _data_lines(lines, header_no):
+        cells = line.split(",")
+        if len(cells) != len(names):
+            raise TraceError(path, no, f"expected {len(names)} cells like the header, got {len(cells)}")
+        yield no, [cells[j].strip() for j in idx]
+
+
+def _csv_int(path, no: int, name: str, cell: str) -> int:
+    try:
+        value = int(cell)
+    except ValueError:
+        raise TraceError(path, no, f"{name} must be an integer, got {cell!r}") from None
+    return _int(path, no, name, value)
+
+
+def _load_lengths(path, lines) -> list[TraceRequest]:
+    return [TraceRequest(f"lengths-{i}", 0.0, _csv_int(path, no, LENGTHS_COLUMNS[0], a),
+                         _csv_int(path, no, LENGTHS_COLUMNS[1], b))
+            for i, (no, (a, b)) in enumerate(_csv_rows(path, lines, LENGTHS_COLUMNS))]
+
+
+def _load_azure(path, lines) -> list[TraceRequest]:
+    """Azure LLM inference trace; timestamps parsed exactly to integer nanoseconds."""
+    days: dict[str, int] = {}
+    stamps, reqs = [], []
+    for i, (no, (ts, ctx, gen)) in enumerate(_csv_rows(path, lines, AZURE_COLUMNS)):
+        m = _TIMESTAMP.fullmatch(ts)
+        try:
+            if m is None:
+                raise ValueError
+            date, hh, mm, ss, frac = m.groups()
+            if date not in days:
+                days[date] = datetime.date.fromisoformat(date).toordinal()
+            if int(hh) > 23 or int(mm) > 59 or int(ss) > 59:
+                raise ValueError
+        except ValueError:
+            raise TraceError(path, no, f"bad TIMESTAMP {ts!r} (expected YYYY-MM-DD HH:MM:SS[.fraction])") from None
+        secs = days[date] * 86400 + int(hh) * 3600 + int(mm) * 60 + int(ss)
+        stamps.append(secs * 10**9 + int((frac or "0").ljust(9, "0")))
+        reqs.append(TraceRequest(f"azure-{i}", 0.0, _csv_int(path, no, AZURE_COLUMNS[1], ctx),
+                                 _csv_int(path, no, AZURE_COLUMNS[2], gen)))
+    t0 = min(stamps, default=0)
+    for r, ns in zip(reqs, stamps):
+        r.arrival_s = (ns - t0) / 1e9
+    return reqs
+
+
+def write_jsonl(requests: list[TraceRequest], path) -> None:
+    """Write requests in the project's JSONL format (one object per line, optional fields only when set)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            d = {"id": r.id, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
+                 "output_tokens": r.output_tokens}
+            if r.prompt_token_ids is not None:
+                d["prompt_token_ids"] = list(r.prompt_token_ids)
+            if r.hash_ids is not None:
+                d["hash_ids"], d["hash_block_size"] = list(r.hash_ids), r.hash_block_size
+            if r.priority:
+                d["priority"] = r.priority
+            f.write(json.dumps(d) + "\n")
+
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """Counter-based 64-bit mixer (uint64 arrays wrap mod 2**64)."""
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def synthesize_prompt(req: TraceRequest, vocab_size: int, seed: int = 0, reserved: int = 0) -> np.ndarray:
+    """Deterministic int32 token ids in [reserved, vocab_size), len == input_tokens. Each hash id h
+    maps to a fixed run of hash_block_size ids depending only on (h, seed); without hash_ids the
+    run depends on (req.id, seed). prompt_token_ids, when present, are returned as they are."""
+    if not 0 <= reserved < vocab_size:
+        raise ValueError(f"need 0 <= reserved < vocab_size; got reserved={reserved}, vocab_size={vocab_size}")
+    if req.prompt_token_ids is not None:
+        ids = np.asarray(req.prompt_token_ids, dtype=np.int64)
+        if ids.size and ids.max() >= vocab_size:
+            raise ValueError(f"request {req.id}: prompt token id {ids.max()} >= vocab_size {vocab_size}")
+        return ids.astype(np.int32)
+    n = req.input_tokens
+    seed_key = np.array([seed & _M64], dtype=np.uint64)
+    if req.hash_ids is not None:
+        bs = req.hash_block_size
+        keys = _splitmix64(np.asarray(req.hash_ids, dtype=np.uint64) ^ _splitmix64(seed_key))
+        counters = (keys[:, None] + np.arange(bs, dtype=np.uint64)[None, :]).ravel()[:n]
+    else:  # domain-separated from hash-id keys by hashing the id string with a prefix
+        digest = hashlib.blake2b(f"id:{req.id}".encode(), digest_size=8).digest()
+        key = _splitmix64(np.array([int.from_bytes(digest, "little")], dtype=np.uint64) ^ seed_key)
+        counters = key + np.arange(n, dtype=np.uint64)
+    tokens = _splitmix64(counters) % np.uint64(vocab_size - reserved) + np.uint64(reserved)
+    return tokens.astype(np.int32)
