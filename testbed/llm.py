@@ -1,0 +1,160 @@
+"""Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`.
+
+One EngineCore and one real executor in this process; `step()` is the real-mode driver of the
+sans-I/O core: schedule at the wall clock, run the model, update at the wall clock.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from testbed.detokenizer import IncrementalDetokenizer
+from testbed.engine.config import EngineConfig
+from testbed.engine.core import EngineCore
+from testbed.engine.outputs import RequestOutput
+from testbed.engine.request import Request, SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class GenerationOutput:
+    """All sequences of one prompt (vLLM's RequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
+                 dtype: str = "auto", device: str | None = None, skip_tokenizer_init: bool = False,
+                 **engine_args: Any) -> None:
+        from testbed.worker.executor import create_executor
+        self.config = EngineConfig(**engine_args)
+        self.executor = create_executor(model, self.config, load_format, dtype, device)
+        self.tokenizer = None
+        if not skip_tokenizer_init and load_format != "dummy":
+            from testbed.worker.loader import load_tokenizer
+            self.tokenizer = load_tokenizer(tokenizer or self.executor.model_path)
+        self.engine = EngineCore(self.config, self.executor.num_gpu_blocks, self.executor.max_model_len)
+        self.eos_token_id = self.executor.eos_token_id
+        self._t0 = time.perf_counter()
+        self._next_id = 0
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- the real-mode driver ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step at the wall clock (nothing happens when no request is schedulable)."""
+        so = self.engine.schedule(self.now())
+        if so.is_empty:
+            return []
+        out = self.executor.execute(so)
+        return self.engine.update(so, out, self.now())
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> RequestOutput | None:
+        req = Request(request_id, prompt_token_ids, params, self.now() if arrival_time is None else arrival_time,
+                      priority=priority, eos_token_id=self.eos_token_id)
+        return self.engine.add_request(req, self.now())
+
+    # ---- offline generation --------------------------------------------------------------------
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this LLM has no tokenizer (dummy weights or skip_tokenizer_init): "
+                                 "pass prompts as token-id lists")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[GenerationOutput]:
+        """Generate for each prompt (a string, a token-id list, or a list of those) in input order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        results: list[GenerationOutput] = []
+        seqs: dict[str, tuple[GenerationOutput, int, SamplingParams, IncrementalDetokenizer | None, list]] = {}
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                text, ids = self._tokenize(prompt)
+                gen = GenerationOutput(str(self._next_id), text, ids)
+                self._next_id += 1
+                results.append(gen)
+                for k in range(sp.n):
+                    child = sp if sp.n == 1 else SamplingParams(**{**sp.__dict__, "n": 1, "seed": None if sp.seed is None else sp.seed + k})
+                    rid = gen.request_id if sp.n == 1 else f"{gen.request_id}-{k}"
+                    rejected = self.add_request(rid, ids, child)
+                    if rejected is not None:
+                        raise ValueError(f"prompt {len(results) - 1}: {rejected.stop_reason}")
+                    detok = IncrementalDetokenizer(self.tokenizer, ids, child.stop) if self.tokenizer else None
+                    gen.outputs.append(CompletionOutput(k, "", [], None, [] if child.logprobs is not None else None, None))
+                    seqs[rid] = (gen, k, child, detok, [])
+            self._drain(seqs)
+        except BaseException:
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid, self.now())
+            raise
+        return results
+
+    def _drain(self, seqs: dict) -> None:
+        while self.engine.has_unfinished_requests():
+            for o in self.step():
+                gen, k, sp, detok, _ = seqs[o.request_id]
+                c = gen.outputs[k]
+                c.token_ids.extend(o.new_token_ids)
+                if o.new_logprobs and c.logprobs is not None:
+                    c.logprobs.extend(o.new_logprobs)
+                    c.cumulative_logprob = sum(lp[0] for lp in c.logprobs)
+                gen.num_cached_tokens = o.num_cached_tokens
+                finished, reason, stop_reason = o.finished, o.finish_reason, o.stop_reason
+                if detok is not None:
+                    c.text += detok.add(o.new_token_ids)
+                    if detok.stop_hit is not None and not finished:
+                        self.engine.abort(o.request_id, self.now())
+                        finished = True
+                    if detok.stop_hit is not None:
+                        reason, stop_reason = "stop", detok.stop_hit
+                    elif finished:
+                        c.text += detok.flush()
+                if finished:
+                    c.finish_reason, c.stop_reason = reason, stop_reason
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = False) -> list[GenerationOutput]:
+        """Generate replies to one conversation (a list of {role, content}) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template (not available with dummy weights)")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)

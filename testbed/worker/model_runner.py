@@ -1,0 +1,162 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
+
+It flattens the step (every scheduled request contributes its new tokens: prefill chunks and
+decodes mixed), maps each token to its cache slot (slot_mapping = block_table[pos // bs] * bs +
+pos % bs), runs the model under the attention context, and samples only for requests that caught
+up with all their tokens (mid-prompt chunks sample nothing, -1). The KV cache is sized from the
+memory a profiling forward leaves under `gpu_memory_utilization` on a GPU, or a fixed budget on CPU.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from testbed.engine.config import EngineConfig
+from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from testbed.worker.context import reset_context, set_context
+from testbed.worker.model import LlamaForCausalLM
+from testbed.worker.sampler import Sampler
+
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass
+class StepInputs:
+    """The flat tensors of one step (what TP rank 0 broadcasts to the other ranks)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    sample_idx: torch.Tensor
+    is_decode: bool
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, max_model_len: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.config = config
+        self.max_model_len = max_model_len
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        attn = model.attention_layers()
+        self.num_layers = len(attn)
+        self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
+        self.sampler = Sampler(device, config.seed)
+        self.num_gpu_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # ---- KV cache ------------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V for one block across all layers of this rank."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @torch.inference_mode()
+    def profile_num_blocks(self) -> int:
+        """How many KV blocks fit: GPU memory under the utilisation bound minus the peak of a
+        worst-case forward (max_num_batched_tokens tokens, max_num_seqs logits rows); on CPU a fixed budget."""
+        cfg = self.config
+        if self.device.type != "cuda":
+            per_seq = -(-self.max_model_len // self.block_size)
+            return max(per_seq + 1, min(per_seq * cfg.max_num_seqs, CPU_KV_CACHE_BYTES // self.block_bytes))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(cfg.max_num_batched_tokens, self.max_model_len * cfg.max_num_seqs)
+        seqs = max(1, min(cfg.max_num_seqs, -(-n // self.max_model_len)))
+        lens = [n // seqs + (i < n % seqs) for i in range(seqs)]
+        cu = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
+        positions = torch.cat([torch.arange(l, device=self.device) for l in lens])
+        set_context(False, cu_seqlens_q=cu)
+        hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions)
+        self.model.compute_logits(hidden[cu[1:].long() - 1].repeat(max(1, cfg.max_num_seqs // seqs), 1))
+        reset_context()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = total * cfg.gpu_memory_utilization - peak - others
+        del hidden
+        torch.cuda.empty_cache()
+        blocks = int(budget // self.block_bytes)
+        if blocks < 1:
+            raise RuntimeError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization}"
+                               f" - peak {peak / 2**30:.1f} GiB - other processes {others / 2**30:.1f} GiB; raise "
+                               "--gpu-memory-utilization, lower --max-num-batched-tokens or use a smaller model")
+        return blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_gpu_blocks = num_blocks
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append((attn.k_cache, attn.v_cache))
+
+    # ---- one step ------------------------------------------------------------------------------
+    def prepare(self, so: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        cu = [0]
+        sample_idx: list[int] = []
+        max_blocks = 0
+        for req, start, n, table in zip(so.requests, so.num_computed_before, so.num_new_tokens, so.block_ids):
+            end = start + n
+            input_ids.extend(req.token_ids(start, end))
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            cu.append(cu[-1] + n)
+            if end >= req.num_tokens:
+                sample_idx.append(cu[-1] - 1)
+            max_blocks = max(max_blocks, len(table))
+        tables = [t + [0] * (max_blocks - len(t)) for t in so.block_ids]
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        return StepInputs(t(input_ids, torch.long), t(positions, torch.long), t(slots, torch.long),
+                          t(tables, torch.int32), t(seq_lens, torch.int32), t(cu, torch.int32),
+                          t(sample_idx, torch.long), all(n == 1 for n in so.num_new_tokens))
+
+    @torch.inference_mode()
+    def run(self, x: StepInputs) -> torch.Tensor | None:
+        """Forward pass; logits [num sampled rows, vocab] (None on TP ranks other than 0)."""
+        set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)
+        try:
+            hidden = self.model(x.input_ids, x.positions)
+            return self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+        finally:
+            reset_context()
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        self.sampler.forget(so.finished_req_ids)
+        x = self.prepare(so)
+        logits = self.run(x)
+        rows = [i for i, r in enumerate(so.requests)
+                if so.num_computed_before[i] + so.num_new_tokens[i] >= r.num_tokens]
+        sampled = [-1] * len(so.requests)
+        logprobs = None
+        if rows:
+            tokens, lps = self.sampler(logits, [so.requests[i].sampling_params for i in rows],
+                                       [so.requests[i].request_id for i in rows])
+            for i, tok in zip(rows, tokens):
+                sampled[i] = tok
+            if lps is not None:
+                logprobs = [None] * len(so.requests)
+                for i, lp in zip(rows, lps):
+                    logprobs[i] = lp
+        return ModelRunnerOutput(sampled, time.perf_counter() - t0, logprobs)

@@ -1,0 +1,90 @@
+"""Sampling for one step: greedy, temperature, top-k, top-p, per-request seeds, and logprobs.
+
+Rows are independent: a request with a seed draws from its own torch.Generator, so its tokens
+do not depend on what else is in the batch. Logprobs are of the model's raw distribution (before
+temperature / top-k / top-p), as vLLM reports them.
+"""
+from __future__ import annotations
+
+import torch
+
+from testbed.engine.request import SamplingParams
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self.request_generators.pop(rid, None)
+
+    def _generator(self, rid: str, seed: int) -> torch.Generator:
+        g = self.request_generators.get(rid)
+        if g is None:
+            g = self.request_generators[rid] = torch.Generator(device=self.device)
+            g.manual_seed(seed)
+        return g
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
+                 ) -> tuple[list[int], list | None]:
+        """logits [n, vocab] float32 -> (token per row, per-row logprobs or None)."""
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sub = logits.index_select(0, idx)
+            temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+            sub = self._filter(sub / temps.unsqueeze(1), [params[i] for i in random_rows])
+            probs = torch.softmax(sub, dim=-1)
+            drawn = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
+            unseeded = [j for j, i in enumerate(random_rows) if params[i].seed is None]
+            if unseeded:
+                u = torch.tensor(unseeded, device=logits.device)
+                drawn[u] = torch.multinomial(probs.index_select(0, u), 1, generator=self.generator).squeeze(1)
+            for j, i in enumerate(random_rows):
+                seed = params[i].seed
+                if seed is not None:
+                    g = self._generator(request_ids[i], seed)
+                    drawn[j] = torch.multinomial(probs[j], 1, generator=g)[0]
+            tokens[idx] = drawn
+        token_list = tokens.tolist()
+        want = [p.logprobs for p in params]
+        if all(w is None for w in want):
+            return token_list, None
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        k = max(w or 0 for w in want)
+        top_v, top_i = (logprobs.topk(k, dim=-1) if k > 0 else (None, None))
+        top_v = top_v.tolist() if k > 0 else None
+        top_i = top_i.tolist() if k > 0 else None
+        out: list = []
+        for r, w in enumerate(want):
+            if w is None:
+                out.append(None)
+            else:
+                top = list(zip(top_i[r][:w], top_v[r][:w])) if w > 0 else []
+                out.append((chosen[r], top))
+        return token_list, out
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Mask logits outside each row's top-k and nucleus (top-p) to -inf."""
+        ks = [p.top_k for p in params]
+        ps = [p.top_p for p in params]
+        if all(k <= 0 for k in ks) and all(p >= 1.0 for p in ps):
+            return logits
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        k_t = torch.tensor([k if k > 0 else vocab for k in ks], device=logits.device).unsqueeze(1)
+        mask = ranks >= k_t
+        probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        p_t = torch.tensor(ps, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+        mask |= before >= p_t  # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
+        sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
