@@ -14,7 +14,8 @@ from testbed.engine.config import DP_POLICIES, SCHEDULING_POLICIES, ConfigError,
 def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     """Engine flags shared by every command that builds an EngineCore (vLLM's names and defaults)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=model_default, help="model name or path (default: %(default)s)")
+    g.add_argument("--model", default=model_default,
+                   help="model name or path (default: %(default)s; none = the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     g.add_argument("--dp-policy", choices=DP_POLICIES, default="least_loaded", help="DP routing policy")
@@ -81,6 +82,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from testbed.replay import run_replay
+    cfg = engine_config(args)
+    out = args.output or default_run_dir("real", args.trace, args.model or "SmolLM2-135M-Instruct")
+    run_dir, summary = run_replay(
+        args.trace, cfg, model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        request_rate=args.request_rate, burstiness=args.burstiness, limit=args.limit, trace_format=args.trace_format,
+        slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, output=out)
+    print_result(summary, run_dir, args.format, "Replay Result (real)")
+    return 0
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "gguf", "dummy"),
+                   help="dummy = random weights of a named shape (SmolLM2-135M, Qwen3-0.6B, Llama-3.2-1B, Llama-3.1-8B)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="testbed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", default="roofline", help="'roofline' or a calibrated profile JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("replay", help="replay a trace's arrivals through the real engine in-process")
+    add_trace_args(p)
+    add_engine_args(p, None)
+    add_model_args(p)
+    p.set_defaults(func=cmd_replay)
     return parser
 
 

@@ -7,6 +7,7 @@ reads a clock: both modes feed it their own `now`, which is why the simulator ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Protocol
 
 from testbed.engine.block_manager import BlockManager
@@ -72,6 +73,12 @@ class EngineCore:
         if need > bm.num_blocks:
             return (f"needs {need} KV blocks but the cache has {bm.num_blocks}; raise --num-gpu-blocks or "
                     f"--gpu-memory-utilization, or shorten the request")
+        mnbt = self.config.max_num_batched_tokens
+        longest = max(n, min(n + (max_tokens or mml), mml) - 1)  # prompt + outputs recomputed after a preemption
+        if not self.config.enable_chunked_prefill and longest > mnbt:
+            return (f"with chunked prefill off, the prompt plus outputs recomputed after a preemption ({longest} "
+                    f"tokens) must fit one step's --max-num-batched-tokens ({mnbt}); raise it, lower max_tokens "
+                    f"or enable chunked prefill")
         limit = self.config.max_num_waiting
         if limit is not None and self.scheduler.num_waiting >= limit:
             return f"waiting queue is full ({limit} requests, --max-num-waiting); retry later"
@@ -91,6 +98,7 @@ class EngineCore:
             return RequestOutput(req.request_id, [], True, "rejected", reason)
         if req.sampling_params.max_tokens is None:
             req.max_tokens = self.max_model_len - req.num_prompt_tokens
+        req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
         self.requests[req.request_id] = req
         self.num_waiting_tokens += req.num_prompt_tokens
         self.scheduler.add_request(req)
@@ -129,28 +137,24 @@ class EngineCore:
     def update(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float) -> list[RequestOutput]:
         """Apply sampled tokens, run stop checks, finish requests, record the step."""
         outputs: list[RequestOutput] = []
-        itl = self.records.itl
-        mml = self.max_model_len
+        itl_append = self.records.itl.append
         stream = self.stream_outputs
         lps = out.logprobs
         running = RequestStatus.RUNNING
         any_finished = False
-        sampled = out.sampled_token_ids
-        for idx, req in enumerate(so.requests):
-            tok = sampled[idx]
+        for req, tok, lp in zip(so.requests, out.sampled_token_ids, lps if lps is not None else repeat(None)):
             if tok < 0 or req.status != running:
                 continue
             req.output_token_ids.append(tok)
-            lp = None
-            if lps is not None and req.logprobs is not None:
-                lp = lps[idx]
+            req.num_tokens += 1
+            if lp is not None and req.logprobs is not None:
                 req.logprobs.append(lp)
             if req.first_token_time is None:
                 req.first_token_time = now
             else:
-                itl.append(now - req.last_token_time)
+                itl_append(now - req.last_token_time)
             req.last_token_time = now
-            status = check_stop(req, tok, mml)
+            status = check_stop(req, tok) if req.token_stops or req.num_tokens >= req.length_limit else None
             if status is not None:
                 self._finish(req, status, now)
                 any_finished = True

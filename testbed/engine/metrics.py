@@ -44,8 +44,11 @@ class Recorder:
     def request_columns(self) -> dict[str, list]:
         return _columns(self.requests, REQUEST_COLUMNS)
 
-    def step_columns(self) -> dict[str, list]:
-        return _columns(self.steps, STEP_COLUMNS)
+    def step_columns(self) -> dict[str, np.ndarray]:
+        """Step columns as numpy arrays (float64 for times, int64 otherwise)."""
+        arr = np.array(self.steps, dtype=np.float64).reshape(len(self.steps), len(STEP_COLUMNS))
+        return {c: (arr[:, i] if c in ("start", "duration") else arr[:, i].astype(np.int64))
+                for i, c in enumerate(STEP_COLUMNS)}
 
 
 def _columns(rows: list[tuple], names: tuple[str, ...]) -> dict[str, list]:
@@ -85,11 +88,13 @@ def summarize(requests: dict[str, list], steps: dict[str, list], itl: list[float
         ok = ok and (slo_tpot is None or tpot_by_req.get(i, 0.0) <= slo_tpot)
         good += ok
 
-    dur = steps["duration"]
-    busy = math.fsum(dur)
-    used, total = steps["kv_blocks_used"], steps["kv_blocks_total"]
-    kv = [u / t for u, t in zip(used, total) if t]
-    kv_mean = math.fsum(k * d for k, d in zip(kv, dur)) / busy if busy > 0 else (sum(kv) / len(kv) if kv else 0.0)
+    dur = np.asarray(steps["duration"], dtype=np.float64)
+    busy = float(dur.sum())
+    used = np.asarray(steps["kv_blocks_used"], dtype=np.float64)
+    total = np.asarray(steps["kv_blocks_total"], dtype=np.float64)
+    kv = used / np.where(total > 0, total, 1.0)
+    kv_mean = float((kv * dur).sum() / busy) if busy > 0 else (float(kv.mean()) if kv.size else 0.0)
+    num_reqs = np.asarray(steps["num_reqs"], dtype=np.float64)
     per_s = (lambda x: x / makespan) if makespan > 0 else (lambda x: 0.0)
     return {
         "num_requests": len(reasons),
@@ -110,10 +115,10 @@ def summarize(requests: dict[str, list], steps: dict[str, list], itl: list[float
         "itl_s": _stats(itl),
         "e2e_s": _stats(e2e),
         "kv_util_mean": kv_mean,
-        "kv_util_max": max(kv, default=0.0),
-        "num_preemptions": sum(steps["num_preempted"]),
+        "kv_util_max": float(kv.max()) if kv.size else 0.0,
+        "num_preemptions": int(np.sum(steps["num_preempted"])),
         "prefix_cache_hit_rate": prefix_hits / prefix_queries if prefix_queries else 0.0,
-        "mean_batch_size": (sum(steps["num_reqs"]) / len(steps["num_reqs"])) if steps["num_reqs"] else 0.0,
+        "mean_batch_size": float(num_reqs.mean()) if num_reqs.size else 0.0,
         "num_steps": len(dur),
         "busy_time_s": busy,
     }

@@ -61,21 +61,18 @@ class RequestOutput:
     new_logprobs: list | None = None
 
 
-def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
-    """Status the request finishes with after appending `token`, or None to go on.
+def check_stop(req: Request, token: int) -> RequestStatus | None:
+    """Status the request finishes with after `token` was appended, or None to go on.
 
-    Order as vLLM: nothing stops before min_tokens (except the length limits); then EOS (unless
-    ignore_eos), stop_token_ids, max_tokens, and the model's context length.
-    """
-    n_out = len(req.output_token_ids)
-    sp = req.sampling_params
-    if n_out >= sp.min_tokens:
-        if token == req.eos_token_id and not sp.ignore_eos:
+    Order as vLLM: EOS (unless ignore_eos) and stop_token_ids only once min_tokens are out; then
+    the length limit (prompt + max_tokens, capped at max_model_len by the core)."""
+    if req.token_stops and len(req.output_token_ids) >= req.sampling_params.min_tokens:
+        if token == req.eos_token_id and not req.sampling_params.ignore_eos:
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
-        if token in sp.stop_token_ids:
+        if token in req.sampling_params.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-    if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= max_model_len:
+    if req.num_tokens >= req.length_limit:
         return RequestStatus.FINISHED_LENGTH
     return None

@@ -79,7 +79,8 @@ class SamplingParams:
 
 
 class Request:
-    """One sequence in the engine. Invariant: 0 <= num_computed_tokens <= num_tokens.
+    """One sequence in the engine. Invariants: 0 <= num_computed_tokens <= num_tokens ==
+    num_prompt_tokens + len(output_token_ids) (append only through `append_output`).
 
     `num_tokens` counts prompt plus generated tokens; the scheduler lets `num_computed_tokens`
     catch up to it (the unified token budget). Timestamps are driver-supplied `now` values.
@@ -90,7 +91,7 @@ class Request:
         "priority", "eos_token_id", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
         "status", "stop_reason", "num_preemptions", "block_hashes", "first_scheduled_time",
         "first_token_time", "last_token_time", "finish_time", "replica", "max_tokens", "logprobs",
-        "client_index",
+        "client_index", "num_tokens", "length_limit", "token_stops",
     )
 
     def __init__(
@@ -126,10 +127,14 @@ class Request:
         self.replica = 0
         self.client_index = 0
         self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
+        self.num_tokens = self.num_prompt_tokens  # prompt + output; kept in step with output_token_ids
+        self.length_limit = self.num_prompt_tokens + self.max_tokens  # the core caps it at max_model_len
+        self.token_stops = bool((eos_token_id is not None and not sampling_params.ignore_eos)
+                                or sampling_params.stop_token_ids)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt_tokens + len(self.output_token_ids)
+    def append_output(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
 
     @property
     def num_output_tokens(self) -> int:

@@ -108,6 +108,7 @@ class Scheduler:
         prefill = decode = ctx = pairs = 0
         running = self.running
 
+        req_blocks, bs = bm.req_blocks, bm.block_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -115,17 +116,23 @@ class Scheduler:
             n = req.num_tokens - computed
             if n > budget:
                 n = budget
-            scheduled = True
-            while not bm.allocate_slots(req, n):
-                victim = self._preempt_last()
-                so.preempted_req_ids.append(victim.request_id)
-                if victim is req:
-                    scheduled = False
+            blocks = req_blocks.get(req.request_id)
+            # Fast path (most decodes): its blocks already cover the new tokens and no prompt block
+            # awaits registration in the prefix cache; otherwise ask the block manager, preempting
+            # from the back of the queue until it can.
+            if blocks is None or len(blocks) * bs < computed + n or computed < req.num_prompt_tokens:
+                scheduled = True
+                while not bm.allocate_slots(req, n):
+                    victim = self._preempt_last()
+                    so.preempted_req_ids.append(victim.request_id)
+                    if victim is req:
+                        scheduled = False
+                        break
+                if not scheduled:
                     break
-            if not scheduled:
-                break
+                blocks = req_blocks[req.request_id]
             i += 1
-            reqs.append(req); nnew.append(n); nbefore.append(computed); tables.append(bm.req_blocks[req.request_id])
+            reqs.append(req); nnew.append(n); nbefore.append(computed); tables.append(blocks)
             budget -= n
             if n == 1 and computed >= req.num_prompt_tokens:
                 decode += 1

@@ -111,8 +111,9 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                                    "(scheduler bug: every admitted request must fit the cache)")
             out = executor.execute(so)
             yield env.timeout(out.duration)
-            eng.update(so, out, env.now)
-            coord.update_stats(r, eng.stats())
+            finished = eng.update(so, out, env.now)
+            if dp > 1 and (finished or so.new_req_ids or so.preempted_req_ids):
+                coord.update_stats(r, eng.stats())  # report when the queues changed
 
     def progress():
         while True:
