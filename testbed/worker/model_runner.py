@@ -51,6 +51,7 @@ class ModelRunner:
         self.sampler = Sampler(device, config.seed)
         self.num_gpu_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.broadcast_inputs = None  # set by the TP executor: sends each step's inputs to the other ranks
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property
@@ -145,6 +146,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.sampler.forget(so.finished_req_ids)
         x = self.prepare(so)
+        if self.broadcast_inputs is not None:
+            self.broadcast_inputs(x)
         logits = self.run(x)
         rows = [i for i, r in enumerate(so.requests)
                 if so.num_computed_before[i] + so.num_new_tokens[i] >= r.num_tokens]

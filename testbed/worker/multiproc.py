@@ -1,0 +1,182 @@
+"""Tensor parallelism: one worker process per rank over torch.distributed (NCCL on GPUs, gloo on CPU).
+
+Rank 0 lives in the executor's process and drives the others: per step it broadcasts one small
+header and one packed int64 buffer (token ids, positions, slots, block tables, lengths), every
+rank runs its shard of the model (row-parallel layers all-reduce), and rank 0 gathers the logits
+and samples. Failure handling: a rank that dies or stops answering makes `execute` raise within
+`TESTBED_TP_TIMEOUT_S` (default 60 s) with an error naming it; processes are cleaned up on exit.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from testbed.engine.config import EngineConfig
+from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from testbed.worker.executor import model_limits, resolve_device, resolve_dtype
+from testbed.worker.model_runner import ModelRunner, StepInputs
+
+CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
+HEADER = 8  # cmd, T, B, max_blocks, n_sample, is_decode, arg, unused
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("TESTBED_TP_TIMEOUT_S", "60")))
+
+
+def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, load_format: str, dtype: str,
+           device_type: str) -> ModelRunner:
+    """Join the process group as `rank` and load this rank's shard of the model."""
+    from testbed.worker.loader import load_model
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world, timeout=_timeout())
+    dt = resolve_dtype(dtype, device)
+    net, hf_config = load_model(model, load_format, dt, device, seed=config.seed)
+    max_model_len, _, _ = model_limits(hf_config, config)
+    runner = ModelRunner(net, config, max_model_len, device, dt)
+    runner.hf_config = hf_config  # type: ignore[attr-defined]
+    return runner
+
+
+def _recv_inputs(runner: ModelRunner, header: list[int]) -> StepInputs:
+    _, T, B, mb, ns, is_decode, _, _ = header
+    buf = torch.empty(3 * T + B * mb + 2 * B + 1 + ns, dtype=torch.long, device=runner.device)
+    dist.broadcast(buf, 0)
+    parts = torch.split(buf, [T, T, T, B * mb, B, B + 1, ns])
+    return StepInputs(parts[0], parts[1], parts[2], parts[3].view(B, mb).int(), parts[4].int(), parts[5].int(),
+                      parts[6], bool(is_decode))
+
+
+def _worker_main(rank: int, world: int, port: int, model: str, config: EngineConfig, load_format: str, dtype: str,
+                 device_type: str) -> None:
+    runner = _build(rank, world, port, model, config, load_format, dtype, device_type)
+    header = torch.zeros(HEADER, dtype=torch.long, device=runner.device)
+    try:
+        while True:
+            dist.broadcast(header, 0)
+            h = header.tolist()
+            if h[0] == CMD_STEP:
+                runner.run(_recv_inputs(runner, h))
+            elif h[0] == CMD_PROFILE:
+                n = torch.tensor([runner.profile_num_blocks()], dtype=torch.long, device=runner.device)
+                dist.all_reduce(n, op=dist.ReduceOp.MIN)
+            elif h[0] == CMD_ALLOC:
+                runner.allocate_kv_cache(h[6])
+            else:
+                break
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor:
+    """tensor_parallel_size > 1: rank 0 here, ranks 1.. in spawned worker processes."""
+
+    def __init__(self, model: str, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
+                 device: str | None = None) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed process group already exists in this process; "
+                               "one tensor-parallel engine per process")
+        self.world = world = config.tensor_parallel_size
+        dev = resolve_device(device)
+        if dev.type == "cuda" and torch.cuda.device_count() < world:
+            raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs, found {torch.cuda.device_count()}")
+        self.model_path = model
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_worker_main, args=(r, world, port, model, config, load_format, dtype, dev.type),
+                                  name=f"testbed-tp-rank{r}", daemon=True) for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        self._closed = False
+        self._header = None
+        atexit.register(self.shutdown)
+        try:
+            self.runner = _build(0, world, port, model, config, load_format, dtype, dev.type)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.device = self.runner.device
+        self.hf_config = self.runner.hf_config  # type: ignore[attr-defined]
+        self.max_model_len, self.eos_token_id, self.vocab_size = model_limits(self.hf_config, config)
+        self._header = torch.zeros(HEADER, dtype=torch.long, device=self.device)
+        blocks = config.num_gpu_blocks
+        if not blocks:
+            self._send(CMD_PROFILE)
+            n = torch.tensor([self.runner.profile_num_blocks()], dtype=torch.long, device=self.device)
+            self._guard(dist.all_reduce, n, op=dist.ReduceOp.MIN)
+            blocks = int(n.item())
+        self._send(CMD_ALLOC, arg=blocks)
+        self.runner.allocate_kv_cache(blocks)
+        self.num_gpu_blocks = blocks
+        self.runner.broadcast_inputs = self._broadcast_inputs  # type: ignore[attr-defined]
+
+    def _dead_ranks(self) -> list[str]:
+        return [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
+                if not p.is_alive()]
+
+    def _guard(self, fn, *args, **kwargs):
+        """Run a collective; turn a dead or silent peer into an error that names the ranks."""
+        dead = self._dead_ranks()
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker died: {', '.join(dead)}")
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            dead = self._dead_ranks()
+            if dead:
+                raise RuntimeError(f"tensor-parallel worker died: {', '.join(dead)} ({type(e).__name__}: {e})") from e
+            if isinstance(e, dist.DistError) or "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise RuntimeError(f"tensor-parallel workers (ranks 1..{self.world - 1}) did not answer within "
+                                   f"{_timeout().total_seconds():g} s ({type(e).__name__}: {e})") from e
+            raise
+
+    def _send(self, cmd: int, T: int = 0, B: int = 0, mb: int = 0, ns: int = 0, is_decode: bool = False,
+              arg: int = 0) -> None:
+        self._header.copy_(torch.tensor([cmd, T, B, mb, ns, int(is_decode), arg, 0]))
+        self._guard(dist.broadcast, self._header, 0)
+
+    def _broadcast_inputs(self, x: StepInputs) -> None:
+        B, mb = x.block_tables.shape
+        T = x.input_ids.numel()
+        self._send(CMD_STEP, T, B, mb, x.sample_idx.numel(), x.is_decode)
+        buf = torch.cat([x.input_ids, x.positions, x.slot_mapping, x.block_tables.reshape(-1).long(),
+                         x.seq_lens.long(), x.cu_seqlens_q.long(), x.sample_idx])
+        self._guard(dist.broadcast, buf, 0)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self._guard(self.runner.execute, so)
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            if self._header is not None and not self._dead_ranks() and dist.is_initialized():
+                self._send(CMD_SHUTDOWN)
+        except RuntimeError:
+            pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
