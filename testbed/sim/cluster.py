@@ -89,10 +89,11 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             if need_hashes:
                 hashes = req.block_hashes = prompt_block_hashes(req.prompt_token_ids, config.block_size)
             r = coord.route(req.num_prompt_tokens, hashes)
-            engines[r].add_request(req, env.now)
             state["arrived"] += 1
-            if not wake[r].triggered:
-                wake[r].succeed()
+            if engines[r].add_request(req, env.now) is None:  # accepted; a rejection is recorded at once
+                state["idle"].discard(r)  # busy from now on, so the end check cannot fire before it wakes
+                if not wake[r].triggered:
+                    wake[r].succeed()
         finish_if_done()
 
     def replica(r: int):

@@ -1,0 +1,51 @@
+"""Paged KV-cache kernels: KV store, paged decode attention (split-K), paged prefill/extend attention.
+
+Each entry point runs the Triton kernel when the tensors are on CUDA or when TRITON_INTERPRET=1 is set
+(the Triton interpreter, for tests on CPU), else the torch reference. The Triton modules are imported
+lazily so that CPU-only installs without triton work and TRITON_INTERPRET is read when they are first used.
+"""
+
+import os
+
+import torch
+
+from testbed.kernels.reference import (paged_decode_attention_ref, paged_prefill_attention_ref,
+                                       store_kvcache_ref)
+
+__all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "store_kvcache_ref",
+           "paged_decode_attention_ref", "paged_prefill_attention_ref", "use_triton"]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the Triton kernels should run for tensors like ``t``."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into the paged cache; slot -1 is skipped."""
+    if use_triton(key):
+        from testbed.kernels.kv_store import store_kvcache_triton
+        store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence over its seq_lens[i] cached positions; returns a tensor like q."""
+    if use_triton(q):
+        from testbed.kernels.decode_attention import paged_decode_attention_triton
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's last q_len positions over all its cached positions."""
+    if use_triton(q):
+        from testbed.kernels.prefill_attention import paged_prefill_attention_triton
+        return paged_prefill_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)

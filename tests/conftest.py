@@ -1,0 +1,103 @@
+"""Shared fixtures for the engine tests: request factory, a token-fixed executor and a checked step loop."""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+from testbed.engine.config import EngineConfig
+from testbed.engine.core import EngineCore
+from testbed.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from testbed.engine.request import Request, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_TRACES = REPO.parent / "shared" / "traces"
+FIXED_TOKEN = 7
+
+
+def make_request(rid: str, prompt_len: int = 8, max_tokens: int | None = 4, *, tokens: Sequence[int] | None = None,
+                 arrival: float = 0.0, priority: int = 0, eos: int | None = None, ignore_eos: bool = True,
+                 **sampling) -> Request:
+    """A request whose prompt is `tokens`, or `prompt_len` ids derived from `rid` (distinct ids share no block)."""
+    if tokens is None:
+        base = zlib.crc32(rid.encode()) % 1_000_000
+        tokens = [1000 + (base * 7919 + i) % 30_000 for i in range(prompt_len)]
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, **sampling)
+    return Request(rid, list(tokens), sp, arrival_time=arrival, priority=priority, eos_token_id=eos)
+
+
+class FixedTokenExecutor:
+    """Samples `token` for every request that caught up with its tokens (-1 mid-prompt), like SimExecutor."""
+
+    def __init__(self, token: int = FIXED_TOKEN) -> None:
+        self.token = token
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return ModelRunnerOutput([self.token if r.num_computed_tokens >= r.num_tokens else -1 for r in so.requests])
+
+
+def make_engine(num_gpu_blocks: int = 64, max_model_len: int = 256, **config) -> EngineCore:
+    return EngineCore(EngineConfig(**config), num_gpu_blocks=num_gpu_blocks, max_model_len=max_model_len)
+
+
+def check_step(engine: EngineCore, so: SchedulerOutput) -> None:
+    """The per-step invariants the scheduler promises (asserted right after schedule())."""
+    cfg, bm = engine.config, engine.block_manager
+    assert sum(so.num_new_tokens) == so.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert so.num_reqs <= cfg.max_num_seqs and engine.scheduler.num_running <= cfg.max_num_seqs
+    assert len({r.request_id for r in so.requests}) == so.num_reqs, "a request scheduled twice in one step"
+    assert so.num_prefill_tokens + so.num_decode_tokens == so.total_num_scheduled_tokens
+    assert so.sum_context_tokens == sum(b + n for b, n in zip(so.num_computed_before, so.num_new_tokens))
+    assert so.sum_attn_pairs == sum(n * b + n * (n + 1) // 2 for b, n in zip(so.num_computed_before, so.num_new_tokens))
+    for req, n, before, table in zip(so.requests, so.num_new_tokens, so.num_computed_before, so.block_ids):
+        assert before + n == req.num_computed_tokens <= req.num_tokens
+        assert table is bm.req_blocks[req.request_id]
+        assert len(table) * bm.block_size >= req.num_computed_tokens, f"{req} lacks blocks"
+    bm.check_invariants()
+
+
+def run_engine(engine: EngineCore, arrivals: Sequence[tuple[int, Request]], executor=None, max_steps: int = 100_000,
+               aborts: Sequence[tuple[int, str]] = ()) -> tuple[list[SchedulerOutput], dict[str, list[RequestOutput]]]:
+    """Add each (step, request) and abort each (step, id) before that step, run checked steps (time = step
+    index, each step ends 1.0 later) until every request ended. A step with live requests must schedule."""
+    executor = executor or FixedTokenExecutor()
+    pending = sorted(arrivals, key=lambda a: a[0])
+    abort_at: dict[int, list[str]] = {}
+    for step, rid in aborts:
+        abort_at.setdefault(step, []).append(rid)
+    steps: list[SchedulerOutput] = []
+    outs: dict[str, list[RequestOutput]] = {}
+    k = 0
+    for step in range(max_steps):
+        while k < len(pending) and pending[k][0] <= step:
+            rejected = engine.add_request(pending[k][1], float(step))
+            if rejected is not None:
+                outs.setdefault(rejected.request_id, []).append(rejected)
+            k += 1
+        for rid in abort_at.get(step, ()):
+            if (aborted := engine.abort(rid, float(step))) is not None:
+                outs.setdefault(rid, []).append(aborted)
+        if k == len(pending) and not engine.has_unfinished_requests():
+            return steps, outs
+        so = engine.schedule(float(step))
+        check_step(engine, so)
+        if so.is_empty:
+            assert not engine.has_unfinished_requests(), f"step {step}: nothing scheduled with live requests"
+            continue
+        steps.append(so)
+        for o in engine.update(so, executor.execute(so), float(step + 1)):
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError(f"not done after {max_steps} steps: {list(engine.requests.values())[:5]}")
+
+
+@pytest.fixture
+def shared_trace():
+    """Path of a public trace in ../shared/traces, skipping the test when that folder is absent."""
+    def get(name: str) -> Path:
+        path = SHARED_TRACES / name
+        if not path.exists():
+            pytest.skip(f"public trace {path} not present")
+        return path
+    return get

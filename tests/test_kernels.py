@@ -1,0 +1,231 @@
+"""Kernel tests: Triton (via TRITON_INTERPRET on CPU) vs torch references, and references vs dense attention."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Triton kernel modules
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from testbed.kernels import (paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention,
+                             paged_prefill_attention_ref, store_kvcache, store_kvcache_ref, use_triton)
+from testbed.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
+from testbed.kernels.prefill_attention import paged_prefill_attention_triton
+
+NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 32, 4, 48
+
+
+@triton.jit
+def _loop_probe(N, Out):
+    acc = 0.0
+    for _ in range(0, tl.load(N)):
+        acc += 1.0
+    tl.store(Out, acc)
+
+
+def _interpreter_runs_loaded_loop_bounds() -> bool:
+    out = torch.zeros(1)
+    try:
+        _loop_probe[(1,)](torch.tensor([3], dtype=torch.int32), out)
+    except Exception:
+        return False
+    return out.item() == 3.0
+
+
+needs_loops = pytest.mark.skipif(
+    not _interpreter_runs_loaded_loop_bounds(),
+    reason=f"triton {triton.__version__}'s interpreter cannot loop to a bound loaded at run time (seen with 3.6 and "
+           "NumPy >= 2.4); run these with triton >= 3.9, and the GPU check in benchmarks/kernels.py")
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def make_paged(seq_lens, shared=((0, 3, 2),), head_dim=HEAD_DIM, dtype=torch.float32, seed=0):
+    """Random contiguous K/V per sequence plus the same data in a paged cache with shuffled block ids.
+
+    shared: (seq_a, seq_b, n_blocks): seq_b's first n_blocks are seq_a's (same ids, same data).
+    Returns k_cache, v_cache, block_tables (padded with -1), dense [(k, v)] per sequence.
+    """
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)  # garbage outside the sequences' slots
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens) + 1
+    tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    dense = []
+    for i, n in enumerate(seq_lens):
+        n_blocks = -(-n // BLOCK_SIZE)
+        ids = [free.pop() for _ in range(n_blocks)]
+        k = torch.randn(n, NUM_KV_HEADS, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, NUM_KV_HEADS, head_dim, generator=g).to(dtype)
+        for a, b, n_shared in shared:
+            if b == i:
+                ids[:n_shared] = tables[a, :n_shared].tolist()
+                k[:n_shared * BLOCK_SIZE] = dense[a][0][:n_shared * BLOCK_SIZE]
+                v[:n_shared * BLOCK_SIZE] = dense[a][1][:n_shared * BLOCK_SIZE]
+        tables[i, :n_blocks] = torch.tensor(ids, dtype=torch.int32)
+        for p in range(n):
+            k_cache[ids[p // BLOCK_SIZE], p % BLOCK_SIZE] = k[p]
+            v_cache[ids[p // BLOCK_SIZE], p % BLOCK_SIZE] = v[p]
+        dense.append((k, v))
+    return k_cache, v_cache, tables, dense
+
+
+def dense_causal(q, k, v, scale):
+    """Naive float64 causal attention of q [n, H, D] (the last n positions) over contiguous k/v [L, Hkv, D]."""
+    n, num_heads, _ = q.shape
+    length, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty(n, num_heads, q.shape[2], dtype=torch.float64)
+    for h in range(num_heads):
+        s = q[:, h].double() @ k[:, h // group].double().T * scale
+        visible = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+        out[:, h] = torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v[:, h // group].double()
+    return out
+
+
+def close(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ---------------------------------------------------------------- store
+
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kvcache_skips_padding_and_matches_ref(slot_dtype):
+    k_cache, v_cache, _, _ = make_paged([4])
+    fused = torch.randn(6, 3, NUM_KV_HEADS, HEAD_DIM)  # key/value as strided views of a fused tensor
+    key, value = fused[:, 1], fused[:, 2]
+    slots = torch.tensor([5, -1, 0, 191, -1, 42], dtype=slot_dtype)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expect_k[s // BLOCK_SIZE, s % BLOCK_SIZE] = key[t]
+            expect_v[s // BLOCK_SIZE, s % BLOCK_SIZE] = value[t]
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(key, value, ref_k, ref_v, slots)
+    assert torch.equal(ref_k, expect_k) and torch.equal(ref_v, expect_v)
+    tri_k, tri_v = k_cache.clone(), v_cache.clone()
+    store_kvcache(key, value, tri_k, tri_v, slots)
+    assert torch.equal(tri_k, expect_k) and torch.equal(tri_v, expect_v)
+
+
+def test_store_kvcache_casts_to_cache_dtype_and_rejects_bad_shapes():
+    k_cache = torch.zeros(2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(2, NUM_KV_HEADS, HEAD_DIM)
+    store_kvcache(key, key, k_cache, v_cache, torch.tensor([1, 6]))
+    assert torch.equal(k_cache[1, 2], key[1].half()) and torch.equal(v_cache[0, 1], key[0].half())
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kvcache(key, key, k_cache, v_cache, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="out of range"):
+        store_kvcache_ref(key, key, k_cache, v_cache, torch.tensor([1, 8]))
+
+
+# ---------------------------------------------------------------- references vs dense
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_references_match_dense_attention(group):
+    seq_lens = [13, 30, 1, 17]
+    k_cache, v_cache, tables, dense = make_paged(seq_lens)
+    num_heads, scale = NUM_KV_HEADS * group, 0.2
+    q_lens = [13, 9, 1, 1]  # full prefill, chunked prefill (prefix cached), decode rows (one shares a prefix)
+    q = torch.randn(sum(q_lens), num_heads, HEAD_DIM)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = paged_prefill_attention_ref(q, k_cache, v_cache, cu, lens, tables, scale)
+    for i, (k, v) in enumerate(dense):
+        close(out[cu[i]:cu[i + 1]], dense_causal(q[cu[i]:cu[i + 1]], k, v, scale), torch.float32)
+    q_dec = torch.randn(len(seq_lens), num_heads, HEAD_DIM)
+    out = paged_decode_attention_ref(q_dec, k_cache, v_cache, tables, lens, scale)
+    for i, (k, v) in enumerate(dense):
+        close(out[i:i + 1], dense_causal(q_dec[i:i + 1], k, v, scale), torch.float32)
+
+
+def test_reference_errors_are_clear():
+    k_cache, v_cache, tables, _ = make_paged([5])
+    q = torch.randn(1, 3, HEAD_DIM)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_decode_attention_ref(q, k_cache, v_cache, tables, torch.tensor([5], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="q_len"):
+        paged_prefill_attention_ref(torch.randn(7, 2, HEAD_DIM), k_cache, v_cache,
+                                    torch.tensor([0, 7], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+                                    tables, 1.0)
+
+
+# ---------------------------------------------------------------- Triton decode
+
+@needs_loops
+@pytest.mark.parametrize("group,dtype", [(1, torch.float32), (3, torch.float16), (4, torch.float32),
+                                         (4, torch.bfloat16)])
+def test_decode_triton_matches_ref_for_any_num_splits(group, dtype):
+    seq_lens = [13, 30, 1, 17]
+    k_cache, v_cache, tables, _ = make_paged(seq_lens, dtype=dtype)
+    q = torch.randn(len(seq_lens), NUM_KV_HEADS * group, HEAD_DIM).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3)
+    one = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.3, 1, block_n=16)
+    assert one.dtype == dtype
+    close(one, ref, dtype)
+    many = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.3, 3, block_n=16)
+    close(many, one, dtype)  # splits > tiles for short sequences: empty splits must not perturb the result
+
+
+@needs_loops
+def test_decode_dispatch_default_tiles_odd_head_dim_and_empty_rows():
+    seq_lens = [29, 0, 6]
+    k_cache, v_cache, tables, _ = make_paged(seq_lens, shared=(), head_dim=24)
+    q = torch.randn(3, NUM_KV_HEADS * 3, 24)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    assert use_triton(q)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25)  # auto num_splits, block_n 64
+    close(out, paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.25), torch.float32)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_choose_num_splits_fills_the_machine_only_when_needed():
+    cpu = torch.device("cpu")  # 4 "SMs" -> target 8 programs
+    assert choose_num_splits(64, 8, 4096, 64, cpu) == 1
+    assert choose_num_splits(1, 2, 4096, 64, cpu) == 4
+    assert choose_num_splits(1, 1, 100, 64, cpu) == 2  # never more splits than tiles (rounded to a power of 2)
+
+
+# ---------------------------------------------------------------- Triton prefill
+
+@needs_loops
+@pytest.mark.parametrize("group,dtype", [(1, torch.float16), (3, torch.float32), (4, torch.float16)])
+def test_prefill_triton_matches_ref(group, dtype):
+    seq_lens = [13, 30, 1, 17]
+    q_lens = [13, 9, 1, 1]  # full, chunked (last 9 of 30), a 1-token sequence, a decode row sharing a prefix
+    k_cache, v_cache, tables, _ = make_paged(seq_lens, dtype=dtype)
+    q = torch.randn(sum(q_lens), NUM_KV_HEADS * group, HEAD_DIM).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, cu, lens, tables, 0.3)
+    out = paged_prefill_attention_triton(q, k_cache, v_cache, cu, lens, tables, 0.3, block_m=16, block_n=16)
+    assert out.dtype == dtype
+    close(out, ref, dtype)
+
+
+@needs_loops
+def test_prefill_dispatch_default_tiles_odd_head_dim_and_empty_chunks():
+    seq_lens, q_lens = [40, 7, 21], [40, 0, 5]
+    k_cache, v_cache, tables, _ = make_paged(seq_lens, shared=((0, 2, 3),), head_dim=24)
+    q = torch.randn(sum(q_lens), NUM_KV_HEADS * 4, 24)
+    cu = torch.tensor([0, 40, 40, 45], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, 0.25)  # block_m 128, block_n 64
+    close(out, paged_prefill_attention_ref(q, k_cache, v_cache, cu, lens, tables, 0.25), torch.float32)
+
+
+@needs_loops
+def test_prefill_of_single_tokens_equals_decode():
+    seq_lens = [9, 22]
+    k_cache, v_cache, tables, _ = make_paged(seq_lens, shared=())
+    q = torch.randn(2, NUM_KV_HEADS * 3, HEAD_DIM)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    pre = paged_prefill_attention_triton(q, k_cache, v_cache, cu, lens, tables, 0.5, block_m=16, block_n=16)
+    dec = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.5, 2, block_n=16)
+    close(pre, dec, torch.float32)

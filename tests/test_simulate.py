@@ -1,0 +1,212 @@
+"""Sim mode end to end: determinism, the run directory schema, summary vs records, DP policies,
+prefix caching on Mooncake, rejections, and every trace format through `testbed simulate`."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from testbed.cli import main
+from testbed.engine.config import EngineConfig
+from testbed.engine.metrics import REQUEST_COLUMNS, STEP_COLUMNS
+from testbed.rundir import FILES, read_run
+from testbed.sim.run import run_simulation
+from testbed.sim.trace import load_trace
+
+from conftest import REPO
+
+SAMPLE = REPO / "traces" / "azure_conv_10min.jsonl"
+
+
+def simulate(tmp_path, name="run", trace=SAMPLE, *, limit=200, model="Llama-3.1-8B", request_rate=None, **cfg):
+    run_dir, summary = run_simulation(str(trace), EngineConfig(**cfg), model=model, limit=limit,
+                                      request_rate=request_rate, output=tmp_path / name, progress=False)
+    return run_dir, summary
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    rc = main(["simulate", *map(str, args), "--no-progress"])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def head(src, dst, n: int):
+    with open(src) as f:
+        dst.write_text("".join(next(f) for _ in range(n)))
+    return dst
+
+
+# ---- determinism and the run directory ----------------------------------------------------------------
+def test_same_seed_gives_byte_identical_summary(tmp_path):
+    kw = dict(limit=300, num_gpu_blocks=400, max_num_seqs=32, request_rate=8.0, seed=3)
+    a, _ = simulate(tmp_path, "a", **kw)
+    b, _ = simulate(tmp_path, "b", **kw)
+    assert (a / "summary.json").read_bytes() == (b / "summary.json").read_bytes()
+    pd.testing.assert_frame_equal(read_run(a).requests(), read_run(b).requests())
+    pd.testing.assert_frame_equal(read_run(a).steps(), read_run(b).steps())
+    c, _ = simulate(tmp_path, "c", **{**kw, "seed": 4})  # the seed drives the re-timed arrivals
+    assert (c / "summary.json").read_bytes() != (a / "summary.json").read_bytes()
+
+
+def test_run_directory_has_the_documented_files_and_columns(tmp_path):
+    run_dir, summary = simulate(tmp_path, limit=50, seed=7)
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(FILES)
+    run = read_run(run_dir)
+    assert list(run.requests().columns) == list(REQUEST_COLUMNS)
+    assert list(run.steps().columns) == list(STEP_COLUMNS)
+    assert run.summary == json.loads(json.dumps(summary))
+    m = run.manifest
+    assert m["mode"] == "sim" and m["seed"] == 7 and m["config"]["seed"] == 7
+    assert m["trace"]["num_requests"] == 50 and m["model"]["name"] == "Llama-3.1-8B" and m["num_gpu_blocks"] > 0
+
+
+def test_summary_matches_the_parquet_records(tmp_path):
+    run_dir, s = simulate(tmp_path, limit=300, num_gpu_blocks=250, max_num_seqs=32)
+    req, steps = read_run(run_dir).requests(), read_run(run_dir).steps()
+    trace = load_trace(SAMPLE, limit=300)
+    assert len(req) == s["num_requests"] == len(trace) and set(req.request_id) == {t.id for t in trace}
+    done = req[req.finish_reason.isin(["stop", "length"])]
+    assert s["num_finished"] == len(done) and s["num_rejected"] == (req.finish_reason == "rejected").sum() > 0
+    assert s["num_preemptions"] == steps.num_preempted.sum() == req.preemptions.sum() > 0
+    assert s["ttft_s"]["mean"] == pytest.approx(np.mean(done.first_token - done.arrival), rel=1e-12)
+    assert s["e2e_s"]["p50"] == pytest.approx(np.percentile(done.finish - done.arrival, 50), rel=1e-12)
+    assert s["e2e_s"]["p99"] == pytest.approx(np.percentile(done.finish - done.arrival, 99), rel=1e-12)
+    assert s["total_output_tokens"] == done.output_tokens.sum()
+    assert s["makespan_s"] == pytest.approx(done.finish.max() - req.arrival.min())
+    assert s["output_throughput"] == pytest.approx(done.output_tokens.sum() / s["makespan_s"])
+    assert s["num_steps"] == len(steps) and s["busy_time_s"] == pytest.approx(steps.duration.sum())
+    assert s["kv_util_max"] == pytest.approx((steps.kv_blocks_used / steps.kv_blocks_total).max())
+    assert (steps.kv_blocks_used <= steps.kv_blocks_total).all() and (steps.kv_blocks_total == 250).all()
+    by_id = {t.id: t for t in trace}
+    for row in done.itertuples():
+        t = by_id[row.request_id]
+        assert (row.input_tokens, row.output_tokens) == (t.input_tokens, t.output_tokens)
+        assert row.arrival == pytest.approx(t.arrival_s)
+        assert row.arrival <= row.first_scheduled <= row.first_token <= row.finish
+
+
+# ---- data parallelism, prefix caching, rejections --------------------------------------------------------
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kv_aware", "prefix_affinity"])
+def test_data_parallel_policies_finish_every_request(tmp_path, dp, policy):
+    run_dir, s = simulate(tmp_path, limit=200, data_parallel_size=dp, dp_policy=policy)
+    req = read_run(run_dir).requests()
+    assert s["num_requests"] == s["num_finished"] == len(req) == 200
+    counts = req.replica.value_counts()
+    assert set(counts.index) <= set(range(dp))
+    if policy == "round_robin":
+        assert counts.to_dict() == {r: 200 // dp for r in range(dp)}
+    else:
+        assert len(counts) >= 2, f"{policy} sent everything to one replica"
+
+
+def test_prefix_caching_hits_on_the_mooncake_slice(tmp_path, shared_trace):
+    path = shared_trace("mooncake_synthetic.jsonl")
+    run_dir, s = simulate(tmp_path, "on", path, limit=200, model="Llama-3.2-1B", enable_prefix_caching=True)
+    req = read_run(run_dir).requests()
+    assert s["num_requests"] == s["num_finished"] == len(req) == 200
+    assert s["prefix_cache_hit_rate"] > 0
+    assert s["prefix_cache_hit_rate"] == pytest.approx(req.cached_tokens.sum() / req.input_tokens.sum())
+    _, off = simulate(tmp_path, "off", path, limit=200, model="Llama-3.2-1B")
+    assert off["prefix_cache_hit_rate"] == 0 and off["ttft_s"]["mean"] > s["ttft_s"]["mean"]
+
+
+def test_requests_over_max_model_len_are_rejected_not_dropped(tmp_path):
+    trace = load_trace(SAMPLE, limit=100)
+    too_long = {t.id for t in trace if t.input_tokens + t.output_tokens > 1024}
+    assert too_long
+    run_dir, s = simulate(tmp_path, limit=100, max_model_len=1024)
+    req = read_run(run_dir).requests()
+    assert s["num_requests"] == len(req) == 100
+    assert s["num_rejected"] == len(too_long) and set(req[req.finish_reason == "rejected"].request_id) == too_long
+    assert s["num_finished"] == 100 - len(too_long)
+
+
+def test_a_late_arrival_to_an_idle_cluster_is_served(tmp_path):
+    trace = tmp_path / "late.jsonl"
+    trace.write_text('{"id": "a", "arrival_s": 0.0, "input_tokens": 100, "output_tokens": 5}\n'
+                     '{"id": "b", "arrival_s": 50.0, "input_tokens": 100, "output_tokens": 5}\n')
+    run_dir, s = simulate(tmp_path, trace=trace)
+    req = read_run(run_dir).requests().set_index("request_id")
+    assert s["num_finished"] == 2, "the run ended before a request that arrived at an idle cluster was served"
+    assert req.loc["b", "finish"] > 50.0
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------------
+def test_cli_json_output_is_parseable(tmp_path, capsys):
+    rc, out, _ = cli(capsys, SAMPLE, "--limit", 40, "--format", "json", "-o", tmp_path / "j")
+    assert rc == 0
+    d = json.loads(out)
+    assert d["run_dir"] == str(tmp_path / "j") and d["num_requests"] == d["num_finished"] == 40
+    assert d == {"run_dir": d["run_dir"], **read_run(tmp_path / "j").summary}
+
+
+def test_cli_entry_point_keeps_stdout_pure_json_with_a_progress_bar(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "testbed.cli", "simulate", str(SAMPLE), "--limit", "30",
+                           "--format", "json", "-o", str(tmp_path / "p")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["num_requests"] == 30
+
+
+def test_cli_table_output_names_the_run_directory(tmp_path, capsys):
+    rc, out, _ = cli(capsys, SAMPLE, "--limit", 20, "-o", tmp_path / "t")
+    assert rc == 0 and f"Run directory: {tmp_path / 't'}" in out
+
+
+def test_cli_malformed_trace_line_fails_with_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0.0, "input_tokens": 10, "output_tokens": 2}\n'
+                   '{"arrival_s": 0.5, "input_tokens": 10, "output_tokens": 2}\n'
+                   '{"arrival_s": 1.0, "input_tokens": -3, "output_tokens": 2}\n')
+    rc, out, err = cli(capsys, bad, "-o", tmp_path / "never")
+    assert rc != 0 and f"{bad}:3:" in err and "input_tokens" in err and out == ""
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--model", "GPT-5"], "GPT-5"),
+    (["--trace-format", "lengths"], "request_rate"),
+])
+def test_cli_bad_flags_fail_with_a_clear_message(tmp_path, capsys, args, needle):
+    rc, _, err = cli(capsys, SAMPLE, "--limit", 5, "-o", tmp_path / "x", *args)
+    assert rc != 0 and needle in err
+
+
+def test_cli_missing_trace_file(tmp_path, capsys):
+    rc, _, err = cli(capsys, tmp_path / "nope.jsonl", "-o", tmp_path / "x")
+    assert rc != 0 and "nope.jsonl" in err
+
+
+# ---- every loader format through `testbed simulate` -------------------------------------------------------------
+def test_cli_azure_csv_slice(tmp_path, capsys, shared_trace):
+    path = head(shared_trace("azure_llm_2023_conv.csv"), tmp_path / "azure.csv", 121)
+    rc, out, err = cli(capsys, path, "--format", "json", "-o", tmp_path / "az")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["num_requests"] == d["num_finished"] == 120
+    assert read_run(tmp_path / "az").requests().request_id.str.startswith("azure-").all()
+
+
+def test_cli_mooncake_slice(tmp_path, capsys, shared_trace):
+    path = head(shared_trace("mooncake_synthetic.jsonl"), tmp_path / "moon.jsonl", 60)
+    rc, out, err = cli(capsys, path, "--model", "Llama-3.2-1B", "--enable-prefix-caching", "--format", "json",
+                       "-o", tmp_path / "mc")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["num_requests"] == d["num_finished"] == 60 and d["prefix_cache_hit_rate"] > 0
+
+
+def test_cli_lengths_csv_with_request_rate(tmp_path, capsys, shared_trace):
+    path = head(shared_trace("sharegpt_lengths_llama2.csv"), tmp_path / "lengths.csv", 81)
+    rc, out, err = cli(capsys, path, "--request-rate", 4, "--seed", 1, "--format", "json", "-o", tmp_path / "ln")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["num_requests"] == d["num_finished"] == 80
+    arrivals = read_run(tmp_path / "ln").requests().arrival.sort_values().to_numpy()
+    assert arrivals[0] == 0.0 and 80 / 4 / 3 < arrivals[-1] < 80 / 4 * 3, "about 4 req/s"
