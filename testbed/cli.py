@@ -102,6 +102,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from testbed.dashboard.launch import main_dashboard
+    return main_dashboard(args.runs, args.port, args.host)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="testbed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, None)
     add_model_args(p)
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("dashboard", help="Streamlit dashboard over run directories (on 127.0.0.1)")
+    p.add_argument("runs", nargs="*", default=["runs"], help="folders holding run directories (default: runs)")
+    p.add_argument("--port", type=int, default=8501)
+    p.add_argument("--host", default="127.0.0.1")
+    p.set_defaults(func=cmd_dashboard)
     return parser
 
 

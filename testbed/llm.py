@@ -44,10 +44,10 @@ class GenerationOutput:
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
                  dtype: str = "auto", device: str | None = None, skip_tokenizer_init: bool = False,
-                 **engine_args: Any) -> None:
+                 enforce_eager: bool = False, **engine_args: Any) -> None:
         from testbed.worker.executor import create_executor
         self.config = EngineConfig(**engine_args)
-        self.executor = create_executor(model, self.config, load_format, dtype, device)
+        self.executor = create_executor(model, self.config, load_format, dtype, device, enforce_eager)
         self.tokenizer = None
         if not skip_tokenizer_init and load_format != "dummy":
             from testbed.worker.loader import load_tokenizer

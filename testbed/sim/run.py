@@ -6,6 +6,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import summarize
@@ -34,9 +35,10 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int) -> CostM
 def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama-3.1-8B", gpu: str = "H100-SXM",
                    cost_model: str = "roofline", request_rate: float | None = None, burstiness: float = 1.0,
                    limit: int | None = None, trace_format: str = "auto", slo_ttft: float | None = None,
-                   slo_tpot: float | None = None, output: str | Path | None = None,
-                   progress: bool = True) -> tuple[Path | None, dict]:
-    """Simulate a trace end to end; returns (run directory or None, summary)."""
+                   slo_tpot: float | None = None, output: str | Path | None = None, progress: bool = True,
+                   on_progress: Callable[[float, float], None] | None = None) -> tuple[Path | None, dict]:
+    """Simulate a trace end to end; returns (run directory or None, summary). `progress` draws a bar
+    on stderr; `on_progress(sim_time, horizon)` is called as simulated time advances (for GUIs)."""
     spec, gpu_spec = get_model_spec(model), get_gpu_spec(gpu)
     tp = config.tensor_parallel_size
     cm = load_cost_model(cost_model, spec, gpu_spec, tp)
@@ -47,21 +49,24 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
                        limit=limit, fmt=trace_format)
 
     bar = None
-    on_progress = None
+    horizon = trace[-1].arrival_s if trace else 0.0
     if progress:
         from tqdm import tqdm
-        horizon = trace[-1].arrival_s if trace else 0.0
         bar = tqdm(total=round(horizon, 1), unit="sim-s", desc="simulating", file=sys.stderr, leave=False, mininterval=0.5,
                    bar_format="{desc} {n:.0f}/{total:.0f} sim-s |{bar}| {postfix} [{elapsed}<{remaining}]")
 
-        def on_progress(now: float, finished: int) -> None:
+    def report(now: float, finished: int) -> None:
+        if bar is not None:
             bar.total = max(bar.total, round(now, 1))
             bar.n = round(now, 1)
             bar.set_postfix_str(f"{finished}/{len(trace)} done", refresh=False)
             bar.update(0)
+        if on_progress is not None:
+            on_progress(now, max(horizon, now))
 
     t0 = time.perf_counter()
-    result = simulate(trace, config, cm, blocks, max_model_len, vocab_size=spec.vocab_size, on_progress=on_progress,
+    result = simulate(trace, config, cm, blocks, max_model_len, vocab_size=spec.vocab_size,
+                      on_progress=report if (bar is not None or on_progress is not None) else None,
                       progress_interval_s=max(1.0, (trace[-1].arrival_s if trace else 1.0) / 200))
     wall = time.perf_counter() - t0
     if bar is not None:

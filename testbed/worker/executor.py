@@ -57,7 +57,7 @@ class UniprocExecutor:
     """tensor_parallel_size == 1: the model runner lives in this process."""
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
-                 device: str | None = None) -> None:
+                 device: str | None = None, enforce_eager: bool = False) -> None:
         from testbed.worker.loader import load_model
         from testbed.worker.model_runner import ModelRunner
         dev = resolve_device(device)
@@ -69,6 +69,8 @@ class UniprocExecutor:
         self.runner = ModelRunner(net, config, self.max_model_len, dev, dt)
         self.num_gpu_blocks = config.num_gpu_blocks or self.runner.profile_num_blocks()
         self.runner.allocate_kv_cache(self.num_gpu_blocks)
+        if dev.type == "cuda" and not enforce_eager:
+            self.runner.capture_cuda_graphs()
         self.device = dev
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -79,10 +81,11 @@ class UniprocExecutor:
 
 
 def create_executor(model: str | None, engine_config: EngineConfig, load_format: str = "auto",
-                    dtype: str = "auto", device: str | None = None):
-    """The executor for these flags (model None = the bundled SmolLM2)."""
+                    dtype: str = "auto", device: str | None = None, enforce_eager: bool = False):
+    """The executor for these flags (model None = the bundled SmolLM2). CUDA graphs capture the
+    decode step on a GPU with tensor_parallel_size 1 unless enforce_eager."""
     model = resolve_model(model, load_format)
     if engine_config.tensor_parallel_size > 1:
         from testbed.worker.multiproc import MultiprocExecutor
         return MultiprocExecutor(model, engine_config, load_format, dtype, device)
-    return UniprocExecutor(model, engine_config, load_format, dtype, device)
+    return UniprocExecutor(model, engine_config, load_format, dtype, device, enforce_eager)

@@ -133,14 +133,71 @@ class ModelRunner:
                           t(sample_idx, torch.long), all(n == 1 for n in so.num_new_tokens))
 
     @torch.inference_mode()
+    def capture_cuda_graphs(self, max_batch: int | None = None) -> None:
+        """Record the decode forward for batch buckets 1, 2, 4, 8, 16, 32, ... up to max_num_seqs.
+
+        Static buffers hold the inputs; a step pads its batch to the next bucket with rows that
+        store nothing (slot -1) and attend over nothing (seq_len 0). Block tables are as wide as
+        max_model_len allows, so the kernels' split count, chosen from shapes, is fixed per graph."""
+        max_bs = min(max_batch or self.config.max_num_seqs, 512)
+        self.graph_sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
+        if not self.graph_sizes or self.graph_sizes[-1] != max_bs:
+            self.graph_sizes.append(max_bs)
+        width = -(-self.max_model_len // self.block_size)
+        dev = self.device
+        self.gbuf = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+            "block_tables": torch.zeros(max_bs, width, dtype=torch.int32, device=dev),
+            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+        }
+        b = self.gbuf
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pool = None
+        for bs in reversed(self.graph_sizes):
+            set_context(True, b["slot_mapping"][:bs], b["block_tables"][:bs], b["seq_lens"][:bs],
+                        b["cu_seqlens_q"][:bs + 1])
+            self.model(b["input_ids"][:bs], b["positions"][:bs])  # warm up (compiles kernels)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool):
+                out = self.model(b["input_ids"][:bs], b["positions"][:bs])
+            pool = g.pool() if pool is None else pool
+            self.graphs[bs] = (g, out)
+            reset_context()
+        torch.cuda.synchronize(dev)
+
+    def _replay(self, x: StepInputs) -> torch.Tensor | None:
+        """The decode forward through a captured graph, or None when no graph fits this step."""
+        graphs = getattr(self, "graphs", None)
+        n = x.input_ids.numel()
+        if not graphs or not x.is_decode or n > self.graph_sizes[-1]:
+            return None
+        bs = next(s for s in self.graph_sizes if s >= n)
+        b = self.gbuf
+        b["input_ids"][:n] = x.input_ids
+        b["positions"][:n] = x.positions
+        b["slot_mapping"][:n] = x.slot_mapping
+        b["slot_mapping"][n:bs] = -1
+        b["seq_lens"][:n] = x.seq_lens
+        b["seq_lens"][n:bs] = 0
+        b["block_tables"][:n, :x.block_tables.shape[1]] = x.block_tables
+        g, out = graphs[bs]
+        g.replay()
+        return out[:n]
+
+    @torch.inference_mode()
     def run(self, x: StepInputs) -> torch.Tensor | None:
         """Forward pass; logits [num sampled rows, vocab] (None on TP ranks other than 0)."""
-        set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)
-        try:
-            hidden = self.model(x.input_ids, x.positions)
-            return self.model.compute_logits(hidden.index_select(0, x.sample_idx))
-        finally:
-            reset_context()
+        hidden = self._replay(x)
+        if hidden is None:
+            set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)
+            try:
+                hidden = self.model(x.input_ids, x.positions)
+            finally:
+                reset_context()
+        return self.model.compute_logits(hidden.index_select(0, x.sample_idx))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()

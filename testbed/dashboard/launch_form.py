@@ -1,0 +1,83 @@
+"""The 'Launch simulation' form: pick a trace and settings, run `testbed simulate` with a progress bar."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+from testbed.dashboard.launch import SimSettings, bundled_traces, new_run_dir, save_upload, simulate_run
+from testbed.engine.config import DP_POLICIES, SCHEDULING_POLICIES, ConfigError
+from testbed.presets import MODEL_PRESETS
+from testbed.sim.hardware import GPU_PRESETS
+
+SOURCES = ("bundled trace", "path", "upload")
+
+
+def _trace(source: str, bundled: str | None, path: str, upload, folder: str) -> str:
+    """The trace file the form points at; ValueError says what is missing."""
+    if source == "bundled trace":
+        if not bundled:
+            raise ValueError("no bundled trace found under traces/; choose 'path' or 'upload'")
+        return bundled
+    if source == "path":
+        if not path.strip():
+            raise ValueError("enter the path of a trace file (JSONL, Azure CSV, Mooncake JSONL or lengths CSV)")
+        p = Path(path.strip()).expanduser()
+        if not p.is_file():
+            raise ValueError(f"trace path {p} is not a file")
+        return str(p.resolve())
+    if upload is None:
+        raise ValueError("upload a .jsonl or .csv trace file first")
+    return str(save_upload(upload.name, upload.getvalue(), folder).resolve())
+
+
+def launch_form(roots: list[str]) -> None:
+    """Render the form; on submit, simulate into the output folder and remember the new run's path."""
+    default_folder = roots[0] if roots else "runs"
+    traces = {p.name: str(p) for p in bundled_traces()}
+    models, gpus = list(MODEL_PRESETS), list(GPU_PRESETS)
+    with st.form("launch"):
+        source = st.radio("Trace source", SOURCES, horizontal=True, key="launch_source")
+        c1, c2, c3 = st.columns(3)
+        bundled = c1.selectbox("Bundled trace", list(traces), key="launch_bundled")
+        path = c2.text_input("Trace path", placeholder="/path/to/trace.jsonl", key="launch_path")
+        upload = c3.file_uploader("Upload a trace", type=["jsonl", "csv"], key="launch_upload")
+        c1, c2, c3, c4 = st.columns(4)
+        model = c1.selectbox("Model", models, index=models.index("Llama-3.1-8B") if "Llama-3.1-8B" in models else 0,
+                             key="launch_model")
+        gpu = c2.selectbox("GPU", gpus, index=gpus.index("H100-SXM") if "H100-SXM" in gpus else 0, key="launch_gpu")
+        policy = c3.selectbox("Scheduling policy", SCHEDULING_POLICIES, key="launch_policy")
+        enable_prefix = c4.checkbox("Enable prefix caching", key="launch_prefix")
+        max_seqs = c1.number_input("max-num-seqs", 1, 65536, 256, key="launch_max_num_seqs")
+        max_tokens = c2.number_input("max-num-batched-tokens", 1, 1 << 20, 8192,
+                                     key="launch_max_num_batched_tokens")
+        dp = c3.number_input("data-parallel-size", 1, 1024, 1, key="launch_dp")
+        dp_policy = c4.selectbox("DP policy", DP_POLICIES, index=DP_POLICIES.index("least_loaded"),
+                                 key="launch_dp_policy")
+        rate = c1.number_input("Request rate (req/s, 0 = trace timing)", 0.0, 1e6, 0.0, key="launch_rate")
+        limit = c2.number_input("Limit (first N requests, 0 = all)", 0, 10**9, 0, key="launch_limit")
+        folder = c3.text_input("Output folder", default_folder, key="launch_folder")
+        submitted = st.form_submit_button("Run simulation", type="primary", key="launch_submit")
+    if not submitted:
+        return
+    bar = st.progress(0.0, text="starting simulation...")
+    try:
+        trace = _trace(source, traces.get(bundled), path, upload, folder)
+        settings = SimSettings(trace, model, gpu, int(max_seqs), int(max_tokens), int(dp), dp_policy, policy,
+                               enable_prefix, float(rate) or None, int(limit) or None)
+        out = new_run_dir(folder, settings)
+
+        def on_progress(now: float, horizon: float) -> None:
+            bar.progress(min(now / horizon, 1.0) if horizon > 0 else 0.0,
+                         text=f"simulated {now:,.0f} of {horizon:,.0f} s of trace time")
+
+        run_dir = simulate_run(settings, out, on_progress)
+    except (ValueError, ConfigError, FileNotFoundError, OSError) as e:
+        bar.empty()
+        st.error(f"Simulation not started or failed: {e}")
+        return
+    bar.progress(1.0, text="done")
+    st.session_state["launched_path"] = str(Path(run_dir).resolve())
+    st.success(f"New run written to {run_dir}; it is in the runs table and selected in the sidebar.")
+    if not any(Path(folder).resolve() == Path(r).resolve() for r in roots):
+        st.warning(f"{folder} is not among the run folders: add it in the sidebar to see the new run.")
