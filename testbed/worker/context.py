@@ -1,0 +1,51 @@
+"""The attention context: one step's flat batch metadata, set by the model runner before `forward`.
+
+Keeping it module-level (as nano-vllm does) keeps `forward(input_ids, positions)` free of
+attention plumbing. Invariant: every tensor here describes the same step as the `input_ids`
+being run; the runner calls `set_context` before and `reset_context` after each forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    """Flat metadata of one step.
+
+    is_decode: every sequence has exactly one query token (q_len == 1).
+    slot_mapping: [num_tokens] int, cache slot (block_id * block_size + offset) per token; -1 skips.
+    block_tables: [num_seqs, max_blocks] int32, the physical blocks of each sequence.
+    seq_lens: [num_seqs] int32, tokens in the cache per sequence after this step's tokens are stored.
+    cu_seqlens_q: [num_seqs + 1] int32, prefix sums of the query lengths in `input_ids`.
+    """
+
+    is_decode: bool = False
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    """The metadata of the step being run (a default, empty `Context` when none was set)."""
+    return _CONTEXT
+
+
+def set_context(is_decode: bool, slot_mapping: torch.Tensor | None = None,
+                block_tables: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                cu_seqlens_q: torch.Tensor | None = None) -> None:
+    """Install the metadata for the next forward."""
+    global _CONTEXT
+    _CONTEXT = Context(is_decode, slot_mapping, block_tables, seq_lens, cu_seqlens_q)
+
+
+def reset_context() -> None:
+    """Forget the step's metadata so that stale tensors are never reused by the next step."""
+    global _CONTEXT
+    _CONTEXT = Context()

@@ -1,0 +1,286 @@
+"""Building blocks of Llama-family models: RMSNorm, rotary embedding, SiluAndMul, tensor-parallel layers.
+
+TP follows Megatron/vLLM: column-parallel layers split the output dim, row-parallel layers split
+the input dim and all-reduce their output, the vocabulary is split across ranks. Every parameter
+carries `weight_loader(param, full_tensor, shard_id=None)` that copies THIS rank's shard of the
+FULL checkpoint tensor, so one checkpoint loads at any tensor-parallel size.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+_TP_OVERRIDE: tuple[int, int] | None = None
+
+
+@contextmanager
+def tp_override(rank: int, size: int) -> Iterator[None]:
+    """Build layers as rank `rank` of `size` without processes (tests). With no process group,
+    collectives are skipped, so `forward` returns this rank's partial result."""
+    global _TP_OVERRIDE
+    if not 0 <= rank < size:
+        raise ValueError(f"tp_override: rank {rank} is not in [0, {size})")
+    previous, _TP_OVERRIDE = _TP_OVERRIDE, (rank, size)
+    try:
+        yield
+    finally:
+        _TP_OVERRIDE = previous
+
+
+def get_tp() -> tuple[int, int]:
+    """(tp_rank, tp_size): the override, else the torch.distributed world (one TP group), else (0, 1)."""
+    if _TP_OVERRIDE is not None:
+        return _TP_OVERRIDE
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _collectives(tp_size: int) -> bool:
+    return tp_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def _divide(n: int, tp_size: int, what: str) -> int:
+    if n % tp_size:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size {tp_size}")
+    return n // tp_size
+
+
+def _shard(loaded: torch.Tensor, dim: int, start: int, size: int, full: int) -> torch.Tensor:
+    """Rows [start, start+size) along `dim` of a full checkpoint tensor that must be `full` long there."""
+    if loaded.dim() <= dim or loaded.size(dim) != full:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} should have size {full} in dim {dim}: "
+                         "config and weights disagree")
+    return loaded.narrow(dim, start, size)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, param: nn.Parameter) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint shard of shape {tuple(src.shape)} does not fit parameter slice of shape "
+                         f"{tuple(dst.shape)} (parameter {tuple(param.shape)}): config and weights disagree")
+    dst.copy_(src)
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x), computed in float32 and cast back (as HF Llama does)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = lambda p, w, shard_id=None: _copy(p.data, w, p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class SiluAndMul(nn.Module):
+    """[.., 2I] (gate | up) -> silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _scaled_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict | None) -> torch.Tensor:
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = rope_scaling["factor"], rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+        old_len = rope_scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE as in HF Llama, from a float32 cos/sin cache indexed by position."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        inv_freq = _scaled_inv_freq(inv_freq, rope_scaling)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hk, D], positions [T] -> rotated (q, k)."""
+        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with this rank's [out_local, in_local] weight; subclasses define the sharding."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp: tuple[int, int]) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+        if bias:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split across ranks; each rank keeps rows [rank*n, (rank+1)*n) of W."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp = get_tp()
+        super().__init__(input_size, _divide(output_size, tp[1], "output size"), bias, tp)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        n = param.size(0)
+        _copy(param.data, _shard(loaded, 0, self.tp_rank * n, n, n * self.tp_size), param)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs packed in one matmul (gate_up_proj); shard_id = index of the part."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        tp_size = get_tp()[1]
+        self.local_sizes = [_divide(s, tp_size, "output size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is None or not 0 <= shard_id < len(self.local_sizes):
+            raise ValueError(f"MergedColumnParallelLinear needs shard_id in [0, {len(self.local_sizes)}), got {shard_id!r}")
+        size = self.local_sizes[shard_id]
+        dst = param.data.narrow(0, sum(self.local_sizes[:shard_id]), size)
+        _copy(dst, _shard(loaded, 0, self.tp_rank * size, size, size * self.tp_size), param)
+
+
+class QKVParallelLinear(LinearBase):
+    """q, k, v projections packed in one matmul, query heads split across ranks. KV heads are split
+    when tp_size <= num_kv_heads and replicated (tp_size / num_kv_heads ranks share one) otherwise."""
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False) -> None:
+        rank, tp_size = get_tp()
+        if total_num_heads % tp_size:
+            raise ValueError(f"tensor_parallel_size {tp_size} must divide the number of attention heads "
+                             f"({total_num_heads}); pick a divisor of {total_num_heads}")
+        if tp_size >= total_num_kv_heads:
+            if tp_size % total_num_kv_heads:
+                raise ValueError(f"tensor_parallel_size {tp_size} must be a multiple of the number of KV heads "
+                                 f"({total_num_kv_heads}) when larger than it")
+            self.num_kv_heads, self.kv_head_start = 1, rank // (tp_size // total_num_kv_heads)
+        else:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "number of KV heads")
+            self.kv_head_start = rank * self.num_kv_heads
+        self.head_dim, self.num_heads = head_dim, total_num_heads // tp_size
+        self.total_num_kv_heads = total_num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, (rank, tp_size))
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id == "q":
+            offset, size, start, full = 0, self.q_size, self.tp_rank * self.q_size, self.q_size * self.tp_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, start = self.kv_size, self.kv_head_start * self.head_dim
+            full = self.total_num_kv_heads * self.head_dim
+        else:
+            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
+        _copy(param.data.narrow(0, offset, size), _shard(loaded, 0, start, size, full), param)
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split across ranks; partial outputs are summed by an all-reduce (bias added once, on rank 0)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp = get_tp()
+        super().__init__(_divide(input_size, tp[1], "input size"), output_size, bias, tp)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # bias: replicated
+            return _copy(param.data, loaded, param)
+        n = param.size(1)
+        _copy(param.data, _shard(loaded, 1, self.tp_rank * n, n, n * self.tp_size), param)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if _collectives(self.tp_size):
+            dist.all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary split in ceil(V / tp) rows per rank (last rank zero-padded); lookups outside this
+    rank's range give zeros and the all-reduce sums the ranks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp()
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.rows_per_rank
+        self.vocab_end = max(self.vocab_start, min(self.vocab_start + self.rows_per_rank, num_embeddings))
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if loaded.size(0) != self.num_embeddings:
+            raise ValueError(f"checkpoint has {loaded.size(0)} vocabulary rows, config says vocab_size={self.num_embeddings}")
+        n = self.vocab_end - self.vocab_start
+        _copy(param.data[:n], loaded[self.vocab_start:self.vocab_end], param)
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        y = F.embedding((input_ids - self.vocab_start).masked_fill(~mine, 0), self.weight)
+        y = y.masked_fill(~mine.unsqueeze(-1), 0)
+        if _collectives(self.tp_size):
+            dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h W^T over this rank's vocabulary slice, gathered to rank 0 (others get None) or,
+    with gather_to_all, to every rank. Without a process group it returns the local slice."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, gather_to_all: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.gather_to_all = gather_to_all
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)
+        if not _collectives(self.tp_size):
+            return logits[..., : self.vocab_end - self.vocab_start]
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        if self.gather_to_all:
+            dist.all_gather(parts, logits)
+        else:
+            dist.gather(logits, parts if self.tp_rank == 0 else None, dst=0)
+            if self.tp_rank != 0:
+                return None
+        return torch.cat(parts, dim=-1)[..., : self.num_embeddings]

@@ -1,0 +1,194 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) on tensor-parallel layers and paged attention.
+
+Module and parameter names match Hugging Face (`model.layers.N.self_attn.o_proj.weight`, ...)
+except the packed `qkv_proj` and `gate_up_proj`; `packed_modules_mapping` tells the loader
+which checkpoint tensors go into which packed shard, so HF checkpoints load by name.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from testbed.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+from testbed.worker.context import get_context
+from testbed.worker.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                                   RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class ModelConfig:
+    """Attribute view of a HF config (PretrainedConfig or config.json dict) with Llama-family defaults
+    filled in; reads both the old (`rope_theta`/`rope_scaling`) and new (`rope_parameters`) rope fields."""
+
+    def __init__(self, config) -> None:
+        d = dict(config) if isinstance(config, Mapping) else config.to_dict() if hasattr(config, "to_dict") else vars(config)
+        self.raw = d
+        arch = (d.get("architectures") or [_ARCH_BY_MODEL_TYPE.get(d.get("model_type"))])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r} (model_type {d.get('model_type')!r}); "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        self.architecture = arch
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            if d.get(key) is None:
+                raise ValueError(f"model config lacks required field {key!r}")
+            setattr(self, key, int(d[key]))
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is implemented")
+        self.num_key_value_heads = int(d.get("num_key_value_heads") or self.num_attention_heads)
+        self.head_dim = int(d.get("head_dim") or self.hidden_size // self.num_attention_heads)
+        self.rms_norm_eps = float(d.get("rms_norm_eps", 1e-6))
+        self.max_position_embeddings = int(d.get("max_position_embeddings", 4096))
+        self.tie_word_embeddings = bool(d.get("tie_word_embeddings", False))
+        rope = d.get("rope_parameters") or {}
+        self.rope_theta = float(d.get("rope_theta") or rope.get("rope_theta", 10000.0))
+        self.rope_scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        bias = bool(d.get("attention_bias", False))
+        self.qkv_bias = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False}.get(arch, bias)
+        self.o_bias = bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False
+        self.mlp_bias = bool(d.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        window = d.get("sliding_window") if arch == "MistralForCausalLM" or d.get("use_sliding_window") else None
+        if window and window < self.max_position_embeddings:
+            logger.warning("%s: sliding_window=%d is not applied; attention is exact only up to %d tokens",
+                           arch, window, window)
+
+
+class Attention(nn.Module):
+    """Stores this step's K/V in the layer's paged cache and attends over it.
+
+    The model runner sets `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads, head_dim]).
+    While they are None or empty (profiling run) attention is plain causal within each sequence
+    of the step, which then must have no cached prefix.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        if self.k_cache is None or self.k_cache.numel() == 0:
+            return self._uncached(q, k, v, ctx)
+        store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if ctx.is_decode:
+            return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens, self.scale)
+        return paged_prefill_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
+                                       ctx.block_tables, self.scale)
+
+    def _uncached(self, q, k, v, ctx) -> torch.Tensor:
+        cu = ctx.cu_seqlens_q.tolist() if ctx.cu_seqlens_q is not None else [0, q.size(0)]
+        q_lens = [b - a for a, b in zip(cu, cu[1:])]
+        if ctx.seq_lens is not None and ctx.seq_lens.tolist() != q_lens:
+            raise ValueError("attention has no KV cache attached but the step reads cached tokens "
+                             f"(seq_lens {ctx.seq_lens.tolist()} != query lengths {q_lens})")
+        out = torch.empty_like(q)
+        for a, b in zip(cu, cu[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
+                                                      enable_gqa=True).transpose(0, 1)
+        return out
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          bias=cfg.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, hd, hd ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        p = self.qkv_proj
+        q, k, v = self.qkv_proj(x).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        q, k = q.view(-1, self.num_heads, p.head_dim), k.view(-1, self.num_kv_heads, p.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, p.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary_emb)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary_emb) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder; `forward` runs one flat step described by the attention context."""
+
+    packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config if isinstance(config, ModelConfig) else ModelConfig(config)
+        self.model = LlamaModel(self.config)
+        self.lm_head = ParallelLMHead(self.config.vocab_size, self.config.hidden_size)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Rows of hidden [n, hidden] -> float32 logits [n, vocab] (None on TP ranks other than 0)."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()
+
+    def attention_layers(self) -> list[Attention]:
+        """The per-layer attention modules, in layer order, whose k_cache/v_cache the runner sets."""
+        return [layer.self_attn.attn for layer in self.model.layers]
