@@ -241,3 +241,17 @@ def test_gpu_presets_and_aliases():
     with pytest.raises(ValueError, match="mem_bandwidth must be > 0"):
         GPUSpec("bad", 1, 0.0, 1.0, 1.0, 0.0)
     assert math.isclose(get_gpu_spec("L4").interconnect_bandwidth, 32e9)
+
+
+def test_tp2_all_reduce_term_comes_from_the_measured_nccl_fit():
+    """`simulate --tensor-parallel-size 2` on H200 charges 2 all-reduces per layer at the measured
+    17.9 us + bytes / 293.5 GB/s (benchmarks/tp.py), on top of half the TP=1 work."""
+    from testbed.sim.hardware import MEASURED_ALLREDUCE_BW, MEASURED_ALLREDUCE_LATENCY_S
+    m, g = get_model_spec("Llama-3.1-8B"), get_gpu_spec("H200")
+    assert (g.interconnect_bandwidth, g.allreduce_latency_s) == (MEASURED_ALLREDUCE_BW, MEASURED_ALLREDUCE_LATENCY_S)
+    so = SchedulerOutput(total_num_scheduled_tokens=64, num_decode_tokens=64, sum_context_tokens=64 * 1024,
+                         sum_attn_pairs=64 * 1024, requests=[None] * 64)
+    tp1 = RooflineCostModel(m, g, 1, step_overhead_s=0.0).step_time(so)
+    tp2 = RooflineCostModel(m, g, 2, step_overhead_s=0.0).step_time(so)
+    per_ar = MEASURED_ALLREDUCE_LATENCY_S + 64 * m.hidden_size * 2 / MEASURED_ALLREDUCE_BW
+    assert tp2 == pytest.approx(tp1 / 2 + 2 * m.num_hidden_layers * per_ar, rel=1e-9)

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 # Achieved / datasheet on the H200 we measured; applied to the other GPUs' datasheet peaks.
 BANDWIDTH_FRACTION = 4.28 / 4.8   # ~0.89
 MATMUL_FRACTION = 789 / 989       # ~0.80
+# NCCL all-reduce between 2 H200s over NVLink 4 (benchmarks/tp.py): time = latency + bytes / bandwidth.
+MEASURED_ALLREDUCE_BW = 293.5e9
+MEASURED_ALLREDUCE_LATENCY_S = 17.9e-6
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,12 @@ def _scaled(name: str, memory_gb: float, peak_tbps: float, peak_tflops: float, l
 
 
 GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
-    GPUSpec("H200", int(141e9), 4.28e12, 789e12, 450e9, 10e-6,
-            source="measured on our H200: 4.28e12 B/s device copy, 789e12 FLOP/s bf16 matmul; 141 GB datasheet "
-                   "(CUDA reports ~150.1e9 B); NVLink 4 450 GB/s/direction and 10 us all-reduce latency: estimates"),
-    _scaled("H100-SXM", 80, 3.35, 989, 450, "NVLink 4", 10e-6),
+    GPUSpec("H200", int(141e9), 4.28e12, 789e12, MEASURED_ALLREDUCE_BW, MEASURED_ALLREDUCE_LATENCY_S,
+            source="measured on our H200s: 4.28e12 B/s device copy, 789e12 FLOP/s bf16 matmul, NCCL 2.28 bf16 "
+                   "all-reduce over NVLink between 2 H200s fitted as 17.9 us + bytes / 293.5 GB/s "
+                   "(benchmarks/tp.py, 2026-11-21); 141 GB datasheet (CUDA reports ~150.1e9 B)"),
+    _scaled("H100-SXM", 80, 3.35, 989, MEASURED_ALLREDUCE_BW / 1e9,
+            "NVLink 4 all-reduce as measured between 2 H200s (same NVLink generation)", MEASURED_ALLREDUCE_LATENCY_S),
     _scaled("A100-80GB", 80, 2.039, 312, 300, "NVLink 3", 10e-6),
     _scaled("L4", 24, 0.3, 121, 32, "PCIe 4 x16", 25e-6),
 ]}
