@@ -52,6 +52,31 @@ def run_case(trace_path: Path, rate_scale: float, dp: int, repeat: int) -> dict:
             "mean_batch": summary["mean_batch_size"], "us_per_step": best_sim / summary["num_steps"] * 1e6}
 
 
+def per_step_cost(batch: int, steps: int = 2000) -> dict:
+    """Engine cost of a steady decode step (schedule + sim executor + update) at a given batch size."""
+    from testbed.engine.core import EngineCore
+    from testbed.engine.request import Request, SamplingParams
+    from testbed.sim.executor import SimExecutor
+    model, gpu = get_model_spec("Llama-3.1-8B"), get_gpu_spec("H100-SXM")
+    cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(8192, batch))
+    core = EngineCore(cfg, num_gpu_blocks=batch * 400, max_model_len=1 << 20, stream_outputs=False)
+    ex = SimExecutor(RooflineCostModel(model, gpu))
+    for i in range(batch):
+        core.add_request(Request(str(i), range(16), SamplingParams(max_tokens=steps * 4, ignore_eos=True), 0.0), 0.0)
+    now = 0.0
+    for _ in range(3):  # prefill and warm-up
+        so, _ = core.step(now, ex)
+        now += 0.01
+    t = time.perf_counter()
+    for _ in range(steps):
+        so = core.schedule(now)
+        out = ex.execute(so)
+        core.update(so, out, now + out.duration)
+        now += out.duration
+    us = (time.perf_counter() - t) / steps * 1e6
+    return {"batch": batch, "us_per_step": us, "us_per_request": us / batch}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -66,9 +91,13 @@ def main() -> None:
     for r in rows:
         print(f"| {r['case']} | {r['requests']} | {r['simulated_s']:.0f} | {r['steps']} | {r['wall_sim_s']:.2f} | "
               f"{r['wall_total_s']:.2f} | {r['speedup_total']:.0f}x | {r['us_per_step']:.1f} |")
+    print("\n| decode batch | µs/step | µs/request |\n|---|---|---|")
+    scaling = [per_step_cost(b) for b in (8, 32, 128, 512)]
+    for r in scaling:
+        print(f"| {r['batch']} | {r['us_per_step']:.1f} | {r['us_per_request']:.2f} |")
     print(env)
     if args.json:
-        args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"env": env, "rows": rows, "per_step": scaling}, indent=2))
 
 
 if __name__ == "__main__":
