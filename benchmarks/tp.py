@@ -3,8 +3,7 @@
   python benchmarks/tp.py --model Llama-3.1-8B --out tp.json
 1. All-reduce microbenchmark (2 ranks, bf16) over the sizes a step all-reduces (tokens x hidden):
    latency and bus bandwidth (2(n-1)/n x bytes / time), fitted as time = latency + bytes / bus_bw.
-2. TP=1 and TP=2 engines (dummy bf16 weights, eager for both so only TP differs; TP=1 also with
-   CUDA graphs): median decode step at batch 1 and 64, and offline output tok/s on the 256-request
+2. TP=1 and TP=2 engines (dummy bf16 weights), each eager and with CUDA graphs: median decode step at batch 1 and 64, and offline output tok/s on the 256-request
    workload of benchmarks/e2e.py. Estimated all-reduce time per step = 2 x layers x fit(bytes).
 """
 from __future__ import annotations
@@ -125,13 +124,15 @@ def main() -> None:
     print(json.dumps({k: v for k, v in ar.items() if k != "rows"}), flush=True)
     out["cases"] = [engine_case(args.model, 1, False, args.num_requests),
                     engine_case(args.model, 1, True, args.num_requests),
-                    engine_case(args.model, 2, True, args.num_requests)]
+                    engine_case(args.model, 2, True, args.num_requests),
+                    engine_case(args.model, 2, False, args.num_requests)]
     per_ar = {b: ar["latency_s"] + b * spec.hidden_size * 2 / ar["bus_bandwidth"] for b in (1, 64)}
     out["allreduce_ms_per_step"] = {f"batch{b}": 2 * spec.num_hidden_layers * t * 1e3 for b, t in per_ar.items()}
-    e1, e2 = out["cases"][1], out["cases"][2]
-    out["scaling_efficiency_throughput"] = e2["throughput_output_tok_s"] / (2 * e1["throughput_output_tok_s"])
-    out["speedup_decode_b1"] = e1["decode_ms_b1"] / e2["decode_ms_b1"]
-    out["speedup_decode_b64"] = e1["decode_ms_b64"] / e2["decode_ms_b64"]
+    for name, (a, b) in {"graphs": (0, 3), "eager": (1, 2)}.items():
+        e1, e2 = out["cases"][a], out["cases"][b]
+        out[f"scaling_efficiency_throughput_{name}"] = e2["throughput_output_tok_s"] / (2 * e1["throughput_output_tok_s"])
+        out[f"speedup_decode_b1_{name}"] = e1["decode_ms_b1"] / e2["decode_ms_b1"]
+        out[f"speedup_decode_b64_{name}"] = e1["decode_ms_b64"] / e2["decode_ms_b64"]
     print(json.dumps({k: v for k, v in out.items() if k not in ("allreduce", "cases")}, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8501)
     p.add_argument("--host", default="127.0.0.1")
     p.set_defaults(func=cmd_dashboard)
+
+    from testbed.server.bench import add_bench_parser
+    from testbed.server.serve import add_serve_parser
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"testbed {args.command}: error: {e}", file=sys.stderr)
         return 2
 

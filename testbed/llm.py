@@ -136,14 +136,15 @@ class LLM:
                 gen.num_cached_tokens = o.num_cached_tokens
                 finished, reason, stop_reason = o.finished, o.finish_reason, o.stop_reason
                 if detok is not None:
-                    c.text += detok.add(o.new_token_ids)
-                    if detok.stop_hit is not None and not finished:
+                    stopped = detok.add(o.new_token_ids)
+                    if stopped and not finished:  # a stop string: end the request in the core, free its blocks
                         self.engine.abort(o.request_id, self.now())
                         finished = True
-                    if detok.stop_hit is not None:
-                        reason, stop_reason = "stop", detok.stop_hit
-                    elif finished:
-                        c.text += detok.flush()
+                    if finished:
+                        detok.finish()
+                    c.text += detok.delta(final=True)
+                    if detok.stop_reason is not None:
+                        reason, stop_reason = "stop", detok.stop_reason
                 if finished:
                     c.finish_reason, c.stop_reason = reason, stop_reason
 

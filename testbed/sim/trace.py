@@ -81,13 +81,18 @@ def load_trace(path, *, request_rate: float | None = None, burstiness: float = 1
     for r in reqs:
         r.arrival_s -= start
     if request_rate is not None:
-        for r, t in zip(reqs, _gamma_arrivals(len(reqs), request_rate, burstiness, seed)):
+        for r, t in zip(reqs, gamma_arrivals(len(reqs), request_rate, burstiness, seed)):
             r.arrival_s = t
     return reqs
 
 
-def _gamma_arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """n arrival times starting at 0 with gamma inter-arrivals of mean 1/rate (inf: all at 0)."""
+def gamma_arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """n arrival times starting at 0 with gamma inter-arrivals of mean 1/rate (inf: all at 0), shape
+    `burstiness` (1 = Poisson); the same seed gives the same times in sim and in `bench serve`."""
+    if not rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {rate}")
+    if not 0 < burstiness < math.inf:
+        raise ValueError(f"--burstiness must be a finite number > 0 (1 = Poisson), got {burstiness}")
     if math.isinf(rate):
         return [0.0] * n
     gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), size=n - 1)

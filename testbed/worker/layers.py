@@ -8,6 +8,7 @@ FULL checkpoint tensor, so one checkpoint loads at any tensor-parallel size.
 from __future__ import annotations
 
 import math
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -67,6 +68,48 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, param: nn.Parameter) -> None:
     dst.copy_(src)
 
 
+def fused_on_gpu(fn):
+    """`fn` as written for CPU tensors; on CUDA, compiled once by torch.compile (dynamic shapes) so its
+    chain of elementwise ops becomes one Triton kernel. TESTBED_COMPILE=0 turns this off."""
+    compiled = None
+
+    def run(*args):
+        nonlocal compiled
+        if args[0].is_cuda and os.environ.get("TESTBED_COMPILE", "1") != "0":
+            if compiled is None:
+                compiled = torch.compile(fn, dynamic=True)
+            return compiled(*args)
+        return fn(*args)
+
+    run.__doc__ = fn.__doc__
+    return run
+
+
+@fused_on_gpu
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@fused_on_gpu
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@fused_on_gpu
+def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
 class RMSNorm(nn.Module):
     """y = w * x / rms(x), computed in float32 and cast back (as HF Llama does)."""
 
@@ -77,17 +120,14 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = lambda p, w, shard_id=None: _copy(p.data, w, p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class SiluAndMul(nn.Module):
     """[.., 2I] (gate | up) -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)
 
 
 def _scaled_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict | None) -> torch.Tensor:
@@ -120,14 +160,9 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hk, D], positions [T] -> rotated (q, k)."""
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return apply_rope(positions, q, k, self.cos_sin_cache)
 
 
 class LinearBase(nn.Module):

@@ -22,8 +22,12 @@ from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.worker.executor import model_limits, resolve_device, resolve_dtype
 from testbed.worker.model_runner import ModelRunner, StepInputs
 
-CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
+CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN, CMD_CAPTURE = 0, 1, 2, 3, 4
 HEADER = 8  # cmd, T, B, max_blocks, n_sample, is_decode, arg, unused
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel rank died or stopped answering; the group is unusable from then on."""
 
 
 def _timeout() -> datetime.timedelta:
@@ -74,6 +78,8 @@ def _worker_main(rank: int, world: int, port: int, model: str, config: EngineCon
                 dist.all_reduce(n, op=dist.ReduceOp.MIN)
             elif h[0] == CMD_ALLOC:
                 runner.allocate_kv_cache(h[6])
+            elif h[0] == CMD_CAPTURE:
+                runner.capture_cuda_graphs()
             else:
                 break
     finally:
@@ -90,7 +96,7 @@ class MultiprocExecutor:
     """tensor_parallel_size > 1: rank 0 here, ranks 1.. in spawned worker processes."""
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
-                 device: str | None = None) -> None:
+                 device: str | None = None, enforce_eager: bool = False) -> None:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process; "
                                "one tensor-parallel engine per process")
@@ -107,11 +113,16 @@ class MultiprocExecutor:
             p.start()
         self._closed = False
         self._header = None
+        self._failure: str | None = None  # set once a rank died or timed out; every later call fails fast
         atexit.register(self.shutdown)
         try:
             self.runner = _build(0, world, port, model, config, load_format, dtype, dev.type)
-        except BaseException:
+        except BaseException as e:
+            dead = self._dead_ranks()
+            self._failure = f"tensor-parallel worker died during startup: {', '.join(dead)}" if dead else None
             self.shutdown()
+            if dead:
+                raise TPWorkerError(f"{self._failure} ({type(e).__name__}: {e})") from e
             raise
         self.device = self.runner.device
         self.hf_config = self.runner.hf_config  # type: ignore[attr-defined]
@@ -126,26 +137,38 @@ class MultiprocExecutor:
         self._send(CMD_ALLOC, arg=blocks)
         self.runner.allocate_kv_cache(blocks)
         self.num_gpu_blocks = blocks
+        if self.device.type == "cuda" and not enforce_eager:  # every rank captures in lockstep (NCCL inside)
+            self._send(CMD_CAPTURE)
+            self._guard(self.runner.capture_cuda_graphs)
         self.runner.broadcast_inputs = self._broadcast_inputs  # type: ignore[attr-defined]
 
     def _dead_ranks(self) -> list[str]:
         return [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
                 if not p.is_alive()]
 
+    def _fail(self, msg: str) -> TPWorkerError:
+        self._failure = msg
+        return TPWorkerError(msg)
+
     def _guard(self, fn, *args, **kwargs):
-        """Run a collective; turn a dead or silent peer into an error that names the ranks."""
+        """Run a collective; turn a dead or silent peer into an error that names the ranks. After one
+        failure the ranks may be out of step, so every later call fails at once instead of computing garbage."""
+        if self._failure is not None:
+            raise TPWorkerError(f"{self._failure}; the tensor-parallel group is unusable, create a new engine")
         dead = self._dead_ranks()
         if dead:
-            raise RuntimeError(f"tensor-parallel worker died: {', '.join(dead)}")
+            raise self._fail(f"tensor-parallel worker died: {', '.join(dead)}")
         try:
             return fn(*args, **kwargs)
+        except TPWorkerError:  # raised by a nested guard (execute -> broadcast of the step's inputs)
+            raise
         except Exception as e:
             dead = self._dead_ranks()
             if dead:
-                raise RuntimeError(f"tensor-parallel worker died: {', '.join(dead)} ({type(e).__name__}: {e})") from e
+                raise self._fail(f"tensor-parallel worker died: {', '.join(dead)} ({type(e).__name__}: {e})") from e
             if isinstance(e, dist.DistError) or "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise RuntimeError(f"tensor-parallel workers (ranks 1..{self.world - 1}) did not answer within "
-                                   f"{_timeout().total_seconds():g} s ({type(e).__name__}: {e})") from e
+                raise self._fail(f"tensor-parallel workers (ranks 1..{self.world - 1}) did not answer within "
+                                 f"{_timeout().total_seconds():g} s ({type(e).__name__}: {e})") from e
             raise
 
     def _send(self, cmd: int, T: int = 0, B: int = 0, mb: int = 0, ns: int = 0, is_decode: bool = False,
@@ -169,14 +192,16 @@ class MultiprocExecutor:
             return
         self._closed = True
         try:
-            if self._header is not None and not self._dead_ranks() and dist.is_initialized():
+            if self._header is not None and self._failure is None and not self._dead_ranks() and dist.is_initialized():
                 self._send(CMD_SHUTDOWN)
         except RuntimeError:
             pass
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=10 if self._failure is None else 0.5)  # after a failure nobody listens: kill now
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
         if dist.is_initialized():
             dist.destroy_process_group()
+        atexit.unregister(self.shutdown)  # the registration holds this executor (and its GPU memory) alive
+        self.runner = None  # type: ignore[assignment]

@@ -1,0 +1,138 @@
+"""The FastAPI app of `testbed serve`: OpenAI routes, /health, /metrics, /tokenize, /detokenize.
+
+Every error is answered with OpenAI's body (bad JSON and schema errors too, as 400). An outer ASGI
+middleware checks the API key (every route but /health and /metrics) and bounds the body size
+(413) before any handler runs, buffering the body it has read for the app.
+"""
+from __future__ import annotations
+
+import secrets
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from testbed.server.chat import create_chat_completion, render_chat
+from testbed.server.completions import create_completion
+from testbed.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest, bad_request)
+from testbed.server.state import ServerState
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class GuardMiddleware:
+    """API key and body-size bound, as plain ASGI so nothing reads an oversized body first."""
+
+    def __init__(self, app, api_key: str | None, max_bytes: int) -> None:
+        self.app, self.api_key, self.max_bytes = app, api_key, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                err = APIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>' "
+                                    "with the key given to --api-key", None, "invalid_api_key")
+                return await error_response(err)(scope, receive, send)
+        too_big = APIError(413, f"request body larger than {self.max_bytes} bytes (--max-request-bytes)", None,
+                           "request_too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await error_response(too_big)(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await error_response(too_big)(scope, receive, send)
+            if not msg.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay_receive():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replay_receive, send)
+
+
+def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
+    app = FastAPI(title="testbed", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_middleware(GuardMiddleware, api_key=state.api_key, max_bytes=max_request_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in errs[:5])
+        param = next((err["loc"][1] for err in errs if len(err["loc"]) > 1 and isinstance(err["loc"][1], str)), None)
+        return error_response(bad_request(f"invalid request: {msg}", param))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+        return error_response(APIError(e.status_code, str(e.detail), None, None))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.client.is_dead:
+            return error_response(APIError(503, f"engine core is dead: {state.client.dead_reason}", None,
+                                           "engine_dead"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "testbed",
+            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
+            "vocab_size": state.vocab_size}]})
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(state, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(state, req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> JSONResponse:
+        state.check_model(req.model)
+        if req.messages is not None:
+            ids = render_chat(state, req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            ids = state.tokenize(req.prompt, req.add_special_tokens)
+        else:
+            raise bad_request("give either prompt (text) or messages (chat)", "prompt")
+        return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
+        state.check_model(req.model)
+        if state.tokenizer is None:
+            raise bad_request("this model has no tokenizer (dummy weights)", "tokens")
+        state.check_token_ids(req.tokens, "tokens")
+        return JSONResponse({"prompt": state.detokenize(req.tokens)})
+
+    return app

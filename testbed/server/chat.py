@@ -1,0 +1,103 @@
+"""POST /v1/chat/completions: messages through the tokenizer's chat template; OpenAI response shapes.
+A stream starts with one `role: assistant` delta per choice."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from testbed.server.schemas import MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, bad_request
+from testbed.server.serving import LOGPROB_FLOOR, GenerationRun, sampling_params
+from testbed.server.state import ServerState, new_id
+from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the conversation through the chat template (400 on anything it cannot render)."""
+    tok = state.tokenizer
+    if tok is None:
+        raise bad_request("this model has no tokenizer (dummy weights), so no chat template; use /v1/completions "
+                          "with prompt token ids", "messages")
+    if not messages:
+        raise bad_request("messages must hold at least one message", "messages")
+    rendered = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                                      f"supported, got {part.get('type')!r}", "messages")
+                texts.append(part["text"])
+            d["content"] = "\n".join(texts)
+        elif m.content is None:
+            d["content"] = ""
+        rendered.append(d)
+    try:
+        text = tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja and template errors come in many types
+        raise bad_request(f"messages: the chat template cannot render them: {e}", "messages") from None
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def chat_logprobs(run: GenerationRun, token_ids: list[int], logprobs: list) -> dict[str, Any]:
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        s = run.token_text(tid)
+        return {"token": s, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+                        for tid, (lp, top) in zip(token_ids, logprobs)]}
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
+    state.check_model(req.model)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
+                              "top_logprobs")
+    prompt = render_chat(state, req.messages, req.add_generation_prompt)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop)
+    run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.include_stop_str_in_output,
+                        req.skip_special_tokens, req.priority)
+    run.start()
+    head = {"id": run.request_id, "created": int(time.time()), "model": state.served_model_name}
+    if req.stream:
+        return SSEResponse(event_stream(run, _stream(run, req, head)))
+    if not await collect(run, request):
+        return client_closed_response()
+    choices = []
+    for c in run.choices:
+        d = {"index": c.index, "message": {"role": "assistant", "content": c.detok.text},
+             "logprobs": chat_logprobs(run, c.token_ids, c.logprobs) if req.logprobs else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            d["token_ids"] = c.token_ids
+        choices.append(d)
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": run.usage()})
+
+
+async def _stream(run: GenerationRun, req: ChatCompletionRequest, head: dict) -> AsyncIterator[bytes]:
+    head = {**head, "object": "chat.completion.chunk"}
+    yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None} for c in run.choices]})
+    while not run.done:
+        c = await run.next()
+        if not c.delta_ids and not c.delta_text and not c.finished:
+            continue
+        d = {"index": c.index, "delta": {"content": c.delta_text},
+             "logprobs": chat_logprobs(run, c.delta_ids, c.delta_logprobs) if req.logprobs else None,
+             "finish_reason": c.finish_reason}
+        if c.finished:
+            d["stop_reason"] = c.stop_reason
+        if req.return_token_ids:
+            d["token_ids"] = c.delta_ids
+        yield sse({**head, "choices": [d]})
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse({**head, "choices": [], "usage": run.usage()})

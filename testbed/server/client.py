@@ -1,0 +1,200 @@
+"""Async client of the engine-core process, living in the API server's event loop.
+
+It starts the process, routes each CoreOutput to the asyncio queue of its request, keeps the
+latest SchedulerStats, and watches the process: when it dies (or reports EngineError) every
+in-flight request gets an EngineDeadError at once and later adds fail fast, so nothing hangs.
+Invariant: a request id is in `queues` from `add` until its finished output, an abort, or death.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from testbed.server import protocol as P
+from testbed.server.engine_proc import EngineProcConfig
+
+WATCH_INTERVAL_S = 0.1
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; the server answers 503 from now on."""
+
+
+class RequestStream:
+    """Outputs of one core request, in order; raises EngineDeadError if the engine dies first."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def get(self) -> P.CoreOutput:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def get_nowait(self) -> P.CoreOutput | None:
+        """The next output if one is already queued (lets a handler batch deltas)."""
+        if self.queue.empty():
+            return None
+        item = self.queue.get_nowait()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class EngineClient:
+    def __init__(self, cfg: EngineProcConfig, on_stats: Callable[[P.SchedulerStats, dict[str, float]], None]
+                 | None = None) -> None:
+        self.cfg = cfg
+        self.on_stats = on_stats
+        self.streams: dict[str, RequestStream] = {}
+        self.ready: P.Ready | None = None
+        self.stats = P.SchedulerStats(0, 0, 0.0, 0, 0, 0, -1)
+        self.sent_seq = -1
+        self.dead_reason: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self._closing = False
+        self._tasks: list[asyncio.Task] = []
+        self._tmp = tempfile.mkdtemp(prefix="testbed-engine-")
+        self._sync_ctx = zmq.Context()
+        self._ctx = zmq.asyncio.Context()
+        self.inp = self._sync_ctx.socket(zmq.PUSH)
+        self.inp.setsockopt(zmq.SNDHWM, 0)
+        self.out = self._ctx.socket(zmq.PULL)
+        self.out.setsockopt(zmq.RCVHWM, 0)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> P.Ready:
+        """Spawn the engine core and wait until its executor is built; RuntimeError if it fails."""
+        in_addr, out_addr = f"ipc://{self._tmp}/input", f"ipc://{self._tmp}/output"
+        self.inp.bind(in_addr)
+        self.out.bind(out_addr)
+        cfg = msgspec.structs.replace(self.cfg, input_addr=in_addr, output_addr=out_addr, parent_pid=os.getpid())
+        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.server.engine_proc",
+                                      msgspec.json.encode(cfg).decode()], start_new_session=True)
+        while self.ready is None:
+            if await self.out.poll(200):
+                msg = P.from_engine_decoder.decode(await self.out.recv())
+                if isinstance(msg, P.EngineError):
+                    await self.shutdown()
+                    raise RuntimeError(f"engine core failed to start: {msg.message}")
+                if isinstance(msg, P.Ready):
+                    self.ready = msg
+            elif self.proc.poll() is not None:
+                code = self.proc.returncode
+                await self.shutdown()
+                raise RuntimeError(f"engine core exited with code {code} during startup (its error is above)")
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_loop())]
+        return self.ready
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine core (politely, then SIGKILL after `timeout`) and release the sockets."""
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.inp.send(P.encoder.encode(P.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + (timeout if self.ready is not None else 0.0)  # still loading: no need to wait
+            while self.proc.poll() is None and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self._die("the server is shutting down")
+        self.inp.close(linger=0)
+        self.out.close(linger=0)
+        self._sync_ctx.term()
+        self._ctx.term()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        err = EngineDeadError(f"engine core is dead: {self.dead_reason}")
+        for stream in self.streams.values():
+            stream.queue.put_nowait(err)
+        self.streams.clear()
+
+    async def _watch_loop(self) -> None:
+        while self.proc.poll() is None:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        if not self._closing:
+            await asyncio.sleep(WATCH_INTERVAL_S)  # let a final EngineError arrive first: it says more
+            self._die(f"the engine-core process (pid {self.proc.pid}) exited with code {self.proc.returncode}")
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                msg = P.from_engine_decoder.decode(await self.out.recv())
+                if isinstance(msg, P.Outputs):
+                    streams = self.streams
+                    for o in msg.outputs:
+                        stream = streams.get(o.request_id)
+                        if stream is not None:
+                            stream.queue.put_nowait(o)
+                            if o.finished:
+                                del streams[o.request_id]
+                    self.stats = msg.stats
+                    if self.on_stats is not None:
+                        self.on_stats(msg.stats, msg.scheduled)
+                elif isinstance(msg, P.EngineError):
+                    self._die(msg.message)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a garbled message means the engine cannot be trusted
+            self._die(f"bad message from the engine core: {e!r}")
+
+    # ---- requests ------------------------------------------------------------------------------
+    @property
+    def num_waiting_estimate(self) -> int:
+        """Upper bound on the core's waiting queue: the last snapshot plus adds it had not seen yet."""
+        return self.stats.num_waiting + self.sent_seq - self.stats.acked_seq
+
+    def add(self, request_id: str, prompt_token_ids: list[int], arrival_time: float,
+            stream: RequestStream | None = None, **params) -> RequestStream:
+        """Send one request to the core; its outputs arrive on `stream` (several requests may share
+        one, e.g. the n choices of one HTTP request), a new one if None. `params`: AddRequest fields."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
+        stream = stream if stream is not None else RequestStream(request_id)
+        self.streams[request_id] = stream
+        self.sent_seq += 1
+        msg = P.AddRequest(self.sent_seq, request_id, prompt_token_ids, arrival_time, **params)
+        try:
+            self.inp.send(P.encoder.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # no peer: the process died and the watchdog has not seen it yet
+            self._die(f"cannot reach the engine-core process ({e})")
+            raise EngineDeadError(f"engine core is dead: {self.dead_reason}") from None
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests in the core (frees their KV blocks); their streams get nothing more."""
+        live = [r for r in request_ids if self.streams.pop(r, None) is not None]
+        if live and self.dead_reason is None:
+            try:
+                self.inp.send(P.encoder.encode(P.AbortRequests(live)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # the engine is going away; the watchdog reports it

@@ -1,0 +1,108 @@
+"""POST /v1/completions: prompts as text, token ids, or lists of either; OpenAI response shapes."""
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from testbed.server.schemas import CompletionRequest, bad_request
+from testbed.server.serving import LOGPROB_FLOOR, Choice, GenerationRun, sampling_params
+from testbed.server.state import ServerState, new_id
+from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
+
+
+def parse_prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """(token ids per prompt, text per prompt or None when given as ids)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif not prompt:
+        raise bad_request("the prompt is empty; give a string, a list of strings or token ids", "prompt")
+    elif isinstance(prompt[0], int):
+        prompt = [prompt]
+    ids, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            ids.append(state.tokenize(p))
+            texts.append(p)
+        else:
+            state.check_token_ids(p, "prompt")
+            ids.append(list(p))
+            texts.append(None)
+    return ids, texts
+
+
+def completion_logprobs(run: GenerationRun, token_ids: list[int], logprobs: list, offset: int) -> dict[str, Any]:
+    """The legacy logprobs object; `offset` is where the first token's text starts in the choice text."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, (lp, top) in zip(token_ids, logprobs):
+        s = run.token_text(tid)
+        tokens.append(s)
+        token_lps.append(max(lp, LOGPROB_FLOOR))
+        d = {run.token_text(t): max(v, LOGPROB_FLOOR) for t, v in top}
+        d.setdefault(s, max(lp, LOGPROB_FLOOR))  # the sampled token is always there (up to logprobs + 1)
+        tops.append(d)
+        offsets.append(offset)
+        if run.state.tokenizer is not None:  # without one the choice text stays empty
+            offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _choice(run: GenerationRun, req: CompletionRequest, c: Choice, text: str, ids: list[int], lps: list,
+            offset: int, prompt_ids: list[int] | None) -> dict[str, Any]:
+    d = {"index": c.index, "text": text,
+         "logprobs": completion_logprobs(run, ids, lps, offset) if req.logprobs is not None else None,
+         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if req.return_token_ids:
+        d["token_ids"] = ids
+        if prompt_ids is not None:
+            d["prompt_token_ids"] = prompt_ids
+    return d
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
+    state.check_model(req.model)
+    prompts, texts = parse_prompts(state, req.prompt)
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute; "
+                          "drop one of them", "echo")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    sp = sampling_params(req, req.max_tokens, req.logprobs, stop)
+    run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.include_stop_str_in_output,
+                        req.skip_special_tokens, req.priority)
+    echoes = [(t if t is not None else state.detokenize(p)) if req.echo else "" for p, t in zip(prompts, texts)]
+    run.start()
+    head = {"id": run.request_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.served_model_name}
+    if req.stream:
+        return SSEResponse(event_stream(run, _stream(run, req, head, echoes)))
+    if not await collect(run, request):
+        return client_closed_response()
+    choices = []
+    for c in run.choices:
+        echo = echoes[c.prompt_index]
+        choices.append(_choice(run, req, c, echo + c.detok.text, c.token_ids, c.logprobs, len(echo),
+                               prompts[c.prompt_index]))
+    return JSONResponse({**head, "choices": choices, "usage": run.usage()})
+
+
+async def _stream(run: GenerationRun, req: CompletionRequest, head: dict, echoes: list[str]) -> AsyncIterator[bytes]:
+    offsets = {c.index: len(echoes[c.prompt_index]) for c in run.choices}
+    started: set[int] = set()
+    while not run.done:
+        c = await run.next()
+        if not c.delta_ids and not c.delta_text and not c.finished:
+            continue
+        text = c.delta_text
+        prompt_ids = None
+        if c.index not in started:
+            started.add(c.index)
+            text = echoes[c.prompt_index] + text
+            prompt_ids = run.prompts[c.prompt_index]
+        choice = _choice(run, req, c, text, c.delta_ids, c.delta_logprobs, offsets[c.index], prompt_ids)
+        if choice["logprobs"] and run.state.tokenizer is not None:
+            offsets[c.index] += sum(len(t) for t in choice["logprobs"]["tokens"])
+        yield sse({**head, "choices": [choice]})
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse({**head, "choices": [], "usage": run.usage()})

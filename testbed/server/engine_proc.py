@@ -1,0 +1,206 @@
+"""The engine-core process: EngineCore + executor in a busy loop, fed and drained over ZMQ.
+
+Loop: read every pending message (blocking only while idle), step once if anything is unfinished,
+send that step's token deltas with a stats snapshot. The loop depends only on the executor
+interface (execute / num_gpu_blocks / max_model_len / eos_token_id / vocab_size / shutdown).
+Exits 0 on Shutdown or when its parent is gone; on any exception it sends EngineError first
+and exits 1, so the API server can fail in-flight requests at once instead of waiting.
+Started as `python -m testbed.server.engine_proc CONFIG_JSON` (see EngineProcConfig).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from testbed.engine.config import EngineConfig
+from testbed.engine.core import EngineCore
+from testbed.engine.outputs import RequestOutput
+from testbed.engine.request import Request, SamplingParams
+from testbed.server import protocol as P
+
+PARENT_CHECK_S = 1.0
+
+
+class EngineProcConfig(msgspec.Struct):
+    """Everything the process needs, passed as JSON on its command line."""
+
+    engine: dict  # EngineConfig fields
+    input_addr: str = ""  # the EngineClient fills the ZMQ addresses and its own pid
+    output_addr: str = ""
+    parent_pid: int = 0
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str | None = None
+    enforce_eager: bool = False
+    log_steps: str | None = None  # directory: steps.jsonl and requests.jsonl are appended there
+    executor_factory: str = "testbed.worker.executor:create_executor"
+
+
+class StepLog:
+    """Appends the core's step and request records (STEP_COLUMNS / REQUEST_COLUMNS rows) as JSON lines."""
+
+    def __init__(self, directory: str) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.steps = open(d / "steps.jsonl", "ab")
+        self.requests = open(d / "requests.jsonl", "ab")
+
+    def write(self, steps: list[tuple], requests: list[tuple]) -> None:
+        for f, rows in ((self.steps, steps), (self.requests, requests)):
+            if rows:
+                f.write(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
+                f.flush()
+
+    def close(self) -> None:
+        self.steps.close()
+        self.requests.close()
+
+
+def _to_wire(o: RequestOutput) -> P.CoreOutput:
+    return P.CoreOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
+                        o.num_cached_tokens, o.new_logprobs)
+
+
+class EngineProc:
+    def __init__(self, cfg: EngineProcConfig) -> None:
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.inp = self.ctx.socket(zmq.PULL)
+        self.inp.setsockopt(zmq.RCVHWM, 0)
+        self.inp.connect(cfg.input_addr)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.SNDHWM, 0)
+        self.out.connect(cfg.output_addr)
+        self.acked_seq = -1
+        self.running = True
+        self.core: EngineCore | None = None
+        self.eos: int | None = None
+
+    def send(self, msg) -> None:
+        self.out.send(P.encoder.encode(msg), copy=False)
+
+    def run(self) -> None:
+        module, name = self.cfg.executor_factory.split(":")
+        factory = getattr(importlib.import_module(module), name)
+        config = EngineConfig(**self.cfg.engine)
+        executor = factory(self.cfg.model, config, load_format=self.cfg.load_format, dtype=self.cfg.dtype,
+                           device=self.cfg.device, enforce_eager=self.cfg.enforce_eager)
+        self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len)
+        self.eos = executor.eos_token_id
+        log = StepLog(self.cfg.log_steps) if self.cfg.log_steps else None
+        self.send(P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
+                          executor.vocab_size, os.getpid()))
+        last_parent_check = time.monotonic()
+        try:
+            while self.running:
+                outputs = self.read_inputs(block=not core.has_unfinished_requests())
+                if not self.running:
+                    break
+                scheduled: dict[str, float] = {}
+                stepped = False
+                if core.has_unfinished_requests():
+                    start = time.time()
+                    so = core.schedule(start)
+                    if not so.is_empty:
+                        for rid in so.new_req_ids:
+                            if core.requests[rid].first_scheduled_time == start:  # not a resumed preemption
+                                scheduled[rid] = start
+                        out = executor.execute(so)
+                        outputs.extend(core.update(so, out, time.time()))
+                        stepped = True
+                    else:  # nothing schedulable until an input changes things: wait for one, don't spin
+                        self.inp.poll(10)
+                if outputs or stepped:
+                    self.send(P.Outputs([_to_wire(o) for o in outputs], self.stats(), scheduled))
+                rec = core.records
+                if log is not None:
+                    log.write(rec.steps, rec.requests)
+                for rows in (rec.steps, rec.requests, rec.itl):  # a server runs for days: keep no history
+                    rows.clear()
+                now = time.monotonic()
+                if now - last_parent_check > PARENT_CHECK_S:
+                    last_parent_check = now
+                    if os.getppid() != self.cfg.parent_pid:
+                        break  # the API server is gone: nobody to serve
+        finally:
+            executor.shutdown()
+            if log is not None:
+                log.close()
+
+    def read_inputs(self, block: bool) -> list[RequestOutput]:
+        """Apply every pending message; waits up to PARENT_CHECK_S for the first one when `block`."""
+        outputs: list[RequestOutput] = []
+        timeout = int(PARENT_CHECK_S * 1000) if block else 0
+        while self.inp.poll(timeout):
+            timeout = 0
+            msg = P.to_engine_decoder.decode(self.inp.recv(copy=False).buffer)
+            if isinstance(msg, P.AddRequest):
+                out = self.add(msg)
+                if out is not None:
+                    outputs.append(out)
+            elif isinstance(msg, P.AbortRequests):
+                now = time.time()
+                for rid in msg.request_ids:
+                    out = self.core.abort(rid, now)
+                    if out is not None:
+                        outputs.append(out)
+            elif isinstance(msg, P.Shutdown):
+                self.running = False
+                break
+        return outputs
+
+    def add(self, m: P.AddRequest) -> RequestOutput | None:
+        """Queue one request; a bad one is rejected (with the reason) rather than killing the engine."""
+        self.acked_seq = m.seq
+        now = time.time()
+        try:
+            sp = SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, seed=m.seed,
+                                max_tokens=m.max_tokens, min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids,
+                                ignore_eos=m.ignore_eos, logprobs=m.logprobs)
+            req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, self.eos)
+            return self.core.add_request(req, now)
+        except ValueError as e:
+            return RequestOutput(m.request_id, [], True, "rejected", str(e))
+
+    def stats(self) -> P.SchedulerStats:
+        core = self.core
+        bm, sched = core.block_manager, core.scheduler
+        return P.SchedulerStats(sched.num_running, sched.num_waiting, bm.usage, sched.num_preemptions,
+                                bm.prefix_queries, bm.prefix_hits, self.acked_seq)
+
+    def close(self) -> None:
+        self.out.close(linger=2000)  # deliver what is queued (an EngineError above all)
+        self.inp.close(linger=0)
+        self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m testbed.server.engine_proc CONFIG_JSON (started by `testbed serve`)", file=sys.stderr)
+        return 2
+    cfg = msgspec.json.decode(argv[0], type=EngineProcConfig)
+    proc = EngineProc(cfg)
+    code = 0
+    try:
+        proc.run()
+    except BaseException as e:  # noqa: BLE001 - report anything, then die
+        tb = traceback.format_exc()
+        print(f"engine core: fatal error: {e!r}\n{tb}", file=sys.stderr, flush=True)
+        proc.send(P.EngineError(f"{type(e).__name__}: {e}", tb))
+        code = 1
+    finally:
+        proc.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

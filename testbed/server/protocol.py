@@ -1,0 +1,101 @@
+"""Messages between the API server and the engine-core process: msgspec structs on ZMQ (never pickle).
+
+API server -> engine core (one PUSH/PULL pipe): AddRequest, AbortRequests, Shutdown.
+Engine core -> API server (another pipe): Ready once the executor is built, then Outputs after every
+step or batch of inputs (token deltas + a SchedulerStats snapshot), and EngineError just before the
+process dies of an exception. Every struct is tagged, so one decoder reads the whole union.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+# (logprob of the chosen token, [(token id, logprob), ...] top-N), as ModelRunnerOutput carries them
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """One sequence to generate. `seq` numbers adds so the API server knows which ones a stats
+    snapshot already includes (its waiting-bound estimate). Stop strings stay in the API server."""
+
+    seq: int
+    request_id: str
+    prompt_token_ids: list[int]
+    arrival_time: float
+    max_tokens: int | None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    priority: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """Sent once the executor is built: what the API server needs to validate requests."""
+
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    vocab_size: int
+    pid: int
+
+
+class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request after a step (RequestOutput on the wire)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprob] | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """Gauges and cumulative counters of the core, sampled after a step. `acked_seq` is the last
+    AddRequest the snapshot includes."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    acked_seq: int
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    """One step's deltas. `scheduled` maps requests scheduled for the first time to that time
+    (for the queue-time histogram); times are time.time() of the engine host."""
+
+    outputs: list[CoreOutput]
+    stats: SchedulerStats
+    scheduled: dict[str, float] = {}
+
+
+class EngineError(msgspec.Struct, tag="error", array_like=True):
+    message: str
+    traceback: str = ""
+
+
+ToEngine = Union[AddRequest, AbortRequests, Shutdown]
+FromEngine = Union[Ready, Outputs, EngineError]
+
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,172 @@
+"""`testbed serve [MODEL]`: start the engine-core process, then the API server (uvicorn) in this one.
+
+Startup: resolve the model (no MODEL = the bundled SmolLM2), spawn the engine core while the
+tokenizer loads, bind only once the executor is ready. SIGTERM / SIGINT: stop accepting, let
+in-flight requests finish within --shutdown-timeout (then cancel them), stop the engine core,
+exit 0. A second SIGINT forces the exit.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `serve` (vLLM's flags) on the CLI's subparsers."""
+    from testbed.cli import add_engine_args
+    p = subparsers.add_parser("serve", help="OpenAI-compatible server: API server + engine-core process",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model folder, .gguf file or preset name (with --load-format dummy); default: bundled SmolLM2")
+    add_engine_args(p, None)
+    g = p.add_argument_group("server")
+    g.add_argument("--served-model-name", default=None, help="name in the API (default: the model's folder name)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when there is one)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("TESTBED_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $TESTBED_API_KEY, unset = open)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413 (default: %(default)s)")
+    g.add_argument("--log-steps", default=None, metavar="DIR",
+                   help="append the engine's step and request records to DIR/steps.jsonl, DIR/requests.jsonl")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (default: %(default)s)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    return asyncio.run(run_server(args))
+
+
+def _log(msg: str) -> None:
+    print(f"testbed serve: {msg}", file=sys.stderr, flush=True)
+
+
+def _load_tokenizer(path: str):
+    from testbed.worker.loader import load_tokenizer
+    try:
+        return load_tokenizer(path)
+    except FileNotFoundError as e:
+        _log(f"warning: {e}; text prompts and chat are refused, token-id prompts work")
+        return None
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn without its signal re-raise (it would turn a clean drain into exit code -15)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(sig)
+
+    return Server
+
+
+async def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from testbed.cli import engine_config
+    from testbed.engine.config import ConfigError
+    from testbed.server.api import build_app
+    from testbed.server.client import EngineClient
+    from testbed.detokenizer import TokenTexts
+    from testbed.server.engine_proc import EngineProcConfig
+    from testbed.server.metrics import ServerMetrics
+    from testbed.server.state import ServerState
+    from testbed.worker.executor import resolve_model
+
+    cfg = engine_config(args)
+    if cfg.data_parallel_size != 1:
+        raise ConfigError("--data-parallel-size: `testbed serve` runs one engine replica; use 1")
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ConfigError(f"--model: given both as MODEL ({args.model_tag}) and --model ({args.model}); give one")
+    model = resolve_model(args.model_tag or args.model, args.load_format)
+    served = args.served_model_name or os.path.basename(os.path.normpath(model))
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    client = EngineClient(EngineProcConfig(engine=cfg.to_dict(), model=model, load_format=args.load_format,
+                                           dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
+                                           log_steps=args.log_steps))
+    tokenizer_path = args.tokenizer or model
+    tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path))
+    start = asyncio.ensure_future(client.start())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((start, stopper), return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # signalled while loading
+        start.cancel()
+        await client.shutdown()
+        _log("stopped during startup")
+        return 0
+    stopper.cancel()
+    ready = start.result()  # RuntimeError when the engine failed to start
+    try:
+        tokenizer = await tokenizer_job
+    except BaseException:
+        await client.shutdown()
+        raise
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)
+
+    state = ServerState(client, tokenizer, served, model, ServerMetrics(served), ready.max_model_len,
+                        ready.vocab_size, ready.num_gpu_blocks, ready.block_size, cfg.max_num_waiting, args.api_key,
+                        TokenTexts(tokenizer))
+    client.on_stats = state.on_stats
+    app = build_app(state, args.max_request_bytes)
+    _log(f"engine core pid {ready.pid}: {ready.num_gpu_blocks} KV blocks of {ready.block_size}, max_model_len "
+         f"{ready.max_model_len}; serving {served!r} on http://{args.host}:{args.port}")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log, lifespan="off",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    server = _server_class()(config)
+    try:
+        await server.serve()
+    finally:
+        await client.shutdown()
+    _log("stopped")
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m testbed.server.serve ...`: the same as `testbed serve ...`."""
+    from testbed.engine.config import ConfigError
+    parser = argparse.ArgumentParser(prog="testbed")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"testbed serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

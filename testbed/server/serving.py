@@ -1,0 +1,218 @@
+"""The generation machinery shared by /v1/completions and /v1/chat/completions.
+
+A GenerationRun holds the choices of one HTTP request (prompts x n): one core request each, all
+routed to one output stream, each with its own detokenizer. It validates the sampling parameters,
+admits (or refuses with 503) as a whole, applies outputs (stop strings abort the core request),
+observes the latency metrics, and aborts whatever is unfinished when it is closed early.
+Invariant: every choice finishes exactly once, with one finish_reason.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from testbed.engine.request import SamplingParams
+from testbed.server.client import EngineDeadError, RequestStream
+from testbed.detokenizer import IncrementalDetokenizer
+from testbed.server.schemas import MAX_LOGPROBS, APIError, bad_request
+from testbed.server.state import ServerState
+
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, stop: list[str]) -> SamplingParams:
+    """Validate the shared sampling fields (400 naming the parameter) into SamplingParams."""
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if any(not s for s in stop):
+        raise bad_request("stop strings must be non-empty", "stop")
+    try:
+        return SamplingParams(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
+    except ValueError as e:
+        param = next((p for p in ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "logprobs", "stop")
+                      if f"SamplingParams: {p} " in str(e)), None)
+        raise bad_request(str(e).removeprefix("SamplingParams: "), param) from None
+
+
+class Choice:
+    """One generated sequence and what its latest output added."""
+
+    def __init__(self, index: int, request_id: str, prompt_index: int, detok: IncrementalDetokenizer) -> None:
+        self.index, self.request_id, self.prompt_index, self.detok = index, request_id, prompt_index, detok
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.first_token_time: float | None = None
+        self.last_token_time = 0.0
+        self.delta_text = ""
+        self.delta_ids: list[int] = []
+        self.delta_logprobs: list = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class GenerationRun:
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], sp: SamplingParams,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True, priority: int = 0) -> None:
+        self.state, self.request_id, self.prompts, self.sp = state, request_id, prompts, sp
+        self.priority = priority
+        self.arrival = time.time()
+        if sp.stop and state.tokenizer is None:
+            raise bad_request("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
+        for p in prompts:
+            self._check_length(p, sp.max_tokens)
+        self.choices: list[Choice] = []
+        for pi, prompt in enumerate(prompts):
+            for i in range(sp.n):
+                idx = pi * sp.n + i
+                detok = IncrementalDetokenizer(state.tokenizer, prompt, sp.stop, include_stop_str_in_output,
+                                               skip_special_tokens)
+                self.choices.append(Choice(idx, f"{request_id}-{idx}", pi, detok))
+        self.by_id = {c.request_id: c for c in self.choices}
+        self.stream = RequestStream(request_id)
+        self.num_unfinished = len(self.choices)
+
+    def _check_length(self, prompt: list[int], max_tokens: int | None) -> None:
+        st, n = self.state, len(prompt)
+        if n == 0:
+            raise bad_request("the prompt is empty; give at least one token", "prompt")
+        if max_tokens is None and n >= st.max_model_len:
+            raise bad_request(f"This model's maximum context length is {st.max_model_len} tokens, but the prompt has "
+                              f"{n} tokens; shorten it", "messages")
+        if max_tokens is not None and n + max_tokens > st.max_model_len:
+            raise bad_request(f"This model's maximum context length is {st.max_model_len} tokens. However, you "
+                              f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
+                              "completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        blocks = -(-min(n + (max_tokens or st.max_model_len), st.max_model_len) // st.block_size)
+        if blocks > st.num_gpu_blocks:
+            raise bad_request(f"the request needs {blocks} KV-cache blocks but the server has {st.num_gpu_blocks}; "
+                              "shorten it", "max_tokens")
+
+    def start(self) -> None:
+        """Admit every choice or none: 503 when the engine is dead or the waiting bound is reached."""
+        st, client = self.state, self.state.client
+        if client.is_dead:
+            raise APIError(503, f"engine core is dead: {client.dead_reason}", None, "engine_dead")
+        bound = st.max_num_waiting
+        if bound is not None and client.num_waiting_estimate + len(self.choices) > bound:
+            raise APIError(503, f"too many waiting requests (bound {bound}, --max-num-waiting); retry later",
+                           None, "waiting_queue_full")
+        for c in self.choices:
+            st.arrivals[c.request_id] = self.arrival
+            try:
+                self._add(c)
+            except EngineDeadError as e:
+                self._fail_all()
+                raise APIError(503, str(e), None, "engine_dead") from None
+
+    def _add(self, c: Choice) -> None:
+        sp = self.sp
+        self.state.client.add(c.request_id, self.prompts[c.prompt_index], self.arrival, stream=self.stream,
+                              max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                              seed=None if sp.seed is None else sp.seed + c.index % sp.n, min_tokens=sp.min_tokens,
+                              stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, logprobs=sp.logprobs,
+                              priority=self.priority)
+
+    @property
+    def done(self) -> bool:
+        return self.num_unfinished == 0
+
+    async def next(self) -> Choice:
+        """Wait for the next output and apply it; EngineDeadError or APIError(rejected) on failure."""
+        while True:
+            try:
+                out = await self.stream.get()
+            except EngineDeadError as e:
+                self._fail_all()
+                raise APIError(503, str(e), None, "engine_dead") from None
+            c = self.by_id.get(out.request_id)
+            if c is not None and not c.finished:
+                self._apply(c, out)
+                return c
+
+    def _apply(self, c: Choice, out) -> None:
+        st, m, now = self.state, self.state.metrics, time.time()
+        if out.finish_reason == "rejected":
+            self._finish(c, "error", None, now)
+            raise APIError(503 if "waiting" in str(out.stop_reason) else 400, f"request rejected: {out.stop_reason}")
+        before = c.detok.num_tokens
+        stopped = c.detok.add(out.new_token_ids)
+        n = c.detok.num_tokens - before
+        c.delta_ids = out.new_token_ids[:n]
+        c.token_ids.extend(c.delta_ids)
+        c.delta_logprobs = (out.new_logprobs or [])[:n]
+        c.logprobs.extend(c.delta_logprobs)
+        if n:
+            if c.first_token_time is None:
+                c.first_token_time = now
+                c.num_cached_tokens = out.num_cached_tokens
+                m.ttft.observe(now - self.arrival)
+                m.prompt_tokens.inc(len(self.prompts[c.prompt_index]))
+            else:
+                m.itl.observe(now - c.last_token_time)
+            c.last_token_time = now
+            m.generation_tokens.inc(n)
+        if stopped:
+            st.client.abort([c.request_id])  # frees its KV blocks now
+            self._finish(c, "stop", c.detok.stop_reason, now)
+        elif out.finished:
+            c.detok.finish()
+            if c.detok.stop_reason is not None:
+                self._finish(c, "stop", c.detok.stop_reason, now)
+            else:
+                self._finish(c, out.finish_reason, out.stop_reason, now)
+        c.delta_text = c.detok.delta(final=c.finished)
+
+    def _finish(self, c: Choice, reason: str, stop_reason, now: float) -> None:
+        c.finish_reason, c.stop_reason = reason, stop_reason
+        self.num_unfinished -= 1
+        self.state.arrivals.pop(c.request_id, None)
+        m = self.state.metrics
+        m.request_success[reason if reason in m.request_success else "error"].inc()
+        if reason in ("stop", "length"):
+            m.e2e.observe(now - self.arrival)
+
+    def _fail_all(self) -> None:
+        for c in self.choices:
+            if not c.finished:
+                self._finish(c, "error", None, time.time())
+
+    def abort(self) -> None:
+        """Stop every unfinished choice (client gone, or another choice failed)."""
+        live = [c for c in self.choices if not c.finished]
+        if live:
+            self.state.client.abort([c.request_id for c in live])
+            now = time.time()
+            for c in live:
+                self._finish(c, "abort", None, now)
+
+    async def run_to_end(self) -> None:
+        """Collect every choice (non-streaming); aborts the rest if anything fails or it is cancelled."""
+        try:
+            while not self.done:
+                await self.next()
+        finally:
+            self.abort()
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        n = self.sp.n
+        cached = sum(self.choices[pi * n].num_cached_tokens for pi in range(len(self.prompts)))
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def token_text(self, token_id: int) -> str:
+        return self.state.token_texts(token_id)

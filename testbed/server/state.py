@@ -1,0 +1,62 @@
+"""ServerState: what every route needs (engine client, tokenizer, limits, metrics) and the request
+checks that depend on the served model (name, tokenization, vocabulary)."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from testbed.server.client import EngineClient
+from testbed.detokenizer import TokenTexts
+from testbed.server.metrics import ServerMetrics
+from testbed.server.schemas import APIError, bad_request
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    tokenizer: Any | None
+    served_model_name: str
+    model_path: str
+    metrics: ServerMetrics
+    max_model_len: int
+    vocab_size: int
+    num_gpu_blocks: int
+    block_size: int
+    max_num_waiting: int | None = None
+    api_key: str | None = None
+    token_texts: TokenTexts | None = None
+    arrivals: dict[str, float] = field(default_factory=dict)  # core request id -> arrival, until scheduled
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def on_stats(self, stats, scheduled: dict[str, float]) -> None:
+        self.metrics.update_stats(stats)
+        for rid, t in scheduled.items():
+            arrival = self.arrivals.pop(rid, None)
+            if arrival is not None:
+                self.metrics.queue_time.observe(max(t - arrival, 0.0))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.served_model_name, self.model_path):
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.served_model_name}`.",
+                           "model", "model_not_found")
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer (dummy weights): send prompt token ids instead", "prompt")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

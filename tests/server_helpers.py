@@ -1,0 +1,119 @@
+"""Helpers for the server tests: a real `testbed serve` subprocess on 127.0.0.1 and SSE reading.
+
+Servers run the bundled SmolLM2 on the CPU with a small context and KV cache so they start fast
+and stay light; every wait is bounded so a broken server fails a test instead of hanging it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--max-model-len", "256", "--num-gpu-blocks", "320", "--max-num-batched-tokens", "1024",
+         "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m testbed.server.serve` in a subprocess; its output goes to a log file in `log_dir`
+    (a pytest tmp dir, so old logs are pruned)."""
+
+    def __init__(self, *args: str, log_dir: Path, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.log_path = Path(tempfile.mkstemp(prefix="serve-", suffix=".log", dir=log_dir)[1])
+        cmd = [sys.executable, "-m", "testbed.server.serve", "--port", str(self.port), *SMALL, *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("TESTBED_API_KEY", None)
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def engine_pid(self) -> int:
+        """The engine-core process: the API server's only child."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        assert len(children) == 1, f"expected one child (the engine core), got {children}"
+        return int(children[0])
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM and wait; the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            pid = None
+            try:
+                pid = self.engine_pid()
+            except (OSError, AssertionError, ValueError):
+                pass
+            self.proc.kill()
+            self.proc.wait(30)
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.log.close()
+
+
+def sse_events(lines) -> list:
+    """Parsed `data:` payloads of an SSE body ('[DONE]' kept as the string)."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` in a Prometheus text page."""
+    from prometheus_client.parser import text_string_to_metric_families
+    total, found = 0.0, False
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+                found = True
+    assert found, f"metric {name} {labels} not on the page"
+    return total

@@ -1,0 +1,200 @@
+"""Faults of `testbed serve`: the waiting bound (503), SIGTERM with requests in flight (drain, exit 0),
+an engine-core crash (every in-flight request ends with an error, never a hang; /health 503), and
+an exception inside the engine core (reported to the API server before the process dies).
+
+Real servers on 127.0.0.1 with the bundled SmolLM2 on the CPU; every wait is bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_helpers import ServerProcess, metric, sse_events
+
+PROMPT = "The capital of France is"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+async def open_stream(h: httpx.AsyncClient, url: str, max_tokens: int, first_chunk: bool = True):
+    """Start a streaming completion; returns (response, line iterator, events read so far)."""
+    req = h.build_request("POST", f"{url}/v1/completions",
+                          json={"prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True})
+    r = await h.send(req, stream=True)
+    assert r.status_code == 200, await r.aread()
+    lines = r.aiter_lines()
+    events = []
+    while first_chunk and not events:
+        events += sse_events([await lines.__anext__()])
+    return r, lines, events
+
+
+async def read_rest(r, lines, events: list) -> list:
+    async for line in lines:
+        events += sse_events([line])
+    await r.aclose()
+    return events
+
+
+def tokens_of(events: list) -> int:
+    return sum(1 for e in events if isinstance(e, dict) and e.get("choices"))
+
+
+def test_waiting_bound_503_then_sigterm_drains_in_flight(tmp_path):
+    srv = ServerProcess("--max-num-seqs", "1", "--max-num-waiting", "1", "--shutdown-timeout", "120",
+                        log_dir=tmp_path).wait_ready()
+    url = srv.url
+
+    async def scenario() -> int:
+        async with httpx.AsyncClient(timeout=120) as h:
+            # A runs (the only seat), B waits: the bound of 1 waiting request is reached
+            a = await open_stream(h, url, 12)
+            b = await open_stream(h, url, 3, first_chunk=False)
+            for stream in (False, True):
+                r = await h.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": stream})
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "waiting_queue_full"
+            deadline = time.monotonic() + 30  # the engine reports B as waiting after its next step
+            while metric((await h.get(f"{url}/metrics")).text, "testbed:num_requests_waiting") != 1:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+            ev_a, ev_b = await read_rest(*a), await read_rest(*b)
+            assert tokens_of(ev_a) == 12 and tokens_of(ev_b) == 3 and ev_a[-1] == ev_b[-1] == "[DONE]"
+            # the server keeps serving once the queue drains
+            ok = await h.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+            # SIGTERM with one request running and one waiting: both complete, then exit 0
+            e = await open_stream(h, url, 10)
+            f = await open_stream(h, url, 3, first_chunk=False)
+            srv.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1.0)
+            with pytest.raises(httpx.ConnectError):  # no longer accepting
+                await h.get(f"{url}/health")
+            ev_e, ev_f = await asyncio.wait_for(asyncio.gather(read_rest(*e), read_rest(*f)), 120)
+            assert tokens_of(ev_e) == 10 and tokens_of(ev_f) == 3
+            assert ev_e[-1] == ev_f[-1] == "[DONE]"
+            assert not any("error" in x for x in ev_e + ev_f if isinstance(x, dict))
+            return await asyncio.to_thread(srv.proc.wait, 60)
+
+    try:
+        assert asyncio.run(scenario()) == 0, srv.log_text()
+    finally:
+        srv.kill()
+
+
+def test_engine_crash_ends_every_in_flight_request_with_an_error(tmp_path):
+    srv = ServerProcess("--served-model-name", "smol", log_dir=tmp_path).wait_ready()
+    url = srv.url
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=60) as h:
+            assert (await h.get(f"{url}/v1/models")).json()["data"][0]["id"] == "smol"
+            named = await h.post(f"{url}/v1/completions", json={"model": "smol", "prompt": PROMPT, "max_tokens": 1})
+            assert named.status_code == 200 and named.json()["model"] == "smol"
+            streams = [await open_stream(h, url, 200) for _ in range(4)]
+            body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+            plain = [asyncio.ensure_future(h.post(f"{url}/v1/completions", json=body)) for _ in range(2)]
+            await asyncio.sleep(0.5)
+            os.kill(srv.engine_pid(), signal.SIGKILL)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*(read_rest(*s) for s in streams), *plain), 30)
+            assert time.monotonic() - t0 < 10
+            for events in results[:4]:
+                assert events[-1] == "[DONE]"
+                err = events[-2]["error"]
+                assert err["code"] == "engine_dead" and "exited" in err["message"]
+                assert tokens_of(events) < 200
+            for r in results[4:]:
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            health = await h.get(f"{url}/health")
+            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+            again = await h.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "stream": True})
+            assert again.status_code == 503
+            assert (await h.get(f"{url}/v1/models")).status_code == 200  # the API server itself lives on
+
+    try:
+        asyncio.run(scenario())
+        assert srv.proc.poll() is None
+        assert srv.terminate() == 0, srv.log_text()
+    finally:
+        srv.kill()
+
+
+# ---- an exception inside the engine core, with executors that fail on purpose ------------------------
+class _FailingExecutor:
+    num_gpu_blocks, max_model_len, eos_token_id, vocab_size = 64, 128, None, 1000
+
+    def execute(self, so):
+        raise RuntimeError("boom in execute")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def failing_executor(model, config, **kw) -> _FailingExecutor:
+    return _FailingExecutor()
+
+
+def broken_executor(model, config, **kw):
+    raise ValueError("cannot build this executor")
+
+
+def _client(factory: str):
+    from testbed.engine.config import EngineConfig
+    from testbed.server.client import EngineClient
+    from testbed.server.engine_proc import EngineProcConfig
+    return EngineClient(EngineProcConfig(engine=EngineConfig().to_dict(), executor_factory=factory))
+
+
+@pytest.fixture
+def tests_on_path(monkeypatch):
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.syspath_prepend(here)
+
+
+def test_engine_exception_is_reported_then_process_dies(tests_on_path):
+    from testbed.server.client import EngineDeadError
+
+    async def scenario() -> None:
+        client = _client(f"{Path(__file__).stem}:failing_executor")
+        ready = await asyncio.wait_for(client.start(), 60)
+        assert ready.max_model_len == 128 and ready.num_gpu_blocks == 64
+        stream = client.add("r1", [1, 2, 3], time.time(), max_tokens=4, temperature=0.0)
+        with pytest.raises(EngineDeadError, match="boom in execute"):
+            await asyncio.wait_for(stream.get(), 30)
+        assert client.is_dead
+        deadline = time.monotonic() + 10
+        while client.proc.poll() is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        assert client.proc.returncode == 1
+        with pytest.raises(EngineDeadError):
+            client.add("r2", [1], time.time(), max_tokens=1)
+        await client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_engine_startup_failure_is_reported(tests_on_path):
+    async def scenario() -> None:
+        client = _client(f"{Path(__file__).stem}:broken_executor")
+        with pytest.raises(RuntimeError, match="cannot build this executor"):
+            await asyncio.wait_for(client.start(), 60)
+
+    asyncio.run(scenario())
+
+
+def test_serve_cli_rejects_bad_flags():
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "testbed.server.serve", "--data-parallel-size", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--data-parallel-size" in r.stderr
