@@ -114,6 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Llama-3.1-8B")
     ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--cases", default="1g,1e,2e,2g", help="TP size + g (CUDA graphs) or e (eager), comma-separated")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     spec = get_model_spec(args.model)
@@ -122,14 +123,16 @@ def main() -> None:
            "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE")}
     out["allreduce"] = ar = allreduce_bench(spec.hidden_size)
     print(json.dumps({k: v for k, v in ar.items() if k != "rows"}), flush=True)
-    out["cases"] = [engine_case(args.model, 1, False, args.num_requests),
-                    engine_case(args.model, 1, True, args.num_requests),
-                    engine_case(args.model, 2, True, args.num_requests),
-                    engine_case(args.model, 2, False, args.num_requests)]
+    cases = {}
+    for c in args.cases.split(","):  # e.g. 1g = TP 1 with CUDA graphs, 2e = TP 2 eager
+        cases[c] = engine_case(args.model, int(c[:-1]), c[-1] == "e", args.num_requests)
+    out["cases"] = list(cases.values())
     per_ar = {b: ar["latency_s"] + b * spec.hidden_size * 2 / ar["bus_bandwidth"] for b in (1, 64)}
     out["allreduce_ms_per_step"] = {f"batch{b}": 2 * spec.num_hidden_layers * t * 1e3 for b, t in per_ar.items()}
-    for name, (a, b) in {"graphs": (0, 3), "eager": (1, 2)}.items():
-        e1, e2 = out["cases"][a], out["cases"][b]
+    for name, (a, b) in {"graphs": ("1g", "2g"), "eager": ("1e", "2e")}.items():
+        if a not in cases or b not in cases:
+            continue
+        e1, e2 = cases[a], cases[b]
         out[f"scaling_efficiency_throughput_{name}"] = e2["throughput_output_tok_s"] / (2 * e1["throughput_output_tok_s"])
         out[f"speedup_decode_b1_{name}"] = e1["decode_ms_b1"] / e2["decode_ms_b1"]
         out[f"speedup_decode_b64_{name}"] = e1["decode_ms_b64"] / e2["decode_ms_b64"]
