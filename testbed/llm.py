@@ -74,6 +74,13 @@ class LLM:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> RequestOutput | None:
+        """Queue one request; returns a finished 'rejected' output when the engine cannot serve it.
+        Token ids outside the vocabulary raise ValueError (the embedding would fail or, under TP, read zeros)."""
+        vocab = self.executor.vocab_size
+        bad = next((int(t) for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id!r}: prompt token id {bad} is outside the vocabulary [0, {vocab}); "
+                             "pass token ids from this model's tokenizer")
         req = Request(request_id, prompt_token_ids, params, self.now() if arrival_time is None else arrival_time,
                       priority=priority, eos_token_id=self.eos_token_id)
         return self.engine.add_request(req, self.now())

@@ -39,42 +39,46 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
                        limit=limit, fmt=trace_format)
     llm = LLM(model, load_format=load_format, dtype=dtype, device=device, skip_tokenizer_init=True,
               **config.to_dict())
-    vocab = llm.executor.vocab_size
-    reserved = min(RESERVED_TOKEN_IDS, vocab // 10)
-    prompts = [synthesize_prompt(tr, vocab, config.seed, reserved=reserved) for tr in trace]
-    start = time.perf_counter()
-    llm._t0 = start  # the run's time 0 is the replay start
-    wall0 = time.perf_counter()
-    i = 0
-    while i < len(trace) or llm.engine.has_unfinished_requests():
-        now = llm.now()
-        while i < len(trace) and trace[i].arrival_s <= now:
-            tr = trace[i]
-            sp = SamplingParams(max_tokens=tr.output_tokens, ignore_eos=True, temperature=0.0)
-            llm.add_request(tr.id, prompts[i], sp, arrival_time=tr.arrival_s, priority=tr.priority)
-            i += 1
-        if llm.engine.has_unfinished_requests():
-            llm.step()
-        elif i < len(trace):
-            time.sleep(max(0.0, trace[i].arrival_s - llm.now()))
-    wall = time.perf_counter() - wall0
-    rec = llm.engine.records
-    bm = llm.engine.block_manager
-    summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot,
-                        bm.prefix_queries, bm.prefix_hits)
-    run_dir = None
-    if output is not None:
-        ex = llm.executor
-        manifest = {
-            "mode": "real", "config": config.to_dict(), "num_gpu_blocks": ex.num_gpu_blocks,
-            "max_model_len": ex.max_model_len,
-            "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
-                      "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
-            "model": {"name": model or "SmolLM2-135M-Instruct", "path": ex.model_path, "load_format": load_format,
-                      **{k: ex.hf_config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
-                                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}},
-            "hardware": hardware_info(ex.device), "dtype": str(ex.runner.dtype), "seed": config.seed,
-            "wall_time_s": wall, **environment_info(),
-        }
-        run_dir = write_run(output, manifest, rec, summary)
+    try:
+        vocab = llm.executor.vocab_size
+        reserved = min(RESERVED_TOKEN_IDS, vocab // 10)
+        prompts = [synthesize_prompt(tr, vocab, config.seed, reserved=reserved) for tr in trace]
+        start = time.perf_counter()
+        llm._t0 = start  # the run's time 0 is the replay start
+        wall0 = time.perf_counter()
+        i = 0
+        while i < len(trace) or llm.engine.has_unfinished_requests():
+            now = llm.now()
+            while i < len(trace) and trace[i].arrival_s <= now:
+                tr = trace[i]
+                sp = SamplingParams(max_tokens=tr.output_tokens, ignore_eos=True, temperature=0.0)
+                llm.add_request(tr.id, prompts[i], sp, arrival_time=tr.arrival_s, priority=tr.priority)
+                i += 1
+            if llm.engine.has_unfinished_requests():
+                llm.step()
+            elif i < len(trace):
+                time.sleep(max(0.0, trace[i].arrival_s - llm.now()))
+        wall = time.perf_counter() - wall0
+        rec = llm.engine.records
+        bm = llm.engine.block_manager
+        summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot,
+                            bm.prefix_queries, bm.prefix_hits)
+        run_dir = None
+        if output is not None:
+            ex = llm.executor
+            manifest = {
+                "mode": "real", "config": config.to_dict(), "num_gpu_blocks": ex.num_gpu_blocks,
+                "max_model_len": ex.max_model_len,
+                "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
+                          "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
+                "model": {"name": model or "SmolLM2-135M-Instruct", "path": ex.model_path, "load_format": load_format,
+                          **{k: ex.hf_config.get(k) for k in (
+                              "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                              "num_key_value_heads", "vocab_size")}},
+                "hardware": hardware_info(ex.device), "dtype": str(ex.runner.dtype), "seed": config.seed,
+                "wall_time_s": wall, **environment_info(),
+            }
+            run_dir = write_run(output, manifest, rec, summary)
+    finally:
+        llm.executor.shutdown()  # TP: end the worker processes and the process group
     return run_dir, summary

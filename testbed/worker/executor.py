@@ -83,9 +83,10 @@ class UniprocExecutor:
 def create_executor(model: str | None, engine_config: EngineConfig, load_format: str = "auto",
                     dtype: str = "auto", device: str | None = None, enforce_eager: bool = False):
     """The executor for these flags (model None = the bundled SmolLM2). CUDA graphs capture the
-    decode step on a GPU (on every TP rank) unless enforce_eager."""
+    decode step on a GPU unless enforce_eager; tensor-parallel ranks run eager (capturing NCCL
+    collectives in lockstep on every rank hung on 2 H200s and is not enabled)."""
     model = resolve_model(model, load_format)
     if engine_config.tensor_parallel_size > 1:
         from testbed.worker.multiproc import MultiprocExecutor
-        return MultiprocExecutor(model, engine_config, load_format, dtype, device, enforce_eager)
+        return MultiprocExecutor(model, engine_config, load_format, dtype, device)
     return UniprocExecutor(model, engine_config, load_format, dtype, device, enforce_eager)

@@ -22,7 +22,7 @@ from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.worker.executor import model_limits, resolve_device, resolve_dtype
 from testbed.worker.model_runner import ModelRunner, StepInputs
 
-CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN, CMD_CAPTURE = 0, 1, 2, 3, 4
+CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
 HEADER = 8  # cmd, T, B, max_blocks, n_sample, is_decode, arg, unused
 
 
@@ -44,8 +44,14 @@ def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, l
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=_timeout())
+    try:
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world, timeout=_timeout())
+    except BaseException:
+        # A failed init leaves torch's group counter advanced; the next engine's fresh workers (counter 0)
+        # would then wait on differently named store keys until the timeout. Reset it.
+        dist.distributed_c10d._world.group_count = 0
+        raise
     dt = resolve_dtype(dtype, device)
     net, hf_config = load_model(model, load_format, dt, device, seed=config.seed)
     max_model_len, _, _ = model_limits(hf_config, config)
@@ -78,8 +84,6 @@ def _worker_main(rank: int, world: int, port: int, model: str, config: EngineCon
                 dist.all_reduce(n, op=dist.ReduceOp.MIN)
             elif h[0] == CMD_ALLOC:
                 runner.allocate_kv_cache(h[6])
-            elif h[0] == CMD_CAPTURE:
-                runner.capture_cuda_graphs()
             else:
                 break
     finally:
@@ -96,7 +100,7 @@ class MultiprocExecutor:
     """tensor_parallel_size > 1: rank 0 here, ranks 1.. in spawned worker processes."""
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
-                 device: str | None = None, enforce_eager: bool = False) -> None:
+                 device: str | None = None) -> None:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process; "
                                "one tensor-parallel engine per process")
@@ -137,9 +141,6 @@ class MultiprocExecutor:
         self._send(CMD_ALLOC, arg=blocks)
         self.runner.allocate_kv_cache(blocks)
         self.num_gpu_blocks = blocks
-        if self.device.type == "cuda" and not enforce_eager:  # every rank captures in lockstep (NCCL inside)
-            self._send(CMD_CAPTURE)
-            self._guard(self.runner.capture_cuda_graphs)
         self.runner.broadcast_inputs = self._broadcast_inputs  # type: ignore[attr-defined]
 
     def _dead_ranks(self) -> list[str]:

@@ -1,0 +1,122 @@
+"""The Sampler on synthetic logits: greedy, temperature, top-k, top-p, per-request seeds and logprobs."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from testbed.engine.request import SamplingParams
+from testbed.worker.sampler import Sampler
+
+CPU = torch.device("cpu")
+PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]  # token i has probability PROBS[i] at temperature 1
+LOGITS = torch.tensor(PROBS).log()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _draw(params: SamplingParams, n: int = 3000, logits: torch.Tensor = LOGITS, seed: int = 0) -> Counter:
+    """n independent draws for one row (as n rows of one step)."""
+    tokens, _ = Sampler(CPU, seed)(logits.repeat(n, 1), [params] * n, [str(i) for i in range(n)])
+    return Counter(tokens)
+
+
+def _freq_close(counts: Counter, probs: list[float], n: int) -> None:
+    for tok, p in enumerate(probs):
+        sd = math.sqrt(p * (1 - p) / n)
+        assert abs(counts[tok] / n - p) < 5 * sd + 1e-9, (tok, counts[tok] / n, p)
+
+
+def test_greedy_rows_are_argmax_whatever_else_is_in_the_batch():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.0, top_k=3), SamplingParams(temperature=2.0, top_p=0.5),
+              SamplingParams(temperature=0.0, seed=4)]
+    tokens, logprobs = Sampler(CPU)(logits, params, list("abcde"))
+    assert logprobs is None
+    for i in (0, 2, 4):
+        assert tokens[i] == logits[i].argmax().item()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_temperature_scales_the_distribution(temperature):
+    n = 4000
+    counts = _draw(SamplingParams(temperature=temperature), n)
+    scaled = torch.softmax(LOGITS / temperature, dim=-1).tolist()
+    _freq_close(counts, scaled, n)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_top_k_keeps_the_k_most_likely_renormalised(k):
+    n = 3000
+    counts = _draw(SamplingParams(temperature=1.0, top_k=k), n)
+    assert set(counts) == set(range(k))
+    kept = PROBS[:k]
+    _freq_close(counts, [p / sum(kept) for p in kept], n)
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.3, 1), (0.41, 2), (0.64, 2), (0.66, 3), (0.95, 5), (1.0, 6)])
+def test_top_p_keeps_the_smallest_prefix_reaching_p(top_p, kept):
+    counts = _draw(SamplingParams(temperature=1.0, top_p=top_p), 3000)
+    assert set(counts) == set(range(kept))
+
+
+def test_top_k_then_top_p_per_row():
+    """As vLLM: top-p applies to the distribution renormalised over the top k (0.5, 0.31, 0.19 for k=3)."""
+    n = 600
+    params = [SamplingParams(temperature=1.0, top_k=3, top_p=0.45), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_k=3, top_p=0.9), SamplingParams(temperature=1.0, top_k=1)]
+    tokens, _ = Sampler(CPU)(LOGITS.repeat(4 * n, 1), params * n, [str(i) for i in range(4 * n)])
+    assert [set(tokens[i::4]) for i in range(4)] == [{0}, set(range(6)), {0, 1, 2}, {0}]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(1))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = Sampler(CPU, seed=0)
+    seq_alone = [alone(logits, [seeded], ["r"])[0][0] for _ in range(20)]
+    busy = Sampler(CPU, seed=123)
+    others = torch.randn(3, 40)
+    seq_busy = []
+    for step in range(20):  # the seeded row moves around among unseeded and greedy rows
+        batch = torch.cat([others[: step % 3], logits, others[step % 3:]])
+        k = step % 3
+        params = [SamplingParams(temperature=1.0)] * k + [seeded] + [SamplingParams(temperature=0.0)] * (3 - k)
+        ids = [f"o{j}" for j in range(step % 3)] + ["r"] + [f"g{j}" for j in range(3 - step % 3)]
+        seq_busy.append(busy(batch, params, ids)[0][step % 3])
+    assert seq_busy == seq_alone
+    assert len(set(seq_alone)) > 1
+    # a request's generator is its own: another id with the same seed starts the same sequence
+    assert alone(logits, [seeded], ["other"])[0][0] == seq_alone[0]
+    alone.forget(["r"])  # a finished request's generator is dropped; a new one with its id starts over
+    assert alone(logits, [seeded], ["r"])[0][0] == seq_alone[0]
+
+
+def test_unseeded_rows_follow_the_engine_seed():
+    a = _draw(SamplingParams(temperature=1.0), 200, seed=5)
+    b = _draw(SamplingParams(temperature=1.0), 200, seed=5)
+    assert a == b
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.5, top_k=3, logprobs=0, seed=1),
+              SamplingParams(temperature=0.0)]
+    tokens, logprobs = Sampler(CPU)(logits, params, ["a", "b", "c"])
+    raw = torch.log_softmax(logits, dim=-1)
+    chosen, top = logprobs[0]
+    assert chosen == pytest.approx(raw[0, tokens[0]].item(), abs=1e-6)
+    assert [t for t, _ in top] == raw[0].topk(5).indices.tolist() and top[0][0] == tokens[0]
+    assert [lp for _, lp in top] == pytest.approx(raw[0].topk(5).values.tolist(), abs=1e-6)
+    chosen, top = logprobs[1]  # not rescaled by temperature nor renormalised by top-k
+    assert top == [] and chosen == pytest.approx(raw[1, tokens[1]].item(), abs=1e-6)
+    assert tokens[1] in raw[1].topk(3).indices.tolist()
+    assert logprobs[2] is None
