@@ -30,14 +30,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m testbed.server.serve` in a subprocess; its output goes to a log file in `log_dir`
+    """`python -m testbed.cli serve` in a subprocess; its output goes to a log file in `log_dir`
     (a pytest tmp dir, so old logs are pruned)."""
 
     def __init__(self, *args: str, log_dir: Path, api_key: str | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log_path = Path(tempfile.mkstemp(prefix="serve-", suffix=".log", dir=log_dir)[1])
-        cmd = [sys.executable, "-m", "testbed.server.serve", "--port", str(self.port), *SMALL, *args]
+        cmd = [sys.executable, "-m", "testbed.cli", "serve", "--port", str(self.port), *SMALL, *args]
         if api_key:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

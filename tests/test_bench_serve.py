@@ -11,7 +11,12 @@ import pytest
 from server_helpers import ServerProcess
 from testbed.engine.metrics import summarize
 from testbed.rundir import read_run
-from testbed.server.bench import build_records, main
+from testbed.cli import main as cli_main
+from testbed.server.bench import build_records
+
+
+def main(args: list[str]) -> int:
+    return cli_main(["bench", "serve", *args])
 from testbed.server.bench_client import RequestResult
 from testbed.server.bench_datasets import BenchRequest, gamma_arrivals
 

@@ -33,13 +33,6 @@ TEXT_PROMPTS = [
 ARRIVAL_STEPS = [0, 0, 0, 2, 3, 5, 9, 20]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matmuls on a shared CPU: one thread avoids OpenMP spin contention (10-40x faster)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

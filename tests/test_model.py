@@ -34,13 +34,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matmuls on a shared CPU: one thread avoids OpenMP spin contention (10-40x faster)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _random_hf(config, seed: int = 0):

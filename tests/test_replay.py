@@ -10,7 +10,6 @@ import sys
 
 import pandas as pd
 import pytest
-import torch
 import torch.distributed as dist
 
 from llm_helpers import save_tiny_llama
@@ -34,13 +33,6 @@ FLAGS = ["--max-model-len", "128", "--block-size", "16", "--max-num-batched-toke
 pytestmark = pytest.mark.timeout(240)  # worker processes: never let a hang stall the suite
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matmuls on a shared CPU: one thread avoids OpenMP spin contention (10-40x faster)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

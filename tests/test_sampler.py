@@ -15,12 +15,6 @@ PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]  # token i has probability PROBS[i] a
 LOGITS = torch.tensor(PROBS).log()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _draw(params: SamplingParams, n: int = 3000, logits: torch.Tensor = LOGITS, seed: int = 0) -> Counter:

@@ -13,7 +13,6 @@ import signal
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from llm_helpers import hf_greedy, random_prompts, run_staggered, save_tiny_llama
@@ -26,13 +25,6 @@ ENGINE = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=8, enable_pr
 pytestmark = pytest.mark.timeout(240)  # worker processes: never let a hang stall the suite
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny matmuls on a shared CPU: one thread avoids OpenMP spin contention (10-40x faster)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _assert_cleaned_up(procs) -> None:

@@ -211,19 +211,3 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     run_dir, summary = run_bench(args)
     print_result(summary, run_dir, args.format, "Serving Benchmark Result")
     return 0 if summary["num_finished"] else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m testbed.server.bench ...`: the same as `testbed bench serve ...`."""
-    parser = argparse.ArgumentParser(prog="testbed")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"testbed bench serve: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

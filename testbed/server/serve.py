@@ -152,21 +152,3 @@ async def run_server(args: argparse.Namespace) -> int:
         await client.shutdown()
     _log("stopped")
     return 0 if server.started else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m testbed.server.serve ...`: the same as `testbed serve ...`."""
-    from testbed.engine.config import ConfigError
-    parser = argparse.ArgumentParser(prog="testbed")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(sub)
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"testbed serve: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
