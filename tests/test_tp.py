@@ -25,8 +25,6 @@ ENGINE = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=8, enable_pr
 pytestmark = pytest.mark.timeout(240)  # worker processes: never let a hang stall the suite
 
 
-
-
 def _assert_cleaned_up(procs) -> None:
     assert not dist.is_initialized(), "the process group outlived shutdown()"
     assert all(not p.is_alive() for p in procs), [p for p in procs if p.is_alive()]
@@ -208,3 +206,23 @@ def test_worker_dying_at_startup_is_named(tiny_folder, tmp_path_factory, monkeyp
     llm = engines(tiny_folder, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
     assert time.monotonic() - start < 30
     assert len(llm.generate(random_prompts([6], 320), GREEDY)[0].outputs[0].token_ids) == 16
+
+
+@pytest.mark.smollm2
+def test_serve_with_tensor_parallel_size_3_matches_tp1_text(tmp_path):
+    """`testbed serve --tensor-parallel-size 3` (engine core driving 2 spawned gloo ranks) answers a
+    greedy completion with the same text as the TP=1 offline engine, then stops cleanly on SIGTERM."""
+    import openai
+    from server_helpers import ServerProcess
+    from testbed.worker.smollm2 import default_model_dir
+    prompt = "The capital of France is"
+    ref = LLM(str(default_model_dir()), max_model_len=256).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+    server = ServerProcess("--tensor-parallel-size", "3", log_dir=tmp_path).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+        assert out.choices[0].text == ref[0].outputs[0].text
+        assert out.usage.completion_tokens == len(ref[0].outputs[0].token_ids)
+    finally:
+        assert server.terminate() == 0, server.log_text()
