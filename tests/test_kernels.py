@@ -40,6 +40,16 @@ needs_loops = pytest.mark.skipif(
            "NumPy >= 2.4); run these with triton >= 3.9, and the GPU check in benchmarks/kernels.py")
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
+os.environ.pop("TRITON_INTERPRET")  # set again only while this module's tests run (fixture below): other
+# modules, and the servers they spawn, must keep the fast torch-reference attention on CPU
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_interpreter():
+    os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    os.environ.pop("TRITON_INTERPRET", None)
+
 
 def make_paged(seq_lens, shared=((0, 3, 2),), head_dim=HEAD_DIM, dtype=torch.float32, seed=0):
     """Random contiguous K/V per sequence plus the same data in a paged cache with shuffled block ids.
