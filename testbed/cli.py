@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_args(p)
     add_engine_args(p, "Llama-3.1-8B")
     p.add_argument("--gpu", default="H100-SXM", help="GPU preset: H100-SXM, H200, A100-80GB, L4")
-    p.add_argument("--cost-model", default="roofline", help="'roofline' or a calibrated profile JSON")
+    p.add_argument("--cost-model", default="roofline",
+                   help="'roofline', a calibrated profile JSON, or 'recorded:RUN_DIR' to replay a real run's steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_simulate)
 

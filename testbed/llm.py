@@ -64,9 +64,10 @@ class LLM:
         return self.tokenizer
 
     # ---- the real-mode driver ------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One engine step at the wall clock (nothing happens when no request is schedulable)."""
-        so = self.engine.schedule(self.now())
+    def step(self, now: float | None = None) -> list[RequestOutput]:
+        """One engine step scheduled at `now` (default: the wall clock), updated at the wall clock
+        once the model ran; nothing happens when no request is schedulable."""
+        so = self.engine.schedule(self.now() if now is None else now)
         if so.is_empty:
             return []
         out = self.executor.execute(so)

@@ -55,7 +55,7 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
                 llm.add_request(tr.id, prompts[i], sp, arrival_time=tr.arrival_s, priority=tr.priority)
                 i += 1
             if llm.engine.has_unfinished_requests():
-                llm.step()
+                llm.step(now)  # scheduled at the admission time: what `--cost-model recorded:` replays
             elif i < len(trace):
                 time.sleep(max(0.0, trace[i].arrival_s - llm.now()))
         wall = time.perf_counter() - wall0

@@ -97,6 +97,38 @@ class RooflineCostModel:
                 + self._ar_per_token * T + self._fixed)
 
 
+class RecordedCostModel:
+    """Decision parity: replays the step timeline a real run recorded (its steps.parquet).
+
+    Step k lasts until the real step k+1 was scheduled (the last one its measured duration), so when
+    the simulator schedules step k+1 exactly the arrivals the real engine had admitted are in, and the
+    same sans-I/O scheduler must then form the same batch. Running out of recorded steps means the
+    two runs diverged, which is an error, not a fallback."""
+
+    def __init__(self, starts: list[float], durations: list[float]) -> None:
+        if not starts or len(starts) != len(durations):
+            raise ValueError("a recorded timeline needs one start and one duration per step (and at least one step)")
+        self.durations = [b - a for a, b in zip(starts, starts[1:])] + [durations[-1]]
+        self.step = 0
+
+    @classmethod
+    def from_run_dir(cls, path) -> "RecordedCostModel":
+        import pandas as pd
+        from pathlib import Path
+        steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration"])
+        if steps["replica"].nunique() > 1:
+            raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")
+        return cls(steps["start"].tolist(), steps["duration"].tolist())
+
+    def step_time(self, so: SchedulerOutput) -> float:
+        if self.step >= len(self.durations):
+            raise RuntimeError(f"the simulation needs more than the {len(self.durations)} recorded steps: its "
+                               "decisions diverged from the recorded run (different trace, flags or cache size?)")
+        d = self.durations[self.step]
+        self.step += 1
+        return d
+
+
 FEATURES = ("intercept", "num_prefill_tokens", "num_decode_tokens", "sum_context_tokens", "sum_attn_pairs", "num_reqs")
 STEP_COLUMNS = ("duration",) + FEATURES[1:]
 

@@ -13,15 +13,19 @@ from testbed.engine.metrics import summarize
 from testbed.presets import ModelSpec, get_model_spec
 from testbed.rundir import environment_info, write_run
 from testbed.sim.cluster import simulate
-from testbed.sim.cost_model import CalibratedCostModel, CostModel, RooflineCostModel, num_gpu_blocks
+from testbed.sim.cost_model import (CalibratedCostModel, CostModel, RecordedCostModel, RooflineCostModel,
+                                     num_gpu_blocks)
 from testbed.sim.hardware import GPUSpec, get_gpu_spec
 from testbed.sim.trace import load_trace
 
 
 def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int) -> CostModel:
-    """'roofline' or the path of a calibrated profile JSON (as written by `testbed profile`)."""
+    """'roofline', 'recorded:RUN_DIR' (replay a real run's step timeline: decision parity), or the path
+    of a calibrated profile JSON."""
     if spec == "roofline":
         return RooflineCostModel(model, gpu, tensor_parallel_size=tp)
+    if spec.startswith("recorded:"):
+        return RecordedCostModel.from_run_dir(spec.removeprefix("recorded:"))
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"--cost-model: {spec!r} is neither 'roofline' nor a calibrated profile JSON file")
@@ -81,7 +85,8 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
             "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
                       "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
             "model": asdict(spec), "hardware": asdict(gpu_spec),
-            "cost_model": cost_model if cost_model == "roofline" else {"path": cost_model, **cm.to_json()},
+            "cost_model": (cost_model if cost_model == "roofline" or cost_model.startswith("recorded:")
+                           else {"path": cost_model, **cm.to_json()}),
             "seed": config.seed, "wall_time_s": wall, "simulated_time_s": result.sim_time,
             "speedup": result.sim_time / wall if wall > 0 else None, **environment_info(),
         }
