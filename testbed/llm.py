@@ -58,7 +58,12 @@ class LLM:
         self._next_id = 0
 
     def now(self) -> float:
+        """Seconds since this engine's clock was (re)started: the `now` the core is fed."""
         return time.perf_counter() - self._t0
+
+    def reset_clock(self) -> None:
+        """Make this moment time 0 (a replay's timeline starts at its first arrival)."""
+        self._t0 = time.perf_counter()
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -43,8 +43,7 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
         vocab = llm.executor.vocab_size
         reserved = min(RESERVED_TOKEN_IDS, vocab // 10)
         prompts = [synthesize_prompt(tr, vocab, config.seed, reserved=reserved) for tr in trace]
-        start = time.perf_counter()
-        llm._t0 = start  # the run's time 0 is the replay start
+        llm.reset_clock()
         wall0 = time.perf_counter()
         i = 0
         while i < len(trace) or llm.engine.has_unfinished_requests():
