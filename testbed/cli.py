@@ -102,6 +102,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Fit a calibrated cost model to the step records of real runs and write it as a profile."""
+    import pandas as pd
+    from testbed.presets import get_model_spec
+    from testbed.rundir import read_run
+    from testbed.sim.cost_model import CalibratedCostModel
+    steps = pd.concat([read_run(d).steps() for d in args.runs], ignore_index=True)
+    cm = CalibratedCostModel.fit(steps, get_model_spec(args.model), args.gpu, args.tensor_parallel_size)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(cm.to_json(), indent=2) + "\n")
+    print(f"{cm}\nwrote {args.output} (use: testbed simulate TRACE --cost-model {args.output})")
+    return 0
+
+
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from testbed.dashboard.launch import main_dashboard
     return main_dashboard(args.runs, args.port, args.host)
@@ -124,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, None)
     add_model_args(p)
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("profile", help="fit a calibrated cost model to real runs' step records")
+    p.add_argument("runs", nargs="+", help="run directories written by testbed replay / bench serve")
+    p.add_argument("--model", required=True, help="model preset the runs served (e.g. Llama-3.2-1B)")
+    p.add_argument("--gpu", required=True, help="GPU the runs used (recorded in the profile)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--output", "-o", required=True, help="profile JSON to write")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("dashboard", help="Streamlit dashboard over run directories (on 127.0.0.1)")
     p.add_argument("runs", nargs="*", default=["runs"], help="folders holding run directories (default: runs)")
