@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from testbed.engine.config import EngineConfig
@@ -104,33 +106,41 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, so: SchedulerOutput) -> StepInputs:
+        """Flat step tensors. Decode-only steps (every request adds one token, the common case) take a
+        per-request path; block tables are packed with numpy in one pass either way."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        cu = [0]
-        sample_idx: list[int] = []
-        max_blocks = 0
-        for req, start, n, table in zip(so.requests, so.num_computed_before, so.num_new_tokens, so.block_ids):
-            end = start + n
-            input_ids.extend(req.token_ids(start, end))
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            cu.append(cu[-1] + n)
-            if end >= req.num_tokens:
-                sample_idx.append(cu[-1] - 1)
-            max_blocks = max(max_blocks, len(table))
-        tables = [t + [0] * (max_blocks - len(t)) for t in so.block_ids]
+        starts, counts = so.num_computed_before, so.num_new_tokens
+        is_decode = all(n == 1 for n in counts)
+        if is_decode:
+            positions = list(starts)
+            input_ids = [req.token_id(p) for req, p in zip(so.requests, positions)]
+            slots = [table[p // bs] * bs + p % bs for table, p in zip(so.block_ids, positions)]
+            seq_lens = [p + 1 for p in positions]
+            cu = list(range(len(positions) + 1))
+            sample_idx = [i for i, (req, p) in enumerate(zip(so.requests, positions)) if p + 1 >= req.num_tokens]
+        else:
+            input_ids, positions, slots, seq_lens, cu, sample_idx = [], [], [], [], [0], []
+            for req, start, n, table in zip(so.requests, starts, counts, so.block_ids):
+                end = start + n
+                input_ids.extend(req.token_ids(start, end))
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                seq_lens.append(end)
+                cu.append(cu[-1] + n)
+                if end >= req.num_tokens:
+                    sample_idx.append(cu[-1] - 1)
+        lens = np.fromiter((len(t) for t in so.block_ids), dtype=np.int64, count=len(so.block_ids))
+        tables = np.zeros((len(lens), int(lens.max(initial=0))), dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
+            chain.from_iterable(so.block_ids), dtype=np.int32, count=int(lens.sum()))
         dev = self.device
 
         def t(x, dtype):
             return torch.tensor(x, dtype=dtype, device=dev)
 
         return StepInputs(t(input_ids, torch.long), t(positions, torch.long), t(slots, torch.long),
-                          t(tables, torch.int32), t(seq_lens, torch.int32), t(cu, torch.int32),
-                          t(sample_idx, torch.long), all(n == 1 for n in so.num_new_tokens))
+                          torch.from_numpy(tables).to(dev), t(seq_lens, torch.int32), t(cu, torch.int32),
+                          t(sample_idx, torch.long), is_decode)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int | None = None) -> None:
