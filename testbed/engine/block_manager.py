@@ -18,13 +18,9 @@ from typing import Sequence
 from testbed.engine.request import Request
 
 
-def hash_block_tokens(parent: int | None, tokens: Sequence[int]) -> int:
-    """Chained hash of one full block: equal hashes mean equal prefixes (up to 64-bit collisions)."""
-    return hash((parent, tuple(int(t) for t in tokens)))
-
-
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of the full blocks of a prompt, each chained on the previous one."""
+    """Hashes of the full blocks of a prompt, each chained on the previous one: block i's hash covers
+    blocks 0..i, so equal hashes mean equal prefixes (up to 64-bit collisions)."""
     hashes: list[int] = []
     parent = None
     tolist = getattr(token_ids, "tolist", None)

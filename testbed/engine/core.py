@@ -145,8 +145,7 @@ class EngineCore:
         for req, tok, lp in zip(so.requests, out.sampled_token_ids, lps if lps is not None else repeat(None)):
             if tok < 0 or req.status != running:
                 continue
-            req.output_token_ids.append(tok)
-            req.num_tokens += 1
+            req.append_output(tok)
             if lp is not None and req.logprobs is not None:
                 req.logprobs.append(lp)
             if req.first_token_time is None:

@@ -6,7 +6,6 @@ throughput = output tokens / makespan; goodput = requests meeting every SLO / ma
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 from dataclasses import dataclass, field
