@@ -21,22 +21,9 @@ import time
 
 import torch
 
+from kernels import copy_bandwidth  # benchmarks/kernels.py (scripts run from benchmarks/ on sys.path)
 from testbed import LLM, SamplingParams
 from testbed.presets import get_model_spec
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    n = 20
-    for _ in range(n):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * nbytes * n / (time.perf_counter() - t)
 
 
 def make_checkpoint(name: str, folder: str, device: torch.device):
@@ -118,20 +105,23 @@ def bench_hf_cb(hf, prompts, max_new: int) -> dict:
     return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt, "requests": len(prompts), "max_new_tokens": max_new}
 
 
-def decode_mbu(llm: LLM, spec, batch: int, bw: float, prompt_len: int = 256, out_len: int = 256) -> dict:
-    import numpy as np
+def decode_steps(llm: LLM, batch: int, prompt_len: int, out_len: int):
+    """Run `batch` requests to completion; (durations, context tokens) of their pure decode steps at full batch."""
     prompts = [[1000 + (i * 7 + j) % 20000 for j in range(prompt_len)] for i in range(batch)]
     start = len(llm.engine.records.steps)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     steps = llm.engine.records.step_columns()
     sel = slice(start, None)
     dec = (steps["num_prefill_tokens"][sel] == 0) & (steps["num_reqs"][sel] == batch)
-    dur = steps["duration"][sel][dec]
-    ctx = steps["sum_context_tokens"][sel][dec]
-    weight_bytes = spec.num_params * 2 - (0 if spec.tie_word_embeddings else 0)
-    bytes_per_step = weight_bytes + ctx * spec.kv_bytes_per_token(2)
+    return steps["duration"][sel][dec], steps["sum_context_tokens"][sel][dec]
+
+
+def decode_mbu(llm: LLM, spec, batch: int, bw: float, prompt_len: int = 256, out_len: int = 256) -> dict:
+    import numpy as np
+    dur, ctx = decode_steps(llm, batch, prompt_len, out_len)
+    bytes_per_step = spec.num_params * 2 + ctx * spec.kv_bytes_per_token(2)
     mbu = bytes_per_step / dur / bw
-    return {"batch": batch, "decode_steps": int(dec.sum()), "step_ms_median": float(np.median(dur) * 1e3),
+    return {"batch": batch, "decode_steps": len(dur), "step_ms_median": float(np.median(dur) * 1e3),
             "mbu_median": float(np.median(mbu)), "copy_bandwidth": bw}
 
 
@@ -151,7 +141,7 @@ def main() -> None:
     import transformers
     import triton
     result["transformers"], result["triton"] = transformers.__version__, triton.__version__
-    result["copy_bandwidth"] = bw = copy_bandwidth(dev)
+    result["copy_bandwidth"] = bw = copy_bandwidth(1.0, 20) * 1e9  # B/s, read + write
     with tempfile.TemporaryDirectory() as folder:
         hf = make_checkpoint(spec.name, folder, dev)
         llm = LLM(folder, skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=16384,

@@ -4,7 +4,7 @@
 1. All-reduce microbenchmark (2 ranks, bf16) over the sizes a step all-reduces (tokens x hidden):
    latency and bus bandwidth (2(n-1)/n x bytes / time), fitted as time = latency + bytes / bus_bw.
 2. TP=1 and TP=2 engines (dummy bf16 weights), each eager and with CUDA graphs: median decode step at batch 1 and 64, and offline output tok/s on the 256-request
-   workload of benchmarks/e2e.py. Estimated all-reduce time per step = 2 x layers x fit(bytes).
+   workload of benchmarks/e2e.py (imported from it). Estimated all-reduce time per step = 2 x layers x fit(bytes).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from e2e import decode_steps, workload  # benchmarks/e2e.py: the same 256-request workload
 from testbed import LLM, SamplingParams
 from testbed.presets import get_model_spec
 
@@ -67,21 +68,8 @@ def allreduce_bench(hidden: int) -> dict:
     return {"rows": rows, "latency_s": float(max(lat, 0.0)), "bus_bandwidth": float(1.0 / slope)}
 
 
-def workload(n: int, vocab: int, seed: int = 0):
-    import random
-    rng = random.Random(seed)
-    return ([[rng.randrange(1000, vocab) for _ in range(rng.randint(100, 1024))] for _ in range(n)],
-            [rng.randint(100, 1024) for _ in range(n)])
-
-
 def decode_step_ms(llm: LLM, batch: int, out_len: int = 128, prompt_len: int = 512) -> float:
-    start = len(llm.engine.records.steps)
-    prompts = [[1000 + (i * 13 + j) % 30000 for j in range(prompt_len)] for i in range(batch)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
-    st = llm.engine.records.step_columns()
-    sel = slice(start, None)
-    dec = (st["num_prefill_tokens"][sel] == 0) & (st["num_reqs"][sel] == batch)
-    return float(np.median(st["duration"][sel][dec]) * 1e3)
+    return float(np.median(decode_steps(llm, batch, prompt_len, out_len)[0]) * 1e3)
 
 
 def engine_case(model: str, tp: int, eager: bool, n_requests: int) -> dict:
