@@ -96,15 +96,6 @@ class BlockManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
-    def cached_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
-        """How many leading blocks of a hash chain this cache holds (for prefix-affinity routing)."""
-        n = 0
-        for h in block_hashes:
-            if h not in self.hash_to_block:
-                break
-            n += 1
-        return n
-
     # ---- mutations -----------------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Give `req` blocks for its computed tokens (+ `computed_blocks` hits) plus `num_new_tokens`.

@@ -91,7 +91,7 @@ class Request:
         "priority", "eos_token_id", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
         "status", "stop_reason", "num_preemptions", "block_hashes", "first_scheduled_time",
         "first_token_time", "last_token_time", "finish_time", "replica", "max_tokens", "logprobs",
-        "client_index", "num_tokens", "length_limit", "token_stops",
+        "num_tokens", "length_limit", "token_stops",
     )
 
     def __init__(
@@ -125,7 +125,6 @@ class Request:
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.replica = 0
-        self.client_index = 0
         self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
         self.num_tokens = self.num_prompt_tokens  # prompt + output; kept in step with output_token_ids
         self.length_limit = self.num_prompt_tokens + self.max_tokens  # the core caps it at max_model_len

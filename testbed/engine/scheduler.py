@@ -35,9 +35,6 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._dq) if self.fcfs else len(self._heap)
 
-    def __iter__(self):
-        return iter(self._dq) if self.fcfs else (e[3] for e in sorted(self._heap))
-
     def push(self, req: Request, front: bool = False) -> None:
         if self.fcfs:
             self._dq.appendleft(req) if front else self._dq.append(req)
