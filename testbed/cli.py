@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--policy", "--scheduling-policy", dest="policy", choices=SCHEDULING_POLICIES, default="fcfs")
     g.add_argument("--max-num-waiting", type=int, default=None, help="reject new requests beyond this many waiting")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="keep one step in flight: schedule the next step while the device runs this one")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -39,7 +41,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        dp_policy=args.dp_policy, max_num_waiting=args.max_num_waiting, seed=args.seed)
+        dp_policy=args.dp_policy, max_num_waiting=args.max_num_waiting, async_scheduling=args.async_scheduling,
+        seed=args.seed)
 
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
 from testbed.engine.request import Request, SamplingParams
+from testbed.worker.stepper import EngineStepper
 
 
 @dataclass
@@ -53,6 +54,7 @@ class LLM:
             from testbed.worker.loader import load_tokenizer
             self.tokenizer = load_tokenizer(tokenizer or self.executor.model_path)
         self.engine = EngineCore(self.config, self.executor.num_gpu_blocks, self.executor.max_model_len)
+        self.stepper = EngineStepper(self.engine, self.executor, self.now, self.config.async_scheduling)
         self.eos_token_id = self.executor.eos_token_id
         self._t0 = time.perf_counter()
         self._next_id = 0
@@ -71,12 +73,12 @@ class LLM:
     # ---- the real-mode driver ------------------------------------------------------------------
     def step(self, now: float | None = None) -> list[RequestOutput]:
         """One engine step scheduled at `now` (default: the wall clock), updated at the wall clock
-        once the model ran; nothing happens when no request is schedulable."""
-        so = self.engine.schedule(self.now() if now is None else now)
-        if so.is_empty:
-            return []
-        out = self.executor.execute(so)
-        return self.engine.update(so, out, self.now())
+        once the model ran (with async scheduling: the previous step is updated after this one is
+        launched); nothing happens when nothing is schedulable or in flight."""
+        return self.stepper.step(now)[1]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.stepper.has_work()
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> RequestOutput | None:
@@ -132,13 +134,14 @@ class LLM:
                     seqs[rid] = (gen, k, child, detok, [])
             self._drain(seqs)
         except BaseException:
+            self.stepper.in_flight = None  # its tokens are not wanted; the aborts below free its blocks
             for rid in list(self.engine.requests):
                 self.engine.abort(rid, self.now())
             raise
         return results
 
     def _drain(self, seqs: dict) -> None:
-        while self.engine.has_unfinished_requests():
+        while self.stepper.has_work():
             for o in self.step():
                 gen, k, sp, detok, _ = seqs[o.request_id]
                 c = gen.outputs[k]

@@ -46,14 +46,14 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
         llm.reset_clock()
         wall0 = time.perf_counter()
         i = 0
-        while i < len(trace) or llm.engine.has_unfinished_requests():
+        while i < len(trace) or llm.has_unfinished_requests():
             now = llm.now()
             while i < len(trace) and trace[i].arrival_s <= now:
                 tr = trace[i]
                 sp = SamplingParams(max_tokens=tr.output_tokens, ignore_eos=True, temperature=0.0)
                 llm.add_request(tr.id, prompts[i], sp, arrival_time=tr.arrival_s, priority=tr.priority)
                 i += 1
-            if llm.engine.has_unfinished_requests():
+            if llm.has_unfinished_requests():
                 llm.step(now)  # scheduled at the admission time: what `--cost-model recorded:` replays
             elif i < len(trace):
                 time.sleep(max(0.0, trace[i].arrival_s - llm.now()))

@@ -52,7 +52,8 @@ def check_step(engine: EngineCore, so: SchedulerOutput) -> None:
     assert so.sum_context_tokens == sum(b + n for b, n in zip(so.num_computed_before, so.num_new_tokens))
     assert so.sum_attn_pairs == sum(n * b + n * (n + 1) // 2 for b, n in zip(so.num_computed_before, so.num_new_tokens))
     for req, n, before, table in zip(so.requests, so.num_new_tokens, so.num_computed_before, so.block_ids):
-        assert before + n == req.num_computed_tokens <= req.num_tokens
+        assert before + n == req.num_computed_tokens <= req.num_tokens + req.num_pending
+        assert 0 <= req.num_pending <= 2, f"{req}: more than the in-flight step's and this step's tokens pending"
         assert table is bm.req_blocks[req.request_id]
         assert len(table) * bm.block_size >= req.num_computed_tokens, f"{req} lacks blocks"
     bm.check_invariants()
@@ -61,8 +62,12 @@ def check_step(engine: EngineCore, so: SchedulerOutput) -> None:
 def run_engine(engine: EngineCore, arrivals: Sequence[tuple[int, Request]], executor=None, max_steps: int = 100_000,
                aborts: Sequence[tuple[int, str]] = ()) -> tuple[list[SchedulerOutput], dict[str, list[RequestOutput]]]:
     """Add each (step, request) and abort each (step, id) before that step, run checked steps (time = step
-    index, each step ends 1.0 later) until every request ended. A step with live requests must schedule."""
+    index, each step ends 1.0 later) until every request ended. A step with live requests must schedule.
+    With `engine.config.async_scheduling` one step stays in flight: step N+1 is scheduled (and executed,
+    as a device would start it) before step N is updated, as the real EngineStepper does."""
     executor = executor or FixedTokenExecutor()
+    overlap = engine.config.async_scheduling
+    in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
     pending = sorted(arrivals, key=lambda a: a[0])
     abort_at: dict[int, list[str]] = {}
     for step, rid in aborts:
@@ -79,16 +84,23 @@ def run_engine(engine: EngineCore, arrivals: Sequence[tuple[int, Request]], exec
         for rid in abort_at.get(step, ()):
             if (aborted := engine.abort(rid, float(step))) is not None:
                 outs.setdefault(rid, []).append(aborted)
-        if k == len(pending) and not engine.has_unfinished_requests():
+        if k == len(pending) and not engine.has_unfinished_requests() and in_flight is None:
             return steps, outs
         so = engine.schedule(float(step))
         check_step(engine, so)
-        if so.is_empty:
+        if so.is_empty and in_flight is None:
             assert not engine.has_unfinished_requests(), f"step {step}: nothing scheduled with live requests"
             continue
-        steps.append(so)
-        for o in engine.update(so, executor.execute(so), float(step + 1)):
-            outs.setdefault(o.request_id, []).append(o)
+        launched = None
+        if not so.is_empty:
+            steps.append(so)
+            launched = (so, executor.execute(so))
+        if not overlap:
+            in_flight, launched = launched, None
+        if in_flight is not None:
+            for o in engine.update(*in_flight, float(step + 1)):
+                outs.setdefault(o.request_id, []).append(o)
+        in_flight = launched
     raise AssertionError(f"not done after {max_steps} steps: {list(engine.requests.values())[:5]}")
 
 

@@ -56,7 +56,7 @@ def run_staggered(llm, prompts: Sequence[Sequence[int]], arrival_steps: Sequence
             rejected = llm.add_request(f"{prefix}{i}", list(prompts[i]), params)
             assert rejected is None, rejected
             tokens[f"{prefix}{i}"] = []
-        if not pending and not llm.engine.has_unfinished_requests():
+        if not pending and not llm.has_unfinished_requests():
             return tokens, cached, reasons
         for o in llm.step():
             tokens[o.request_id].extend(o.new_token_ids)

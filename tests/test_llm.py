@@ -158,6 +158,67 @@ def test_tiny_llama_matches_hf_generate(ratio, tmp_path):
         llm.executor.shutdown()
 
 
+@pytest.mark.parametrize("ratio", [4])
+def test_async_scheduling_matches_hf_and_overlaps(ratio, tmp_path):
+    """With one step in flight, decodes run on placeholders filled on the device from the previous step's
+    tokens; greedy tokens still equal transformers' under batching, prefix hits and preemption."""
+    heads, kv_heads, hidden = TINY_GQA[ratio]
+    hf = save_tiny_llama(tmp_path, heads, kv_heads, seed=5, hidden_size=hidden)
+    prompts = random_prompts([3, 9, 17, 33, 50, 70, 12, 1], hf.config.vocab_size, seed=5)
+    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    for blocks in (None, 14):  # roomy, then so small that requests are preempted with tokens in flight
+        llm = LLM(str(tmp_path), skip_tokenizer_init=True, max_num_batched_tokens=16, max_num_seqs=8, block_size=8,
+                  enable_prefix_caching=True, num_gpu_blocks=blocks, async_scheduling=True)
+        runner = llm.executor.runner
+        placeholders = []
+        prepare = runner.prepare
+
+        def spy(so, prepare=prepare, placeholders=placeholders):
+            placeholders.append(sum(b + n > r.num_tokens for r, b, n in
+                                    zip(so.requests, so.num_computed_before, so.num_new_tokens)))
+            return prepare(so)
+        runner.prepare = spy
+        try:
+            tokens, _, reasons = run_staggered(llm, prompts, [0, 0, 1, 1, 3, 6, 10, 11], _greedy(), prefix="a")
+            assert [tokens[f"a{i}"] for i in range(len(prompts))] == refs
+            assert set(reasons.values()) == {"length"}
+            assert sum(placeholders) > 100, "decodes should mostly run on in-flight tokens"
+            if blocks:
+                assert sum(r[10] for r in llm.engine.records.requests) > 0, "no preemption happened"
+            else:
+                _check_batched_steps(llm, 0)
+            llm.engine.block_manager.check_invariants()
+            assert llm.engine.block_manager.num_used_blocks == 0 and llm.stepper.in_flight is None
+        finally:
+            llm.executor.shutdown()
+
+
+@pytest.mark.smollm2
+def test_async_scheduling_same_outputs_as_sync(smol, smol_dir, smol_prompts):
+    """Stops (EOS, stop ids, stop strings that abort mid-flight), seeded sampling and logprobs: the same
+    outputs whether the next step is scheduled before or after this one's tokens are applied."""
+    params = [SamplingParams(temperature=0.0, max_tokens=40), SamplingParams(temperature=0.0, max_tokens=24,
+                                                                              stop=[" the", "\n"]),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=20, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[28, 30], logprobs=0),
+              SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=3, max_tokens=16)]
+    prompts = [smol_prompts[i] for i in (0, 5, 7, 3, 4)]
+    llm = LLM(smol_dir, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET, max_num_seqs=8,
+              enable_prefix_caching=True, async_scheduling=True)
+    try:
+        for a, b in zip(smol.generate(prompts, params), llm.generate(prompts, params)):
+            x, y = a.outputs[0], b.outputs[0]
+            assert (y.text, y.token_ids, y.finish_reason, y.stop_reason) == (x.text, x.token_ids, x.finish_reason,
+                                                                             x.stop_reason)
+            assert (x.logprobs is None) == (y.logprobs is None)
+            for (lx, tx), (ly, ty) in zip(x.logprobs or [], y.logprobs or []):
+                assert ly == pytest.approx(lx, abs=1e-4) and [t for t, _ in ty] == [t for t, _ in tx]
+                assert [v for _, v in ty] == pytest.approx([v for _, v in tx], abs=1e-4)
+        assert llm.engine.block_manager.num_used_blocks == 0
+    finally:
+        llm.executor.shutdown()
+
+
 # ---- the vLLM-shaped API ---------------------------------------------------------------------------
 
 @pytest.mark.smollm2

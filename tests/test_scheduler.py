@@ -31,6 +31,7 @@ def scenarios(draw):
         mnbt = max(mnbt, max_model_len)
     cfg = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=mnbt, block_size=block_size,
                enable_chunked_prefill=chunked, enable_prefix_caching=draw(st.booleans()),
+               async_scheduling=draw(st.booleans()),
                policy=draw(st.sampled_from(["fcfs", "priority"])),
                max_model_len=max_model_len if mml_in_config else None)
     reqs = draw(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 1), st.integers(1, 40), st.integers(1, 24),

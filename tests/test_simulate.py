@@ -89,6 +89,29 @@ def test_summary_matches_the_parquet_records(tmp_path):
         assert row.arrival <= row.first_scheduled <= row.first_token <= row.finish
 
 
+def test_async_scheduling_overlaps_steps_and_serves_the_same_requests(tmp_path):
+    kw = dict(limit=300, num_gpu_blocks=250, max_num_seqs=32, request_rate=8.0, data_parallel_size=2)
+    sync_dir, sync = simulate(tmp_path, "sync", **kw)
+    async_dir, asyn = simulate(tmp_path, "async", **kw, async_scheduling=True)
+    rs, ra = read_run(sync_dir).requests(), read_run(async_dir).requests()
+    cols = ["request_id", "input_tokens", "output_tokens", "finish_reason"]
+    key = "request_id"
+    pd.testing.assert_frame_equal(rs[cols].sort_values(key, ignore_index=True),
+                                  ra[cols].sort_values(key, ignore_index=True))
+    assert asyn["num_preemptions"] > 0 and asyn["num_finished"] == sync["num_finished"]
+    steps = read_run(async_dir).steps()
+    for _, rep in steps.groupby("replica"):  # one step at a time per replica: records never overlap
+        assert (rep.start.to_numpy()[1:] >= (rep.start + rep.duration).to_numpy()[:-1] - 1e-12).all()
+    done = ra[ra.finish_reason == "length"]
+    assert (done.arrival <= done.first_scheduled).all() and (done.first_token <= done.finish).all()
+
+
+def test_recorded_timeline_of_an_async_run_is_refused(tmp_path, capsys):
+    run_dir, _ = simulate(tmp_path, "async", limit=20, async_scheduling=True)
+    rc, out, err = cli(capsys, SAMPLE, "--limit", "20", "--cost-model", f"recorded:{run_dir}", "-o", tmp_path / "x")
+    assert rc == 2 and "--async-scheduling" in err, err
+
+
 # ---- data parallelism, prefix caching, rejections --------------------------------------------------------
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kv_aware", "prefix_affinity"])

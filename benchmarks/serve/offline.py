@@ -1,6 +1,7 @@
 """Offline LLM throughput on the same random requests `testbed bench serve --dataset random` sends.
 
-  python benchmarks/serve/offline.py NUM_PROMPTS INPUT_LEN OUTPUT_LEN   (the API-overhead ratio's denominator)
+  python benchmarks/serve/offline.py NUM_PROMPTS INPUT_LEN OUTPUT_LEN [--async-scheduling]
+(the API-overhead ratio's denominator; pass the same engine flags as the server under test)
 """
 import math
 import sys
@@ -10,11 +11,11 @@ from testbed.llm import LLM
 from testbed.engine.request import SamplingParams
 from testbed.server.bench_datasets import random_dataset
 n, inp, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-llm = LLM("Llama-3.2-1B", load_format="dummy", max_model_len=4096)
+llm = LLM("Llama-3.2-1B", load_format="dummy", max_model_len=4096, async_scheduling="--async-scheduling" in sys.argv)
 reqs = random_dataset(n, inp, out, 0.0, vocab_size=128256, max_model_len=4096, request_rate=math.inf, burstiness=1.0, seed=0)
 llm.generate([r.prompt for r in reqs[:8]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))  # warm-up
 t = time.perf_counter()
 res = llm.generate([r.prompt for r in reqs], [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0) for r in reqs])
 dt = time.perf_counter() - t
 tok = sum(len(c.token_ids) for g in res for c in g.outputs)
-print(f"OFFLINE n={n} in={inp} out={out}: {dt:.2f} s, {tok} output tokens, {tok/dt:.1f} tok/s, {n/dt:.2f} req/s")
+print(f"OFFLINE n={n} in={inp} out={out} async={llm.config.async_scheduling}: {dt:.2f} s, {tok} output tokens, {tok/dt:.1f} tok/s, {n/dt:.2f} req/s")

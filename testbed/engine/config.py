@@ -15,6 +15,9 @@ class ConfigError(ValueError):
 class EngineConfig:
     """Scheduler, cache and parallelism settings of one engine (one DP replica).
 
+    `async_scheduling` keeps one step in flight in real mode (the next step is scheduled before the
+    previous one's tokens are applied); the simulator steps the same way, so batches stay identical.
+
     `num_gpu_blocks` None means "size from memory": the executor decides it (profiling on a GPU,
     the cost model's capacity in simulation) before the BlockManager is built.
     """
@@ -32,6 +35,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     dp_policy: str = "least_loaded"
     max_num_waiting: int | None = None
+    async_scheduling: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -61,6 +65,8 @@ class EngineConfig:
         need(self.dp_policy in DP_POLICIES, "dp_policy", f"must be one of {DP_POLICIES}, got {self.dp_policy!r}")
         need(self.max_num_waiting is None or self.max_num_waiting >= 1, "max_num_waiting",
              f"must be a positive integer, got {self.max_num_waiting!r}")
+        need(not self.async_scheduling or self.tensor_parallel_size == 1, "async_scheduling",
+             "runs with --tensor-parallel-size 1 only (tensor-parallel ranks step in lockstep); drop one of them")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  f"({self.max_num_batched_tokens}) must be >= --max-model-len ({self.max_model_len}) when chunked "

@@ -56,7 +56,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.records = Recorder()
         self.num_waiting_tokens = 0
-        self._step = (0.0, 0, 0, 0)
+        self._last_update = float("-inf")
 
     # ---- admission -----------------------------------------------------------------------------
     def rejection_reason(self, req: Request) -> str | None:
@@ -131,20 +131,27 @@ class EngineCore:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
                 self.num_waiting_tokens -= req.num_prompt_tokens
-        self._step = (now, self.block_manager.num_used_blocks, self.scheduler.num_waiting, self.scheduler.num_running)
+        so.step_state = (now, self.block_manager.num_used_blocks, self.scheduler.num_waiting,
+                         self.scheduler.num_running)
         return so
 
     def update(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float) -> list[RequestOutput]:
-        """Apply sampled tokens, run stop checks, finish requests, record the step."""
+        """Apply sampled tokens, run stop checks, finish requests, record the step.
+
+        Steps are updated in the order they were scheduled; with async scheduling the next step may
+        already be scheduled (on placeholders) when this one is updated. A token of a request that
+        finished meanwhile is dropped; one of a request preempted meanwhile is kept (it was sampled
+        from the full context)."""
         outputs: list[RequestOutput] = []
         itl_append = self.records.itl.append
         stream = self.stream_outputs
         lps = out.logprobs
-        running = RequestStatus.RUNNING
+        finished_min = RequestStatus.FINISHED_STOPPED
         any_finished = False
         for req, tok, lp in zip(so.requests, out.sampled_token_ids, lps if lps is not None else repeat(None)):
-            if tok < 0 or req.status != running:
+            if tok < 0 or req.status >= finished_min:
                 continue
+            req.num_pending -= 1
             req.append_output(tok)
             if lp is not None and req.logprobs is not None:
                 req.logprobs.append(lp)
@@ -164,7 +171,9 @@ class EngineCore:
                                              None if lp is None else [lp]))
         if any_finished:
             self.scheduler.drop_finished()
-        start, used, waiting, running_n = self._step
+        start, used, waiting, running_n = so.step_state
+        start = max(start, self._last_update)  # overlapped steps: this one ran after the previous one ended
+        self._last_update = now
         self.records.steps.append((
             self.replica, start, now - start, len(so.requests), so.num_prefill_tokens, so.num_decode_tokens,
             so.sum_context_tokens, so.sum_attn_pairs, used, self.block_manager.num_blocks, waiting, running_n,

@@ -28,6 +28,7 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     sum_context_tokens: int = 0
     sum_attn_pairs: int = 0
+    step_state: tuple = ()  # (scheduled at, used blocks, waiting, running) for the step record
 
     @property
     def num_reqs(self) -> int:

@@ -79,11 +79,13 @@ class SamplingParams:
 
 
 class Request:
-    """One sequence in the engine. Invariants: 0 <= num_computed_tokens <= num_tokens ==
-    num_prompt_tokens + len(output_token_ids) (append only through `append_output`).
+    """One sequence in the engine. Invariants: 0 <= num_computed_tokens <= num_tokens + num_pending,
+    num_tokens == num_prompt_tokens + len(output_token_ids) (append only through `append_output`).
 
     `num_tokens` counts prompt plus generated tokens; the scheduler lets `num_computed_tokens`
-    catch up to it (the unified token budget). Timestamps are driver-supplied `now` values.
+    catch up to it (the unified token budget). `num_pending` counts tokens sampled in scheduled steps
+    whose values the core has not seen yet (placeholders: with async scheduling the next step may
+    compute on them before they arrive). Timestamps are driver-supplied `now` values.
     """
 
     __slots__ = (
@@ -91,7 +93,7 @@ class Request:
         "priority", "eos_token_id", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
         "status", "stop_reason", "num_preemptions", "block_hashes", "first_scheduled_time",
         "first_token_time", "last_token_time", "finish_time", "replica", "max_tokens", "logprobs",
-        "num_tokens", "length_limit", "token_stops",
+        "num_tokens", "length_limit", "token_stops", "num_pending",
     )
 
     def __init__(
@@ -127,6 +129,7 @@ class Request:
         self.replica = 0
         self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
         self.num_tokens = self.num_prompt_tokens  # prompt + output; kept in step with output_token_ids
+        self.num_pending = 0  # sampled tokens in flight (scheduled, not yet appended)
         self.length_limit = self.num_prompt_tokens + self.max_tokens  # the core caps it at max_model_len
         self.token_stops = bool((eos_token_id is not None and not sampling_params.ignore_eos)
                                 or sampling_params.stop_token_ids)

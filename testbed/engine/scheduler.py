@@ -1,11 +1,14 @@
 """vLLM-V1-style scheduler: one token budget shared by prefills and decodes.
 
-Every request has `num_computed_tokens` that catches up to `num_tokens` (prompt + output). Each
+Every request has `num_computed_tokens` that catches up to `num_tokens` (prompt + output) plus the
+tokens still in flight (`num_pending`, sampled by earlier steps not yet updated). Each
 step: running requests first (in queue order), then waiting ones, each taking up to the remaining
 budget (chunked prefill) while `max_num_seqs` and the block pool allow. When a running request
 cannot get a block, the lowest-ranked running request is preempted by recompute (its blocks freed,
 its progress reset, back to the front of the waiting queue); no waiting request is admitted in a
-step that preempted. Invariants: the step's tokens <= max_num_batched_tokens; running requests <=
+step that preempted. With a step in flight (async scheduling), a request that its in-flight token
+ends is not scheduled again, and while one such request holds blocks a shortage stops the running
+pass instead of preempting (those blocks come back next step). Invariants: the step's tokens <= max_num_batched_tokens; running requests <=
 max_num_seqs; a scheduled request always has blocks for all its computed + scheduled tokens.
 Policies: `fcfs` (arrival order; the waiting head blocks those behind it, so nobody starves) and
 `priority` (lower `priority` value first, then arrival; running kept in that order so the victim
@@ -106,11 +109,18 @@ class Scheduler:
         running = self.running
 
         req_blocks, bs = bm.req_blocks, bm.block_size
+        ending = False  # a running request whose in-flight token ends it: its blocks free up next step
+        stalled = False  # a running request waits for those blocks: admit nobody before it
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            n = req.num_tokens - computed
+            known = req.num_tokens + req.num_pending
+            n = known - computed
+            if n <= 0 or (req.num_pending and known >= req.length_limit):
+                ending = ending or known >= req.length_limit
+                i += 1  # its in-flight token ends it (length) or is all it awaits: nothing to compute
+                continue
             if n > budget:
                 n = budget
             blocks = req_blocks.get(req.request_id)
@@ -120,6 +130,9 @@ class Scheduler:
             if blocks is None or len(blocks) * bs < computed + n or computed < req.num_prompt_tokens:
                 scheduled = True
                 while not bm.allocate_slots(req, n):
+                    if ending:  # wait for the ending requests' blocks rather than preempt (async scheduling)
+                        scheduled, stalled = False, True
+                        break
                     victim = self._preempt_last()
                     so.preempted_req_ids.append(victim.request_id)
                     if victim is req:
@@ -131,6 +144,8 @@ class Scheduler:
             i += 1
             reqs.append(req); nnew.append(n); nbefore.append(computed); tables.append(blocks)
             budget -= n
+            if computed + n >= known:
+                req.num_pending += 1  # this step samples its next token
             if n == 1 and computed >= req.num_prompt_tokens:
                 decode += 1
             else:
@@ -139,10 +154,12 @@ class Scheduler:
             pairs += n * computed + n * (n + 1) // 2
             req.num_computed_tokens = computed + n
 
-        if not so.preempted_req_ids:
+        if not so.preempted_req_ids and not stalled:
             waiting = self.waiting
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting.peek()
+                if req.num_pending:
+                    break  # preempted with a token in flight: resumes once that token has landed
                 hit_blocks, hit = bm.get_computed_blocks(req)
                 n = req.num_tokens - hit
                 if n > budget:
@@ -160,6 +177,8 @@ class Scheduler:
                 so.new_req_ids.add(req.request_id)
                 reqs.append(req); nnew.append(n); nbefore.append(hit); tables.append(bm.req_blocks[req.request_id])
                 budget -= n
+                if hit + n >= req.num_tokens:
+                    req.num_pending += 1
                 prefill += n
                 ctx += hit + n
                 pairs += n * hit + n * (n + 1) // 2

@@ -24,6 +24,7 @@ from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
 from testbed.engine.request import Request, SamplingParams
 from testbed.server import protocol as P
+from testbed.worker.stepper import EngineStepper
 
 PARENT_CHECK_S = 1.0
 
@@ -94,6 +95,7 @@ class EngineProc:
         executor = factory(self.cfg.model, config, load_format=self.cfg.load_format, dtype=self.cfg.dtype,
                            device=self.cfg.device, enforce_eager=self.cfg.enforce_eager)
         self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len)
+        stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
         self.eos = executor.eos_token_id
         log = StepLog(self.cfg.log_steps) if self.cfg.log_steps else None
         self.send(P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
@@ -101,22 +103,21 @@ class EngineProc:
         last_parent_check = time.monotonic()
         try:
             while self.running:
-                outputs = self.read_inputs(block=not core.has_unfinished_requests())
+                outputs = self.read_inputs(block=not stepper.has_work())
                 if not self.running:
                     break
                 scheduled: dict[str, float] = {}
                 stepped = False
-                if core.has_unfinished_requests():
+                if stepper.has_work():
                     start = time.time()
-                    so = core.schedule(start)
-                    if not so.is_empty:
-                        for rid in so.new_req_ids:
-                            if core.requests[rid].first_scheduled_time == start:  # not a resumed preemption
-                                scheduled[rid] = start
-                        out = executor.execute(so)
-                        outputs.extend(core.update(so, out, time.time()))
-                        stepped = True
-                    else:  # nothing schedulable until an input changes things: wait for one, don't spin
+                    so, step_outputs = stepper.step(start)
+                    outputs.extend(step_outputs)
+                    for rid in so.new_req_ids:
+                        req = core.requests.get(rid)
+                        if req is not None and req.first_scheduled_time == start:  # not a resumed preemption
+                            scheduled[rid] = start
+                    stepped = not so.is_empty or bool(step_outputs)
+                    if not stepped:  # nothing schedulable until an input changes things: wait for one, don't spin
                         self.inp.poll(10)
                 if outputs or stepped:
                     self.send(P.Outputs([_to_wire(o) for o in outputs], self.stats(), scheduled))

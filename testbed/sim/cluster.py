@@ -97,9 +97,14 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         finish_if_done()
 
     def replica(r: int):
+        """The replica's step loop. With async scheduling it keeps one step in flight like the real
+        EngineStepper: step N+1 is scheduled when step N starts, starts on the device when N ends,
+        and N is updated at its end (host work hidden); the core sees the same call order."""
         eng = engines[r]
+        overlap = config.async_scheduling
+        in_flight = None  # (SchedulerOutput, ModelRunnerOutput, end time) of the launched step
         while True:
-            if not eng.requests:
+            if not eng.requests and in_flight is None:
                 state["idle"].add(r)
                 coord.update_stats(r, eng.stats())
                 finish_if_done()
@@ -107,14 +112,23 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 yield wake[r]
                 state["idle"].discard(r)
             so = eng.schedule(env.now)
-            if so.is_empty:
+            if so.is_empty and in_flight is None:
                 raise RuntimeError(f"replica {r}: nothing schedulable with {len(eng.requests)} requests live "
                                    "(scheduler bug: every admitted request must fit the cache)")
-            out = executor.execute(so)
-            yield env.timeout(out.duration)
-            finished = eng.update(so, out, env.now)
-            if dp > 1 and (finished or so.new_req_ids or so.preempted_req_ids):
-                coord.update_stats(r, eng.stats())  # report when the queues changed
+            launched = None
+            if not so.is_empty:
+                out = executor.execute(so)
+                start = in_flight[2] if in_flight is not None else env.now
+                launched = (so, out, start + out.duration)
+            if not overlap:
+                in_flight, launched = launched, None
+            if in_flight is not None:
+                step_so, step_out, end = in_flight
+                yield env.timeout(end - env.now)
+                finished = eng.update(step_so, step_out, env.now)
+                if dp > 1 and (finished or step_so.new_req_ids or step_so.preempted_req_ids):
+                    coord.update_stats(r, eng.stats())  # report when the queues changed
+            in_flight = launched
 
     def progress():
         while True:

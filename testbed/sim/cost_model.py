@@ -113,8 +113,14 @@ class RecordedCostModel:
 
     @classmethod
     def from_run_dir(cls, path) -> "RecordedCostModel":
+        import json
         import pandas as pd
         from pathlib import Path
+        manifest = Path(path) / "manifest.json"
+        if manifest.exists() and json.loads(manifest.read_text()).get("config", {}).get("async_scheduling"):
+            raise ValueError(f"{path}: this run used --async-scheduling, whose recorded steps overlap their "
+                             "scheduling; recorded timelines replay runs without it (re-run the replay without "
+                             "--async-scheduling, or simulate it with a calibrated profile)")
         steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration"])
         if steps["replica"].nunique() > 1:
             raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")

@@ -76,6 +76,10 @@ class UniprocExecutor:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(so)
 
+    def execute_async(self, so: SchedulerOutput):
+        """Launch the step; returns a function that waits for it (see ModelRunner.execute_async)."""
+        return self.runner.execute_async(so)
+
     def shutdown(self) -> None:
         self.runner = None  # type: ignore[assignment]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from itertools import chain
+from typing import Callable
 
 import numpy as np
 import torch
@@ -54,6 +55,10 @@ class ModelRunner:
         self.num_gpu_blocks = 0
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.broadcast_inputs = None  # set by the TP executor: sends each step's inputs to the other ranks
+        self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers, used in turn
+        self._staging_turn = 0
+        self._prev_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens (device)
+        self._prev_rows: dict[str, int] = {}  # request id -> its row in _prev_tokens
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property
@@ -106,41 +111,105 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, so: SchedulerOutput) -> StepInputs:
-        """Flat step tensors. Decode-only steps (every request adds one token, the common case) take a
-        per-request path; block tables are packed with numpy in one pass either way."""
+        """Flat step tensors, packed on the host and sent in one non-blocking copy (no stream sync, so
+        the next step can be prepared while the GPU runs this one). Decode-only steps (every request
+        adds one token, the common case) take a vectorised path. A position the core has no token
+        for yet (async scheduling) is a placeholder: its id is read on the device from the previous
+        step's sampled tokens."""
         bs = self.block_size
-        starts, counts = so.num_computed_before, so.num_new_tokens
+        reqs, starts, counts = so.requests, so.num_computed_before, so.num_new_tokens
+        B = len(reqs)
+        lens = np.fromiter((len(t) for t in so.block_ids), dtype=np.int64, count=B)
+        tables = np.zeros((B, int(lens.max(initial=0))), dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
+            chain.from_iterable(so.block_ids), dtype=np.int32, count=int(lens.sum()))
+        ph_dst: list[int] = []
+        ph_src: list[int] = []
         is_decode = all(n == 1 for n in counts)
         if is_decode:
-            positions = list(starts)
-            input_ids = [req.token_id(p) for req, p in zip(so.requests, positions)]
-            slots = [table[p // bs] * bs + p % bs for table, p in zip(so.block_ids, positions)]
-            seq_lens = [p + 1 for p in positions]
-            cu = list(range(len(positions) + 1))
-            sample_idx = [i for i, (req, p) in enumerate(zip(so.requests, positions)) if p + 1 >= req.num_tokens]
+            positions = np.fromiter(starts, dtype=np.int64, count=B)
+            input_ids = np.zeros(B, dtype=np.int64)
+            sample_idx = []
+            for i, (req, p) in enumerate(zip(reqs, starts)):
+                if p < req.num_tokens:
+                    input_ids[i] = req.token_id(p)
+                    if p + 1 >= req.num_tokens:
+                        sample_idx.append(i)
+                else:
+                    ph_dst.append(i)
+                    ph_src.append(self._prev_row(req.request_id))
+                    sample_idx.append(i)
+            slots = tables[np.arange(B), positions // bs].astype(np.int64) * bs + positions % bs
+            seq_lens = positions + 1
+            cu = np.arange(B + 1)
         else:
-            input_ids, positions, slots, seq_lens, cu, sample_idx = [], [], [], [], [0], []
-            for req, start, n, table in zip(so.requests, starts, counts, so.block_ids):
+            ids: list[int] = []
+            pos: list[int] = []
+            slot_list: list[int] = []
+            seq_lens, cu, sample_idx = [], [0], []
+            for req, start, n, table in zip(reqs, starts, counts, so.block_ids):
                 end = start + n
-                input_ids.extend(req.token_ids(start, end))
-                positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                known = min(end, req.num_tokens)
+                ids.extend(req.token_ids(start, known))
+                for p in range(known, end):  # placeholders (at most the one token in flight)
+                    ph_dst.append(len(ids))
+                    ph_src.append(self._prev_row(req.request_id))
+                    ids.append(0)
+                pos.extend(range(start, end))
+                slot_list.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 seq_lens.append(end)
                 cu.append(cu[-1] + n)
                 if end >= req.num_tokens:
                     sample_idx.append(cu[-1] - 1)
-        lens = np.fromiter((len(t) for t in so.block_ids), dtype=np.int64, count=len(so.block_ids))
-        tables = np.zeros((len(lens), int(lens.max(initial=0))), dtype=np.int32)
-        tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
-            chain.from_iterable(so.block_ids), dtype=np.int32, count=int(lens.sum()))
-        dev = self.device
+            input_ids, positions, slots = ids, pos, slot_list
+        x = self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src],
+                         [seq_lens, cu, tables], is_decode)
+        return x
 
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=dev)
+    def _prev_row(self, request_id: str) -> int:
+        row = self._prev_rows.get(request_id)
+        if row is None:
+            raise RuntimeError(f"request {request_id!r} is scheduled on a token the previous step did not sample "
+                               "(async scheduling out of order: update each step before scheduling the one after next)")
+        return row
 
-        return StepInputs(t(input_ids, torch.long), t(positions, torch.long), t(slots, torch.long),
-                          torch.from_numpy(tables).to(dev), t(seq_lens, torch.int32), t(cu, torch.int32),
-                          t(sample_idx, torch.long), is_decode)
+    def _upload(self, longs: list, ints: list, is_decode: bool) -> StepInputs:
+        """Pack int64 and int32 arrays into one pinned host buffer, copy it to the device without a
+        stream sync, and cut the views. Two buffers alternate: a buffer is reused two steps later, when
+        its copy has long finished (each step's results are read back before the step after next)."""
+        n64 = [len(a) for a in longs]
+        n32 = [int(np.size(a)) for a in ints]
+        off32 = 8 * sum(n64)
+        nbytes = off32 + 4 * sum(n32)
+        pin = self.device.type == "cuda"
+        self._staging_turn ^= 1
+        buf = self._staging[self._staging_turn]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1 << 16) * 2, dtype=torch.uint8, pin_memory=pin)
+            self._staging[self._staging_turn] = buf
+        host = buf.numpy()
+        v64 = host[:off32].view(np.int64)
+        v32 = host[off32:nbytes].view(np.int32)
+        o = 0
+        for a, n in zip(longs, n64):
+            v64[o:o + n] = a
+            o += n
+        o = 0
+        for a, n in zip(ints, n32):
+            v32[o:o + n] = np.ravel(a)
+            o += n
+        dev = buf[:nbytes].to(self.device, non_blocking=True) if pin else buf[:nbytes].clone()
+        d64 = dev[:off32].view(torch.int64)
+        d32 = dev[off32:nbytes].view(torch.int32)
+        p64 = np.cumsum([0] + n64).tolist()
+        p32 = np.cumsum([0] + n32).tolist()
+        input_ids, positions, slots, sample_idx, ph_dst, ph_src = (d64[p64[i]:p64[i + 1]] for i in range(6))
+        seq_lens, cu, tables = (d32[p32[i]:p32[i + 1]] for i in range(3))
+        B = n32[0]
+        if n64[4]:
+            input_ids[ph_dst] = self._prev_tokens[ph_src]
+        return StepInputs(input_ids, positions, slots, tables.view(B, n32[2] // B if B else 0), seq_lens, cu,
+                          sample_idx, is_decode)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int | None = None) -> None:
@@ -210,23 +279,44 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, x.sample_idx))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(so)()
+
+    def execute_async(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Launch the step on the device and return a function that waits for it and gives its output.
+        Nothing here reads the device back, so the caller can schedule and launch the next step first."""
         t0 = time.perf_counter()
         self.sampler.forget(so.finished_req_ids)
         x = self.prepare(so)
         if self.broadcast_inputs is not None:
             self.broadcast_inputs(x)
         logits = self.run(x)
-        rows = [i for i, r in enumerate(so.requests)
-                if so.num_computed_before[i] + so.num_new_tokens[i] >= r.num_tokens]
-        sampled = [-1] * len(so.requests)
-        logprobs = None
-        if rows:
-            tokens, lps = self.sampler(logits, [so.requests[i].sampling_params for i in rows],
-                                       [so.requests[i].request_id for i in rows])
-            for i, tok in zip(rows, tokens):
-                sampled[i] = tok
-            if lps is not None:
-                logprobs = [None] * len(so.requests)
-                for i, lp in zip(rows, lps):
-                    logprobs[i] = lp
-        return ModelRunnerOutput(sampled, time.perf_counter() - t0, logprobs)
+        reqs, before, counts = so.requests, so.num_computed_before, so.num_new_tokens
+        rows = [i for i, r in enumerate(reqs) if before[i] + counts[i] >= r.num_tokens]
+        params = [reqs[i].sampling_params for i in rows]
+        sampled = self.sampler.sample(logits, params, [reqs[i].request_id for i in rows]) if rows else None
+        self._prev_tokens = sampled[0] if rows else None
+        self._prev_rows = {reqs[i].request_id: j for j, i in enumerate(rows)}
+        done = None
+        if sampled is not None and self.device.type == "cuda":
+            tokens, lp = sampled
+            sampled = (tokens.to("cpu", non_blocking=True),
+                       None if lp is None else tuple(t if t is None else t.to("cpu", non_blocking=True) for t in lp))
+            done = torch.cuda.Event()
+            done.record()
+
+        def result() -> ModelRunnerOutput:
+            if done is not None:
+                done.synchronize()
+            out = [-1] * len(reqs)
+            logprobs = None
+            if sampled is not None:
+                tokens, lps = self.sampler.to_lists(sampled, params)
+                for i, tok in zip(rows, tokens):
+                    out[i] = tok
+                if lps is not None:
+                    logprobs = [None] * len(reqs)
+                    for i, lp in zip(rows, lps):
+                        logprobs[i] = lp
+            return ModelRunnerOutput(out, time.perf_counter() - t0, logprobs)
+
+        return result

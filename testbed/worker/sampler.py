@@ -11,6 +11,11 @@ import torch
 from testbed.engine.request import SamplingParams
 
 
+def _on(like: torch.Tensor, values: list) -> torch.Tensor:
+    """A small host list on `like`'s device without a stream sync (a blocking copy would wait for the GPU)."""
+    return torch.tensor(values).to(like.device, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -32,18 +37,24 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
                  ) -> tuple[list[int], list | None]:
         """logits [n, vocab] float32 -> (token per row, per-row logprobs or None)."""
+        return self.to_lists(self.sample(logits, params, request_ids), params)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
+               ) -> tuple[torch.Tensor, tuple | None]:
+        """Draw on the device without reading anything back: (tokens [n], logprob tensors or None).
+        The logprob tensors are (chosen [n], top values [n, k], top ids [n, k]) with k the largest asked."""
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
+            idx = _on(logits, random_rows)
             sub = logits.index_select(0, idx)
-            temps = torch.tensor([params[i].temperature for i in random_rows], device=logits.device)
+            temps = _on(logits, [params[i].temperature for i in random_rows])
             sub = self._filter(sub / temps.unsqueeze(1), [params[i] for i in random_rows])
             probs = torch.softmax(sub, dim=-1)
             drawn = torch.empty(len(random_rows), dtype=torch.long, device=logits.device)
             unseeded = [j for j, i in enumerate(random_rows) if params[i].seed is None]
             if unseeded:
-                u = torch.tensor(unseeded, device=logits.device)
+                u = _on(logits, unseeded)
                 drawn[u] = torch.multinomial(probs.index_select(0, u), 1, generator=self.generator).squeeze(1)
             for j, i in enumerate(random_rows):
                 seed = params[i].seed
@@ -51,23 +62,33 @@ class Sampler:
                     g = self._generator(request_ids[i], seed)
                     drawn[j] = torch.multinomial(probs[j], 1, generator=g)[0]
             tokens[idx] = drawn
-        token_list = tokens.tolist()
-        want = [p.logprobs for p in params]
-        if all(w is None for w in want):
-            return token_list, None
+        if all(p.logprobs is None for p in params):
+            return tokens, None
         logprobs = torch.log_softmax(logits, dim=-1)
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        k = max(w or 0 for w in want)
-        top_v, top_i = (logprobs.topk(k, dim=-1) if k > 0 else (None, None))
-        top_v = top_v.tolist() if k > 0 else None
-        top_i = top_i.tolist() if k > 0 else None
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        k = max(p.logprobs or 0 for p in params)
+        top = logprobs.topk(k, dim=-1) if k > 0 else None
+        return tokens, (chosen, top.values if top else None, top.indices if top else None)
+
+    @staticmethod
+    def to_lists(sampled: tuple[torch.Tensor, tuple | None], params: list[SamplingParams]
+                 ) -> tuple[list[int], list | None]:
+        """Host lists from `sample`'s tensors (waits for them): tokens and, per row, None or
+        (token logprob, [(token id, logprob), ...] of the row's top `logprobs`)."""
+        tokens, lp = sampled
+        token_list = tokens.tolist()
+        if lp is None:
+            return token_list, None
+        chosen = lp[0].tolist()
+        top_v = lp[1].tolist() if lp[1] is not None else None
+        top_i = lp[2].tolist() if lp[2] is not None else None
         out: list = []
-        for r, w in enumerate(want):
+        for r, p in enumerate(params):
+            w = p.logprobs
             if w is None:
                 out.append(None)
             else:
-                top = list(zip(top_i[r][:w], top_v[r][:w])) if w > 0 else []
-                out.append((chosen[r], top))
+                out.append((chosen[r], list(zip(top_i[r][:w], top_v[r][:w])) if w > 0 else []))
         return token_list, out
 
     @staticmethod
@@ -80,11 +101,11 @@ class Sampler:
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        k_t = torch.tensor([k if k > 0 else vocab for k in ks], device=logits.device).unsqueeze(1)
+        k_t = _on(logits, [k if k > 0 else vocab for k in ks]).unsqueeze(1)
         mask = ranks >= k_t
         probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        p_t = torch.tensor(ps, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+        p_t = _on(logits, ps).to(probs.dtype).unsqueeze(1)
         mask |= before >= p_t  # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
