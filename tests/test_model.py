@@ -339,7 +339,7 @@ def test_dummy_weights_are_seeded_and_finite(tmp_path):
     assert hf_config["hidden_size"] == 576 and model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
         logits = model.compute_logits(model(torch.arange(8), torch.arange(8)))
-    assert logits.shape == (8, 49152) and logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert logits.shape == (8, 49152) and logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
 
 
 def _write_llama_gguf(hf, path) -> None:

@@ -114,3 +114,14 @@ def test_logprobs_are_of_the_raw_distribution():
     assert top == [] and chosen == pytest.approx(raw[1, tokens[1]].item(), abs=1e-6)
     assert tokens[1] in raw[1].topk(3).indices.tolist()
     assert logprobs[2] is None
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 320, 100])
+def test_chunked_argmax_equals_argmax_with_ties(vocab):
+    from testbed.worker.sampler import argmax
+    g = torch.Generator().manual_seed(vocab)
+    for n in (1, 3, 70):
+        x = torch.randn(n, vocab, generator=g).to(torch.bfloat16)
+        x[0, [5, vocab // 2, vocab - 1]] = 50.0  # ties across chunks: the first index wins
+        x[n - 1, [vocab - 2, vocab - 1]] += 60.0 * (n > 1)
+        assert torch.equal(argmax(x), x.argmax(-1)) and argmax(x)[0] == 5

@@ -82,6 +82,7 @@ def fused_on_gpu(fn):
         return fn(*args)
 
     run.__doc__ = fn.__doc__
+    run.__wrapped__ = fn
     return run
 
 
@@ -90,6 +91,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+@fused_on_gpu
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add and the next norm in one kernel on a GPU."""
+    h = x + residual
+    return rms_norm.__wrapped__(h, weight, eps), h
 
 
 @fused_on_gpu
@@ -119,8 +128,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = lambda p, w, shard_id=None: _copy(p.data, w, p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the add fused into the norm."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class SiluAndMul(nn.Module):

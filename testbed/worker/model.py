@@ -146,9 +146,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two, so each
+        residual add runs inside a norm kernel (as vLLM's layers do)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -160,10 +167,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual)
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,9 +192,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Rows of hidden [n, hidden] -> float32 logits [n, vocab] (None on TP ranks other than 0)."""
-        logits = self.lm_head(hidden)
-        return None if logits is None else logits.float()
+        """Rows of hidden [n, hidden] -> logits [n, vocab] in the model's dtype (None on TP ranks other
+        than 0); the sampler upcasts to float32 only where it needs probabilities."""
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         """The per-layer attention modules, in layer order, whose k_cache/v_cache the runner sets."""

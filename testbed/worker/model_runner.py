@@ -84,7 +84,7 @@ class ModelRunner:
         positions = torch.cat([torch.arange(l, device=self.device) for l in lens])
         set_context(False, cu_seqlens_q=cu)
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions)
-        self.model.compute_logits(hidden[cu[1:].long() - 1].repeat(max(1, cfg.max_num_seqs // seqs), 1))
+        self.model.compute_logits(hidden[cu[1:].long() - 1].repeat(max(1, cfg.max_num_seqs // seqs), 1)).float()
         reset_context()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)

@@ -16,6 +16,18 @@ def _on(like: torch.Tensor, values: list) -> torch.Tensor:
     return torch.tensor(values).to(like.device, non_blocking=True)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first index of the maximum) in two passes over power-of-2 chunks of the vocabulary:
+    a single-row argmax over a 128k vocabulary otherwise runs as one slow block-wide reduction."""
+    n, vocab = logits.shape
+    chunks = min(64, vocab & -vocab)  # the largest power of two <= 64 dividing the vocabulary
+    if chunks < 8 or n > 64:
+        return logits.argmax(dim=-1)
+    best, where = logits.view(n, chunks, vocab // chunks).max(dim=-1)
+    chunk = best.argmax(dim=-1, keepdim=True)
+    return (where.gather(1, chunk) + chunk * (vocab // chunks)).squeeze(1)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -42,9 +54,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
                ) -> tuple[torch.Tensor, tuple | None]:
         """Draw on the device without reading anything back: (tokens [n], logprob tensors or None).
-        The logprob tensors are (chosen [n], top values [n, k], top ids [n, k]) with k the largest asked."""
-        tokens = logits.argmax(dim=-1)
+        The logprob tensors are (chosen [n], top values [n, k], top ids [n, k]) with k the largest asked.
+        Greedy rows take the argmax of the logits as they come (upcasting is exact, so bf16 and float32
+        agree); probabilities are computed in float32."""
+        tokens = argmax(logits)
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+        if random_rows or any(p.logprobs is not None for p in params):
+            logits = logits.float()
         if random_rows:
             idx = _on(logits, random_rows)
             sub = logits.index_select(0, idx)
