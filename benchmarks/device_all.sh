@@ -13,6 +13,6 @@ for part in $parts; do
     kernels) python3 benchmarks/kernels.py --sweep ${SWEEP:-none} --out $OUT/kernels.json 2>&1 | grep -v "sweep skip" | tee $OUT/kernels.log | tail -30 ;;
     e2e) python3 benchmarks/e2e.py --out $OUT/e2e.json 2>&1 | grep -E "^(ours|mbu|hf_|\{\"prompts)" ;;
     e2e-quick) python3 benchmarks/e2e.py --skip-hf --out $OUT/e2e.json 2>&1 | grep -E "^(ours|mbu|\{\"prompts)" ;;
-    serve) ENGINE_FLAGS=${ENGINE_FLAGS---async-scheduling} bash benchmarks/serve/run.sh 2>&1 | grep -v "^+" | tail -60 ;;
+    serve) ENGINE_FLAGS=${ENGINE_FLAGS---async-scheduling} bash benchmarks/serve/run.sh 2>&1 | grep -v "^+" | tee $OUT/serve_bench.log | grep -E "OFFLINE|throughput|TTFT|TPOT|exit" ;;
   esac
 done

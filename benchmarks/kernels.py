@@ -32,7 +32,15 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, torch.bfloat16
 
 
 def time_ms(fn, reps: int, warmup: int = 5, graph: bool = False) -> float:
-    """Median milliseconds of fn over reps, timed with CUDA events (optionally as a replayed CUDA graph)."""
+    """Median milliseconds of fn over reps, timed with CUDA events (optionally as a replayed CUDA graph).
+
+    fn may be a list of calls: they run in sequence (captured into one graph) and the time is per call,
+    as Triton's do_bench_cudagraph measures short kernels without the graph's own launch cost."""
+    calls = fn if isinstance(fn, list) else [fn]
+
+    def fn():
+        for c in calls:
+            c()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -49,7 +57,7 @@ def time_ms(fn, reps: int, warmup: int = 5, graph: bool = False) -> float:
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return statistics.median(s.elapsed_time(e) for s, e in events) / len(calls)
 
 
 def copy_bandwidth(gib: float, reps: int) -> float:
@@ -105,9 +113,20 @@ def check_correctness() -> list[dict]:
                   .abs().max().item() for s in (None, 1, 7, 64))
         cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device="cuda")
         qp = torch.randn(sum(q_lens), heads, head_dim, device="cuda", generator=gen).to(dtype)
-        ref = paged_prefill_attention_ref(qp, k_cache, v_cache, cu, lens, tables, scale)
-        err_p = max((paged_prefill_attention_triton(qp, k_cache, v_cache, cu, lens, tables, scale, block_m=bm).float()
-                     - ref.float()).abs().max().item() for bm in (64, 128))
+        # This step's keys/values (views of one fused tensor, like the model's qkv split), stored into the cache
+        # at positions seq_len - q_len.. too, so the kernel (new keys from kn/vn) and the cache agree.
+        fused = torch.randn(sum(q_lens), 2, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
+        kn, vn = fused[:, 0], fused[:, 1]
+        pos = torch.cat([torch.arange(n - m, n, device="cuda") for n, m in zip(seq_lens, q_lens)])
+        seq_of = torch.repeat_interleave(torch.arange(len(seq_lens), device="cuda"),
+                                         torch.tensor(q_lens, device="cuda"))
+        store_kvcache(kn, vn, k_cache, v_cache, tables.long()[seq_of, pos // page] * page + pos % page)
+        ref = paged_prefill_attention_ref(qp, kn, vn, k_cache, v_cache, cu, lens, tables, scale)
+        variants = [dict(block_m=64), dict(),  # defaults: TMA for the new keys on Hopper where the layout allows
+                    dict(block_n=32 if dtype == torch.float32 else 128, num_stages=2, short_q=0, pack_gqa=False),
+                    dict(pack_gqa=True, use_tma=False)]  # (short_q=0: one launch for all; group 3 packs padded)
+        err_p = max((paged_prefill_attention_triton(qp, kn, vn, k_cache, v_cache, cu, lens, tables, scale, **kw)
+                     .float() - ref.float()).abs().max().item() for kw in variants)
         key = torch.randn(6, kv_heads, head_dim, device="cuda", generator=gen).to(dtype)
         slots = torch.tensor([3, -1, 0, num_blocks * page - 1, -1, 40], device="cuda")
         k1, v1, k2, v2 = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
@@ -135,7 +154,7 @@ def host_overhead_us(calls: int = 200) -> dict:
     fns = {"store_kvcache": lambda: store_kvcache(key, key, k_cache, v_cache, slots),
            "decode_1split": lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 1.0, 1),
            "decode_4splits": lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 1.0, 4),
-           "prefill": lambda: paged_prefill_attention_triton(q, k_cache, v_cache, cu, lens, tables, 1.0)}
+           "prefill": lambda: paged_prefill_attention_triton(q, key, key, k_cache, v_cache, cu, lens, tables, 1.0)}
     res = {}
     for name, fn in fns.items():
         for _ in range(10):
@@ -149,40 +168,55 @@ def host_overhead_us(calls: int = 200) -> dict:
     return res
 
 
-def bench_decode(batch: int, context: int, copy_gbs: float, reps: int, sweep: bool) -> dict:
-    k_cache, v_cache, tables = paged_cache([context] * batch)
+def bench_decode(batch: int, context: int, copy_gbs: float, reps: int, sweep: bool, copies: int = 3,
+                 rounds: int = 4) -> dict:
+    """Decode attention over `copies` distinct KV caches, called in turn `rounds` times inside one CUDA graph
+    (so no call finds its cache in L2 and the graph's launch cost is spread over copies x rounds calls)."""
+    caches = [paged_cache([context] * batch, seed=c) for c in range(copies)]
+    k_cache, v_cache, tables = caches[0]
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     scale = HEAD_DIM ** -0.5
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
 
+    def one(cache, **kw):
+        return lambda: paged_decode_attention_triton(q, *cache, lens, scale, **kw)
+
     def run(**kw):
-        return lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale, **kw)
+        return [one(c, **kw) for c in caches] * rounds
 
     ref = paged_decode_attention_ref(q[:2], k_cache, v_cache, tables[:2], lens[:2], scale)
-    err = (run()()[:2].float() - ref.float()).abs().max().item()
-    err_1split = (run(num_splits=1)()[:2].float() - ref.float()).abs().max().item()
+    err = (one(caches[0])()[:2].float() - ref.float()).abs().max().item()
+    err_1split = (one(caches[0], num_splits=1)()[:2].float() - ref.float()).abs().max().item()
     ms = time_ms(run(), reps, graph=True)
-    eager_ms = time_ms(run(), reps)
+    single_ms = time_ms(one(caches[0]), reps, graph=True)
+    eager_ms = time_ms(one(caches[0]), reps)
     splits = choose_num_splits(batch, KV_HEADS, tables.shape[1] * BLOCK_SIZE, 64, q.device)
     res = {"batch": batch, "context": context, "kv_bytes": kv_bytes, "auto_num_splits": splits, "time_us": ms * 1e3,
-           "eager_time_us": eager_ms * 1e3,
+           "single_graph_time_us": single_ms * 1e3, "eager_time_us": eager_ms * 1e3, "timing": (
+               f"per call, {copies} KV caches x {rounds} rounds in one CUDA graph"),
            "eff_bw_gbs": kv_bytes / (ms * 1e-3) / 1e9, "max_abs_err": err, "max_abs_err_1split": err_1split}
     res["frac_of_copy_bw"] = res["eff_bw_gbs"] / copy_gbs
     if sweep:
         trials = []
-        for block_n, warps, stages in itertools.product([32, 64, 128], [2, 4, 8], [1, 2, 3, 4]):
-            try:
-                t = time_ms(run(block_n=block_n, num_warps=warps, num_stages=stages), reps, graph=True)
-            except Exception as e:  # e.g. out of shared memory for a large tile
-                print(f"  decode sweep skip block_n={block_n} warps={warps} stages={stages}: {type(e).__name__}")
-                continue
-            trials.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "time_us": t * 1e3,
-                           "eff_bw_gbs": kv_bytes / (t * 1e-3) / 1e9})
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        # Split counts: powers of 2 and multiples of the SM count per KV head (whole waves of programs).
+        split_opts = [None] if batch * KV_HEADS >= 2 * sms else sorted(
+            {16, 32, 64, 128} | {max(1, round(k * sms / (batch * KV_HEADS))) for k in (1, 2, 3, 4)})
+        for block_n, warps, stages in itertools.product([32, 64, 128], [4, 8], [2, 3, 4]):
+            for splits in split_opts:
+                try:
+                    t = time_ms(run(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages), reps,
+                                graph=True)
+                except Exception as e:  # e.g. out of shared memory for a large tile
+                    print(f"  decode sweep skip block_n={block_n} warps={warps} stages={stages}: {type(e).__name__}")
+                    break
+                trials.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "num_splits": splits,
+                               "time_us": t * 1e3, "eff_bw_gbs": kv_bytes / (t * 1e-3) / 1e9,
+                               "frac_of_copy_bw": kv_bytes / (t * 1e-3) / 1e9 / copy_gbs})
         res["sweep_best"] = min(trials, key=lambda r: r["time_us"])
+        res["sweep_top"] = sorted(trials, key=lambda r: r["time_us"])[:8]
         res["sweep"] = trials
-        res["split_sweep"] = {s: time_ms(run(num_splits=s), reps, graph=True) * 1e3
-                              for s in (1, 8, 16, 32, 64, 128, 256)}
     return res
 
 
@@ -208,28 +242,38 @@ def bench_prefill(batch: int, length: int, reps: int, sweep: bool) -> dict:
         return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
 
     def run(**kw):
-        return lambda: paged_prefill_attention_triton(q, k_cache, v_cache, cu, lens, tables, scale, **kw)
+        return lambda: paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu, lens, tables, scale, **kw)
 
     expect = sdpa().transpose(1, 2).reshape(total, HEADS, HEAD_DIM)
     err = (run()().float() - expect.float()).abs().max().item()
     sdpa_ms = time_ms(sdpa, reps)
     ms = time_ms(run(), reps)
+    ms_fresh = time_ms(run(has_prefix=False), reps)  # the caller's promise that no sequence has a cached prefix
     flops = 4 * batch * HEADS * HEAD_DIM * length * (length + 1) / 2  # causal: ~half the score matrix
     res = {"batch": batch, "length": length, "time_ms": ms, "sdpa_time_ms": sdpa_ms, "ratio_vs_sdpa": ms / sdpa_ms,
            "tflops": flops / (ms * 1e-3) / 1e12, "sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12,
-           "max_abs_err_vs_sdpa": err}
+           "max_abs_err_vs_sdpa": err, "no_prefix_hint_time_ms": ms_fresh,
+           "no_prefix_hint_ratio_vs_sdpa": ms_fresh / sdpa_ms}
     if sweep:
         trials = []
-        for bm, bn, warps, stages in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4]):
+
+        def trial(**kw):
             try:
-                t = time_ms(run(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages), reps)
-            except Exception as e:
-                print(f"  prefill sweep skip block_m={bm} block_n={bn} warps={warps} stages={stages}: "
-                      f"{type(e).__name__}")
-                continue
-            trials.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages, "time_ms": t,
-                           "ratio_vs_sdpa": t / sdpa_ms})
+                t = time_ms(run(**kw), reps)
+            except Exception as e:  # e.g. out of shared memory for a large tile
+                print(f"  prefill sweep skip {kw}: {type(e).__name__}")
+                return
+            trials.append({**kw, "time_ms": t, "ratio_vs_sdpa": t / sdpa_ms, "tflops": flops / (t * 1e-3) / 1e12})
+
+        for bm, bn, warps, stages in itertools.product([64, 128], [64, 128], [4, 8], [2, 3, 4]):
+            trial(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+        # the best tiles again with one program per query head instead of GQA packing, and with pointer loads
+        for best in sorted(trials, key=lambda r: r["time_ms"])[:4]:
+            knobs = {key: best[key] for key in ("block_m", "block_n", "num_warps", "num_stages")}
+            trial(**knobs, pack_gqa=False)
+            trial(**knobs, use_tma=False)
         res["sweep_best"] = min(trials, key=lambda r: r["time_ms"])
+        res["sweep_top"] = sorted(trials, key=lambda r: r["time_ms"])[:8]
         res["sweep"] = trials
     return res
 
@@ -257,13 +301,12 @@ def main() -> None:
     decode = [bench_decode(b, n, copy_gbs, reps, args.sweep in ('decode', 'all')) for b, n in decode_shapes]
     prefill = [bench_prefill(b, n, reps, args.sweep in ('prefill', 'all')) for b, n in prefill_shapes]
 
-    print(f"\n{'decode batch x ctx':>20} {'time us':>9} {'eager us':>9} {'GB/s':>7} {'% copy':>7} {'max err':>9}")
+    print(f"\n{'decode batch x ctx':>20} {'time us':>9} {'1-graph':>9} {'GB/s':>7} {'% copy':>7} {'max err':>9}")
     for r in decode:
-        print(f"{r['batch']:>9} x {r['context']:<8} {r['time_us']:9.1f} {r['eager_time_us']:9.1f} "
+        print(f"{r['batch']:>9} x {r['context']:<8} {r['time_us']:9.1f} {r['single_graph_time_us']:9.1f} "
               f"{r['eff_bw_gbs']:7.0f} {100 * r['frac_of_copy_bw']:6.1f}% {r['max_abs_err']:9.2e}")
         if "sweep_best" in r:
             print(f"{'':>20} best: {r['sweep_best']}")
-            print(f"{'':>20} us by num_splits: " + ", ".join(f"{k}: {v:.1f}" for k, v in r["split_sweep"].items()))
     print(f"\n{'prefill batch x len':>20} {'ours ms':>9} {'SDPA ms':>9} {'ratio':>6} {'TFLOP/s':>8} {'max err':>9}")
     for r in prefill:
         print(f"{r['batch']:>9} x {r['length']:<8} {r['time_ms']:9.3f} {r['sdpa_time_ms']:9.3f} "

@@ -83,6 +83,13 @@ def make_paged(seq_lens, shared=((0, 3, 2),), head_dim=HEAD_DIM, dtype=torch.flo
     return k_cache, v_cache, tables, dense
 
 
+def new_kv(dense, q_lens):
+    """This step's keys/values: the last q_lens[i] positions of each sequence's dense k/v, concatenated."""
+    k = torch.cat([dk[len(dk) - n:] for (dk, _), n in zip(dense, q_lens)])
+    v = torch.cat([dv[len(dv) - n:] for (_, dv), n in zip(dense, q_lens)])
+    return k, v
+
+
 def dense_causal(q, k, v, scale):
     """Naive float64 causal attention of q [n, H, D] (the last n positions) over contiguous k/v [L, Hkv, D]."""
     n, num_heads, _ = q.shape
@@ -144,7 +151,8 @@ def test_references_match_dense_attention(group):
     q = torch.randn(sum(q_lens), num_heads, HEAD_DIM)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    out = paged_prefill_attention_ref(q, k_cache, v_cache, cu, lens, tables, scale)
+    k_new, v_new = new_kv(dense, q_lens)
+    out = paged_prefill_attention_ref(q, k_new, v_new, k_cache, v_cache, cu, lens, tables, scale)
     for i, (k, v) in enumerate(dense):
         close(out[cu[i]:cu[i + 1]], dense_causal(q[cu[i]:cu[i + 1]], k, v, scale), torch.float32)
     q_dec = torch.randn(len(seq_lens), num_heads, HEAD_DIM)
@@ -159,8 +167,14 @@ def test_reference_errors_are_clear():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         paged_decode_attention_ref(q, k_cache, v_cache, tables, torch.tensor([5], dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="q_len"):
-        paged_prefill_attention_ref(torch.randn(7, 2, HEAD_DIM), k_cache, v_cache,
+        kv = torch.randn(7, NUM_KV_HEADS, HEAD_DIM)
+        paged_prefill_attention_ref(torch.randn(7, 2, HEAD_DIM), kv, kv, k_cache, v_cache,
                                     torch.tensor([0, 7], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+                                    tables, 1.0)
+    with pytest.raises(ValueError, match="k/v"):
+        paged_prefill_attention_ref(torch.randn(5, 2, HEAD_DIM), torch.randn(4, NUM_KV_HEADS, HEAD_DIM),
+                                    torch.randn(5, NUM_KV_HEADS, HEAD_DIM), k_cache, v_cache,
+                                    torch.tensor([0, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
                                     tables, 1.0)
 
 
@@ -208,12 +222,13 @@ def test_choose_num_splits_fills_the_machine_only_when_needed():
 def test_prefill_triton_matches_ref(group, dtype):
     seq_lens = [13, 30, 1, 17]
     q_lens = [13, 9, 1, 1]  # full, chunked (last 9 of 30), a 1-token sequence, a decode row sharing a prefix
-    k_cache, v_cache, tables, _ = make_paged(seq_lens, dtype=dtype)
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, dtype=dtype)
     q = torch.randn(sum(q_lens), NUM_KV_HEADS * group, HEAD_DIM).to(dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    ref = paged_prefill_attention_ref(q, k_cache, v_cache, cu, lens, tables, 0.3)
-    out = paged_prefill_attention_triton(q, k_cache, v_cache, cu, lens, tables, 0.3, block_m=16, block_n=16)
+    k, v = new_kv(dense, q_lens)
+    ref = paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3)
+    out = paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3, block_m=16, block_n=16)
     assert out.dtype == dtype
     close(out, ref, dtype)
 
@@ -221,21 +236,134 @@ def test_prefill_triton_matches_ref(group, dtype):
 @needs_loops
 def test_prefill_dispatch_default_tiles_odd_head_dim_and_empty_chunks():
     seq_lens, q_lens = [40, 7, 21], [40, 0, 5]
-    k_cache, v_cache, tables, _ = make_paged(seq_lens, shared=((0, 2, 3),), head_dim=24)
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, shared=((0, 2, 3),), head_dim=24)
     q = torch.randn(sum(q_lens), NUM_KV_HEADS * 4, 24)
     cu = torch.tensor([0, 40, 40, 45], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    out = paged_prefill_attention(q, k_cache, v_cache, cu, lens, tables, 0.25)  # block_m 128, block_n 64
-    close(out, paged_prefill_attention_ref(q, k_cache, v_cache, cu, lens, tables, 0.25), torch.float32)
+    k, v = new_kv(dense, q_lens)
+    out = paged_prefill_attention(q, k, v, k_cache, v_cache, cu, lens, tables, 0.25)  # defaults; pointer loads
+    close(out, paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.25), torch.float32)
 
 
 @needs_loops
 def test_prefill_of_single_tokens_equals_decode():
     seq_lens = [9, 22]
-    k_cache, v_cache, tables, _ = make_paged(seq_lens, shared=())
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, shared=())
     q = torch.randn(2, NUM_KV_HEADS * 3, HEAD_DIM)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    pre = paged_prefill_attention_triton(q, k_cache, v_cache, cu, lens, tables, 0.5, block_m=16, block_n=16)
+    k, v = new_kv(dense, [1, 1])
+    pre = paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu, lens, tables, 0.5, block_m=16, block_n=16)
     dec = paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.5, 2, block_n=16)
     close(pre, dec, torch.float32)
+
+
+# ---------------------------------------------------------------- Triton prefill: cached prefix + this step's k/v
+
+def extend_case(seq_lens, q_lens, group, dtype=torch.float32, head_dim=HEAD_DIM, shared=((0, 3, 2),), seed=1):
+    """One prefill step: q, k, v as views of one fused qkv tensor (like the model's qkv split), the prefixes in the
+    paged cache. The cache slots of this step's tokens hold NaN (unless some prefix reads them): the kernel must
+    take those keys from k/v, and the prefix from the cache."""
+    k_cache, v_cache, tables, dense = make_paged(seq_lens, shared=shared, head_dim=head_dim, dtype=dtype, seed=seed)
+    heads = NUM_KV_HEADS * group
+    k_new, v_new = new_kv(dense, q_lens)
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(sum(q_lens), heads + 2 * NUM_KV_HEADS, head_dim, generator=g).to(dtype)
+    qkv[:, heads:heads + NUM_KV_HEADS] = k_new
+    qkv[:, heads + NUM_KV_HEADS:] = v_new
+    q, k, v = qkv.split([heads, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
+
+    def slot(i, p):
+        return int(tables[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+
+    prefix = {slot(i, p) for i, (n, m) in enumerate(zip(seq_lens, q_lens)) for p in range(n - m)}
+    for i, (n, m) in enumerate(zip(seq_lens, q_lens)):
+        for p in range(n - m, n):
+            if slot(i, p) not in prefix:
+                k_cache.view(-1, NUM_KV_HEADS, head_dim)[slot(i, p)] = float("nan")
+                v_cache.view(-1, NUM_KV_HEADS, head_dim)[slot(i, p)] = float("nan")
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q, k, v, k_cache, v_cache, cu, lens, tables, dense
+
+
+# prefix not a multiple of the page / key tile, q_len over several tiles, 1-token rows (fresh and with a prefix),
+# a shared prefix, a full prefill, a short chunk with a prefix
+EXTEND_SEQ_LENS, EXTEND_Q_LENS = [45, 1, 23, 30, 19, 9], [35, 1, 1, 20, 19, 3]
+
+
+def test_extend_case_reference_matches_dense_attention():
+    q, k, v, k_cache, v_cache, cu, lens, tables, dense = extend_case(EXTEND_SEQ_LENS, EXTEND_Q_LENS, 3)
+    assert not k.is_contiguous() and not v.is_contiguous() and k_cache.isnan().any()
+    out = paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3)
+    for i, (dk, dv) in enumerate(dense):
+        close(out[cu[i]:cu[i + 1]], dense_causal(q[cu[i]:cu[i + 1]], dk, dv, 0.3), torch.float32)
+
+
+@needs_loops
+@pytest.mark.parametrize("group,dtype,knobs", [
+    (4, torch.float32, dict(block_m=16, block_n=16, use_tma=True)),
+    (4, torch.float32, dict(block_m=16, block_n=16, use_tma=False)),
+    (3, torch.float16, dict(block_m=32, block_n=16, pack_gqa=True, short_block_m=16)),  # padded group rows
+    (1, torch.bfloat16, dict(block_m=16, block_n=32, short_q=0)),  # block_m < block_n, one launch for all
+    (4, torch.bfloat16, dict(block_m=32, block_n=16, short_block_n=16, num_stages=2)),  # block_m > block_n
+    (2, torch.float32, dict()),  # default tiles: every sequence in one tile
+])
+def test_prefill_extend_matches_ref(group, dtype, knobs):
+    q, k, v, k_cache, v_cache, cu, lens, tables, _ = extend_case(EXTEND_SEQ_LENS, EXTEND_Q_LENS, group, dtype)
+    ref = paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3)
+    out = paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3, **knobs)
+    assert out.dtype == dtype and not out.isnan().any()
+    close(out, ref, dtype)
+
+
+@needs_loops
+@pytest.mark.parametrize("seq_lens,q_lens", [([37], [30]), ([8, 12], [2, 3])])  # only long / only short launch
+def test_prefill_extend_single_launch_shapes(seq_lens, q_lens):
+    q, k, v, k_cache, v_cache, cu, lens, tables, _ = extend_case(seq_lens, q_lens, 4, shared=())
+    ref = paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3)
+    close(paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3, block_m=16, block_n=16),
+          ref, torch.float32)
+
+
+@needs_loops
+@pytest.mark.parametrize("short_q", [None, 0])
+def test_prefill_without_prefix_loops_for_fresh_long_sequences(short_q):
+    # has_prefix=False: sequences longer than short_q (16 by default here) have no cached prefix; the decode-like
+    # rows (short launch) still do. With short_q 0 every sequence must be fresh.
+    seq_lens, q_lens = ([19, 23, 33, 9], [19, 1, 33, 3]) if short_q is None else ([19, 2, 33], [19, 2, 33])
+    q, k, v, k_cache, v_cache, cu, lens, tables, _ = extend_case(seq_lens, q_lens, 4, shared=())
+    ref = paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3)
+    out = paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3, block_m=32, block_n=16,
+                                         short_q=short_q, has_prefix=False)
+    close(out, ref, torch.float32)
+
+
+@needs_loops
+def test_prefill_falls_back_to_pointer_loads_for_odd_layouts():
+    from testbed.kernels.prefill_attention import _tma_layout_ok
+    seq_lens, q_lens = [21, 6], [13, 6]
+    q, k, v, k_cache, v_cache, cu, lens, tables, _ = extend_case(seq_lens, q_lens, 2, head_dim=80, shared=())
+    assert not _tma_layout_ok(k, 128)  # head_dim 80: the block (128) would cover the next head
+    ref = paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3)
+    close(paged_prefill_attention(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3), ref, torch.float32)
+    with pytest.raises(ValueError, match="use_tma"):
+        paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3, use_tma=True)
+
+    q, k, v, k_cache, v_cache, cu, lens, tables, _ = extend_case(seq_lens, q_lens, 2, shared=())
+    assert _tma_layout_ok(k, HEAD_DIM) and _tma_layout_ok(v, HEAD_DIM)  # fused-qkv views qualify
+    odd = torch.empty(k.numel() + 1)[1:].view(k.shape)  # base 4 bytes past a 16-byte boundary
+    odd.copy_(k)
+    assert not _tma_layout_ok(odd, HEAD_DIM)
+    out = paged_prefill_attention_triton(q, odd, v, k_cache, v_cache, cu, lens, tables, 0.3, block_m=16, block_n=16)
+    close(out, paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3), torch.float32)
+
+
+def test_prefill_rejects_bad_new_kv_and_knobs():
+    q, k, v, k_cache, v_cache, cu, lens, tables, _ = extend_case([9], [4], 2, shared=())
+    with pytest.raises(ValueError, match="k/v"):
+        paged_prefill_attention_triton(q, k[:3], v, k_cache, v_cache, cu, lens, tables, 0.3)
+    with pytest.raises(ValueError, match="k/v"):
+        paged_prefill_attention_triton(q, k.half(), v, k_cache, v_cache, cu, lens, tables, 0.3)
+    with pytest.raises(ValueError, match="short_q"):
+        paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3, short_block_m=16, short_q=9)

@@ -2,7 +2,8 @@
 # `testbed bench serve` against `testbed serve` on one GPU (Llama-3.2-1B shape, dummy weights), plus the offline
 # LLM throughput on the same requests (API-server overhead = serve tok/s / offline tok/s). Writes under $OUT.
 # On the device machine the server packages travel as wheels in .cache/serve-whl (see the device README).
-# ENGINE_FLAGS (e.g. --async-scheduling) go to both the offline leg and the server.
+# ENGINE_FLAGS (e.g. --async-scheduling) go to both the offline leg and the server; AZURE_RATES="" skips the
+# Azure-trace runs (default 4 8 16 req/s).
 set -x
 if [ -d .cache/serve-whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .cache/serve-whl/*.whl || exit 1
@@ -16,8 +17,8 @@ python3 benchmarks/serve/offline.py 500 512 128 $ENGINE_FLAGS 2>&1 | grep -v War
 python3 -m testbed.cli serve --load-format dummy --model Llama-3.2-1B --max-model-len 4096 $ENGINE_FLAGS --port 8000 --log-steps /tmp/steps > $OUT/serve.log 2>&1 &
 for i in $(seq 200); do sleep 2; curl -s -o /dev/null -w "%{http_code}" localhost:8000/health | grep -q 200 && break; done
 python3 -m testbed.cli bench serve --url http://127.0.0.1:8000 --dataset random --num-prompts 500 --random-input-len 512 --random-output-len 128 --server-log-steps /tmp/steps -o /tmp/run1 --disable-tqdm
-for r in 4 8 16; do python3 -m testbed.cli bench serve --url http://127.0.0.1:8000 traces/azure_conv_10min.jsonl --request-rate $r --num-prompts 200 --server-log-steps /tmp/steps -o /tmp/az$r --disable-tqdm; done
+for r in ${AZURE_RATES-4 8 16}; do python3 -m testbed.cli bench serve --url http://127.0.0.1:8000 traces/azure_conv_10min.jsonl --request-rate $r --num-prompts 200 --server-log-steps /tmp/steps -o /tmp/az$r --disable-tqdm; done
 curl -s localhost:8000/metrics | grep -E "^testbed:(num_requests|kv_cache|request_success|num_preemptions)"
 kill -TERM %1; wait %1; echo "serve exit code $?"
 tail -5 $OUT/serve.log
-tar czf $OUT/runs.tgz -C /tmp run1 az4 az8 az16
+tar czf $OUT/runs.tgz -C /tmp run1 $(for r in ${AZURE_RATES-4 8 16}; do echo az$r; done)

@@ -91,14 +91,16 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out
 
 
-def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+def paged_prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                                 block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention for the last q_len_i positions of each sequence, all K/V read from the paged cache.
+    """Causal attention for the last q_len_i positions of each sequence over its cached prefix plus this step's keys.
 
-    q [total_q_tokens, num_heads, head_dim]; cu_seqlens_q int32 [num_seqs+1]; seq_lens int32 [num_seqs]
-    counts all positions incl. this step's; query j of sequence i sits at absolute position
-    seq_lens[i] - q_len_i + j and sees keys 0..that position.
+    q [total_q_tokens, num_heads, head_dim]; k/v [total_q_tokens, num_kv_heads, head_dim] this step's keys and
+    values; cu_seqlens_q int32 [num_seqs+1]; seq_lens int32 [num_seqs] counts all positions incl. this step's;
+    query j of sequence i sits at absolute position ctx_i + j with ctx_i = seq_lens[i] - q_len_i and sees keys
+    0..that position: positions < ctx_i are read from the paged cache, the rest are k/v rows
+    cu_seqlens_q[i].. (the cache slots of this step's tokens are not read).
     """
     check_cache(k_cache, v_cache)
     check_heads(q, k_cache)
@@ -106,6 +108,10 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"prefill: cu_seqlens_q {tuple(cu_seqlens_q.shape)} must be [num_seqs+1] and block_tables "
                          f"{tuple(block_tables.shape)} [num_seqs, max_blocks] for num_seqs={num_seqs}")
+    kv_shape = (q.shape[0], *k_cache.shape[2:])
+    if k.shape != kv_shape or v.shape != kv_shape:
+        raise ValueError(f"prefill: k/v {tuple(k.shape)}/{tuple(v.shape)} must be [num_tokens, num_kv_heads, "
+                         f"head_dim] = {list(kv_shape)}")
     cu = cu_seqlens_q.tolist()
     if cu[-1] != q.shape[0]:
         raise ValueError(f"prefill: cu_seqlens_q[-1]={cu[-1]} but q has {q.shape[0]} tokens")
@@ -116,7 +122,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             raise ValueError(f"prefill: sequence {i} has q_len {q_len} outside [0, seq_len={seq_len}]")
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[i], seq_len)
-        v = gather_kv(v_cache, block_tables[i], seq_len)
-        out[cu[i]:cu[i + 1]] = _attend(q[cu[i]:cu[i + 1]], k, v, scale, seq_len - q_len).to(q.dtype)
+        ctx = seq_len - q_len
+        keys = torch.cat([gather_kv(k_cache, block_tables[i], ctx).float(), k[cu[i]:cu[i + 1]].float()])
+        values = torch.cat([gather_kv(v_cache, block_tables[i], ctx).float(), v[cu[i]:cu[i + 1]].float()])
+        out[cu[i]:cu[i + 1]] = _attend(q[cu[i]:cu[i + 1]], keys, values, scale, ctx).to(q.dtype)
     return out

@@ -37,6 +37,7 @@ class StepInputs:
     cu_seqlens_q: torch.Tensor
     sample_idx: torch.Tensor
     is_decode: bool
+    has_prefix: bool = True  # some sequence of more than one new token has cached tokens before them
 
 
 class ModelRunner:
@@ -164,6 +165,7 @@ class ModelRunner:
             input_ids, positions, slots = ids, pos, slot_list
         x = self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src],
                          [seq_lens, cu, tables], is_decode)
+        x.has_prefix = is_decode or any(b > 0 and n > 1 for b, n in zip(starts, counts))
         return x
 
     def _prev_row(self, request_id: str) -> int:
@@ -271,7 +273,7 @@ class ModelRunner:
         """Forward pass; logits [num sampled rows, vocab] (None on TP ranks other than 0)."""
         hidden = self._replay(x)
         if hidden is None:
-            set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)
+            set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q, x.has_prefix)
             try:
                 hidden = self.model(x.input_ids, x.positions)
             finally:
