@@ -36,6 +36,27 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
 
 
 @triton.jit
+def _load_new_tile(New, row0, start, col, stride_t, q_len, offs_d, mask_d, BLOCK_N: tl.constexpr,
+                   MASKED: tl.constexpr, USE_TMA: tl.constexpr, EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Rows [start, start+BLOCK_N) of this step's new K or V (a descriptor with USE_TMA, else pointers whose
+    rows past q_len read 0 when MASKED), upcast to fp32 for FP32_DOT."""
+    if USE_TMA:
+        x = New.load([row0 + start, col])
+    else:
+        offs_n = start + tl.arange(0, BLOCK_N)
+        ptrs = New + (row0 + offs_n).to(tl.int64)[:, None] * stride_t + col + offs_d[None, :]
+        if MASKED:
+            x = tl.load(ptrs, mask=(offs_n < q_len)[:, None] & mask_d[None, :], other=0.0)
+        elif EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
+    if FP32_DOT:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _new_keys_tile(q, acc, l_i, m_i, KNew, VNew, row0, start, col_k, col_v, stride_kt, stride_vt, q_rel, q_len,
                    offs_d, mask_d, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
                    EVEN_D: tl.constexpr, FP32_DOT: tl.constexpr):
@@ -48,19 +69,8 @@ def _new_keys_tile(q, acc, l_i, m_i, KNew, VNew, row0, start, col_k, col_v, stri
     the head's column; else pointers, col_k/col_v the head's element offset.
     """
     offs_n = start + tl.arange(0, BLOCK_N)
-    if USE_TMA:
-        k = KNew.load([row0 + start, col_k])
-    else:
-        rows = (row0 + offs_n).to(tl.int64)
-        k_ptrs = KNew + rows[:, None] * stride_kt + col_k + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=(offs_n < q_len)[:, None] & mask_d[None, :], other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
-    if FP32_DOT:
-        k = k.to(tl.float32)
+    k = _load_new_tile(KNew, row0, start, col_k, stride_kt, q_len, offs_d, mask_d, BLOCK_N, MASKED, USE_TMA, EVEN_D,
+                       FP32_DOT)
     s = tl.dot(q, tl.trans(k))
     if MASKED:
         s = tl.where(offs_n[None, :] <= q_rel[:, None], s, float("-inf"))
@@ -69,21 +79,10 @@ def _new_keys_tile(q, acc, l_i, m_i, KNew, VNew, row0, start, col_k, col_v, stri
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if USE_TMA:
-        # In a diagonal tile, rows past the sequence are the next sequence's tokens (finite values) or TMA's
-        # zero fill: their p is exactly 0, so they are not masked (a tl.where here cost 2-4% on H200).
-        v = VNew.load([row0 + start, col_v])
-    else:
-        rows = (row0 + offs_n).to(tl.int64)
-        v_ptrs = VNew + rows[:, None] * stride_vt + col_v + offs_d[None, :]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=(offs_n < q_len)[:, None] & mask_d[None, :], other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-    if FP32_DOT:
-        v = v.to(tl.float32)
+    # With TMA, rows of a diagonal tile past the sequence are the next sequence's tokens (finite values) or
+    # TMA's zero fill: their p is exactly 0, so they are not masked (a tl.where here cost 2-4% on H200).
+    v = _load_new_tile(VNew, row0, start, col_v, stride_vt, q_len, offs_d, mask_d, BLOCK_N, MASKED, USE_TMA, EVEN_D,
+                       FP32_DOT)
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_new
 

@@ -163,10 +163,9 @@ class ModelRunner:
                 if end >= req.num_tokens:
                     sample_idx.append(cu[-1] - 1)
             input_ids, positions, slots = ids, pos, slot_list
-        x = self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src],
-                         [seq_lens, cu, tables], is_decode)
-        x.has_prefix = is_decode or any(b > 0 and n > 1 for b, n in zip(starts, counts))
-        return x
+        has_prefix = is_decode or any(b > 0 and n > 1 for b, n in zip(starts, counts))
+        return self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src], [seq_lens, cu, tables],
+                            is_decode, has_prefix)
 
     def _prev_row(self, request_id: str) -> int:
         row = self._prev_rows.get(request_id)
@@ -175,7 +174,7 @@ class ModelRunner:
                                "(async scheduling out of order: update each step before scheduling the one after next)")
         return row
 
-    def _upload(self, longs: list, ints: list, is_decode: bool) -> StepInputs:
+    def _upload(self, longs: list, ints: list, is_decode: bool, has_prefix: bool) -> StepInputs:
         """Pack int64 and int32 arrays into one pinned host buffer, copy it to the device without a
         stream sync, and cut the views. Two buffers alternate: a buffer is reused two steps later, when
         its copy has long finished (each step's results are read back before the step after next)."""
@@ -211,7 +210,7 @@ class ModelRunner:
         if n64[4]:
             input_ids[ph_dst] = self._prev_tokens[ph_src]
         return StepInputs(input_ids, positions, slots, tables.view(B, n32[2] // B if B else 0), seq_lens, cu,
-                          sample_idx, is_decode)
+                          sample_idx, is_decode, has_prefix)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int | None = None) -> None:

@@ -41,11 +41,7 @@ class EngineStepper:
             out = self.executor.execute(so)
             return so, core.update(so, out, self.clock())
         launched = None if so.is_empty else (so, self.executor.execute_async(so))
-        outputs: list[RequestOutput] = []
-        if self.in_flight is not None:
-            prev, result = self.in_flight
-            self.in_flight = None
-            outputs = core.update(prev, result(), self.clock())
+        outputs = self.drain()
         self.in_flight = launched
         return so, outputs
 
