@@ -5,3 +5,14 @@ detokenizer.py, stop strings, metrics.py) -> client.py (ZMQ client, per-request 
 msgspec (protocol.py)==> engine_proc.py (EngineCore + executor loop). serve.py launches both;
 bench.py is the `testbed bench serve` client.
 """
+
+
+def run_event_loop(main):
+    """Run a coroutine on uvloop when it is installed (as vLLM's server does), else on asyncio's loop:
+    the API server and the bench client do Python work per streamed event, and uvloop halves the
+    loop's share of it."""
+    try:
+        from uvloop import run
+    except ImportError:
+        from asyncio import run
+    return run(main)

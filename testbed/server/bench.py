@@ -11,7 +11,6 @@ from the server's /metrics before and after the run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -134,6 +133,7 @@ def run_bench(args: argparse.Namespace) -> tuple[Path | None, dict]:
     import httpx
 
     from testbed.engine.metrics import summarize
+    from testbed.server import run_event_loop
     from testbed.server.bench_client import replay
     from testbed.server.bench_datasets import from_trace, random_dataset, sharegpt_dataset
     base = args.url.rstrip("/")
@@ -173,7 +173,7 @@ def run_bench(args: argparse.Namespace) -> tuple[Path | None, dict]:
         from tqdm import tqdm
         bar = tqdm(total=len(requests), desc="requests", file=sys.stderr, leave=False)
     before = scrape_counters(base)
-    results, duration, t0_wall = asyncio.run(replay(
+    results, duration, t0_wall = run_event_loop(replay(
         base + args.endpoint, model, requests, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
         api_key=args.api_key, timeout=args.timeout, on_done=(lambda _: bar.update(1)) if bar else None))
     t_end_wall = time.time()

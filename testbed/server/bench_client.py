@@ -11,10 +11,12 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import msgspec
 
 from testbed.server.bench_datasets import BenchRequest
+
+JSON = {"Content-Type": "application/json"}
 
 
 @dataclass
@@ -32,45 +34,54 @@ class RequestResult:
     error: str | None = None
 
 
-async def send_request(http: httpx.AsyncClient, url: str, model: str, req: BenchRequest, t0: float,
+async def send_request(http: aiohttp.ClientSession, url: str, model: str, req: BenchRequest, t0: float,
                        ignore_eos: bool, headers: dict[str, str]) -> RequestResult:
     payload = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0.0,
                "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    body = msgspec.json.encode(payload)
     st = time.perf_counter()
     res = RequestResult(req.id, st - t0)
     last, chunks, usage = st, 0, None
     try:
-        async with http.stream("POST", url, json=payload, headers=headers) as r:
-            if r.status_code != 200:
-                body = (await r.aread()).decode(errors="replace")
-                res.error = f"HTTP {r.status_code}: {body[:300]}"
-                res.finish_reason = "rejected" if r.status_code == 503 and "waiting" in body else "error"
+        async with http.post(url, data=body, headers=headers) as r:
+            if r.status != 200:
+                text = (await r.read()).decode(errors="replace")
+                res.error = f"HTTP {r.status}: {text[:300]}"
+                res.finish_reason = "rejected" if r.status == 503 and "waiting" in text else "error"
                 res.latency = time.perf_counter() - st
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
+            buf, done = b"", False
+            async for piece in r.content.iter_any():  # whatever arrived; events end with a blank line
+                if done:
                     break
-                now = time.perf_counter()
-                obj = msgspec.json.decode(data)
-                if "error" in obj:
-                    res.error = obj["error"].get("message", "error event")
-                    res.finish_reason = "error"
-                    break
-                res.server_id = obj.get("id", res.server_id)
-                if obj.get("choices"):
-                    if res.ttft is None:
-                        res.ttft = now - st
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    chunks += 1
-                    res.finish_reason = obj["choices"][0].get("finish_reason") or res.finish_reason
-                elif obj.get("usage"):
-                    usage = obj["usage"]
-    except (httpx.HTTPError, msgspec.DecodeError) as e:
+                now = time.perf_counter()  # events that came in one piece arrived together
+                buf += piece
+                *events, buf = buf.split(b"\n\n")
+                for event in events:
+                    if not event.startswith(b"data: "):
+                        continue
+                    data = event[6:]
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    obj = msgspec.json.decode(data)
+                    if "error" in obj:
+                        res.error = obj["error"].get("message", "error event")
+                        res.finish_reason = "error"
+                        done = True
+                        break
+                    res.server_id = obj.get("id", res.server_id)
+                    if obj.get("choices"):
+                        if res.ttft is None:
+                            res.ttft = now - st
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                        chunks += 1
+                        res.finish_reason = obj["choices"][0].get("finish_reason") or res.finish_reason
+                    elif obj.get("usage"):
+                        usage = obj["usage"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as e:
         res.error, res.finish_reason = f"{type(e).__name__}: {e}", "error"
     res.latency = last - st if res.ttft is not None else time.perf_counter() - st
     if usage is not None:
@@ -89,10 +100,11 @@ async def replay(url: str, model: str, requests: list[BenchRequest], *, max_conc
                  ) -> tuple[list[RequestResult], float, float]:
     """Send each request at its arrival time (at most `max_concurrency` in flight; a late slot
     delays the send, as in vLLM); returns (results in request order, duration, start as time.time())."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=None)
+    headers = {**JSON, "Authorization": f"Bearer {api_key}"} if api_key else JSON
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as http:
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, ttl_dns_cache=300)
+    timeouts = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeouts, read_bufsize=1 << 20) as http:
         t0_wall, t0 = time.time(), time.perf_counter()
 
         async def one(req: BenchRequest) -> RequestResult:

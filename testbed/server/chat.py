@@ -88,16 +88,16 @@ async def _stream(run: GenerationRun, req: ChatCompletionRequest, head: dict) ->
     yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None} for c in run.choices]})
     while not run.done:
-        c = await run.next()
-        if not c.delta_ids and not c.delta_text and not c.finished:
-            continue
-        d = {"index": c.index, "delta": {"content": c.delta_text},
-             "logprobs": chat_logprobs(run, c.delta_ids, c.delta_logprobs) if req.logprobs else None,
-             "finish_reason": c.finish_reason}
-        if c.finished:
-            d["stop_reason"] = c.stop_reason
-        if req.return_token_ids:
-            d["token_ids"] = c.delta_ids
-        yield sse({**head, "choices": [d]})
+        for c in await run.next():
+            if not c.delta_ids and not c.delta_text and not c.finished:
+                continue
+            d = {"index": c.index, "delta": {"content": c.delta_text},
+                 "logprobs": chat_logprobs(run, c.delta_ids, c.delta_logprobs) if req.logprobs else None,
+                 "finish_reason": c.finish_reason}
+            if c.finished:
+                d["stop_reason"] = c.stop_reason
+            if req.return_token_ids:
+                d["token_ids"] = c.delta_ids
+            yield sse({**head, "choices": [d]})
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse({**head, "choices": [], "usage": run.usage()})

@@ -91,18 +91,18 @@ async def _stream(run: GenerationRun, req: CompletionRequest, head: dict, echoes
     offsets = {c.index: len(echoes[c.prompt_index]) for c in run.choices}
     started: set[int] = set()
     while not run.done:
-        c = await run.next()
-        if not c.delta_ids and not c.delta_text and not c.finished:
-            continue
-        text = c.delta_text
-        prompt_ids = None
-        if c.index not in started:
-            started.add(c.index)
-            text = echoes[c.prompt_index] + text
-            prompt_ids = run.prompts[c.prompt_index]
-        choice = _choice(run, req, c, text, c.delta_ids, c.delta_logprobs, offsets[c.index], prompt_ids)
-        if choice["logprobs"] and run.state.tokenizer is not None:
-            offsets[c.index] += sum(len(t) for t in choice["logprobs"]["tokens"])
-        yield sse({**head, "choices": [choice]})
+        for c in await run.next():
+            if not c.delta_ids and not c.delta_text and not c.finished:
+                continue
+            text = c.delta_text
+            prompt_ids = None
+            if c.index not in started:
+                started.add(c.index)
+                text = echoes[c.prompt_index] + text
+                prompt_ids = run.prompts[c.prompt_index]
+            choice = _choice(run, req, c, text, c.delta_ids, c.delta_logprobs, offsets[c.index], prompt_ids)
+            if choice["logprobs"] and run.state.tokenizer is not None:
+                offsets[c.index] += sum(len(t) for t in choice["logprobs"]["tokens"])
+            yield sse({**head, "choices": [choice]})
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse({**head, "choices": [], "usage": run.usage()})

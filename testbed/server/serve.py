@@ -46,12 +46,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument("--executor-factory", default=None, metavar="MODULE:FUNCTION",
+                   help="build the engine core's executor with this function instead of the model runner "
+                        "(research hook; benchmarks/serve/sim_executor.py:create serves the simulator's executor)")
     p.set_defaults(func=cmd_serve)
     return p
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    return asyncio.run(run_server(args))
+    from testbed.server import run_event_loop
+    return run_event_loop(run_server(args))
 
 
 def _log(msg: str) -> None:
@@ -114,7 +118,8 @@ async def run_server(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     client = EngineClient(EngineProcConfig(engine=cfg.to_dict(), model=model, load_format=args.load_format,
                                            dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-                                           log_steps=args.log_steps))
+                                           log_steps=args.log_steps,
+                                           **({"executor_factory": args.executor_factory} if args.executor_factory else {})))
     tokenizer_path = args.tokenizer or model
     tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path))
     start = asyncio.ensure_future(client.start())

@@ -129,18 +129,26 @@ class GenerationRun:
     def done(self) -> bool:
         return self.num_unfinished == 0
 
-    async def next(self) -> Choice:
-        """Wait for the next output and apply it; EngineDeadError or APIError(rejected) on failure."""
-        while True:
-            try:
-                out = await self.stream.get()
-            except EngineDeadError as e:
-                self._fail_all()
-                raise APIError(503, str(e), None, "engine_dead") from None
-            c = self.by_id.get(out.request_id)
-            if c is not None and not c.finished:
-                self._apply(c, out)
-                return c
+    async def next(self) -> list[Choice]:
+        """Wait for an output, then apply it and every output already queued behind it; returns the
+        choices that changed, each with the merged delta of those outputs (a consumer that fell
+        behind catches up with one event per choice, as vLLM's output collector merges deltas).
+        EngineDeadError or APIError(rejected) on failure."""
+        try:
+            out = await self.stream.get()
+            changed: dict[int, Choice] = {}
+            while out is not None:
+                c = self.by_id.get(out.request_id)
+                if c is not None and not c.finished:
+                    if c.index not in changed:
+                        c.delta_ids, c.delta_logprobs, c.delta_text = [], [], ""
+                        changed[c.index] = c
+                    self._apply(c, out)
+                out = self.stream.get_nowait()
+        except EngineDeadError as e:
+            self._fail_all()
+            raise APIError(503, str(e), None, "engine_dead") from None
+        return list(changed.values())
 
     def _apply(self, c: Choice, out) -> None:
         st, m, now = self.state, self.state.metrics, time.time()
@@ -150,10 +158,11 @@ class GenerationRun:
         before = c.detok.num_tokens
         stopped = c.detok.add(out.new_token_ids)
         n = c.detok.num_tokens - before
-        c.delta_ids = out.new_token_ids[:n]
-        c.token_ids.extend(c.delta_ids)
-        c.delta_logprobs = (out.new_logprobs or [])[:n]
-        c.logprobs.extend(c.delta_logprobs)
+        ids, lps = out.new_token_ids[:n], (out.new_logprobs or [])[:n]
+        c.delta_ids.extend(ids)
+        c.token_ids.extend(ids)
+        c.delta_logprobs.extend(lps)
+        c.logprobs.extend(lps)
         if n:
             if c.first_token_time is None:
                 c.first_token_time = now
@@ -173,7 +182,7 @@ class GenerationRun:
                 self._finish(c, "stop", c.detok.stop_reason, now)
             else:
                 self._finish(c, out.finish_reason, out.stop_reason, now)
-        c.delta_text = c.detok.delta(final=c.finished)
+        c.delta_text += c.detok.delta(final=c.finished)
 
     def _finish(self, c: Choice, reason: str, stop_reason, now: float) -> None:
         c.finish_reason, c.stop_reason = reason, stop_reason
