@@ -10,7 +10,9 @@ import triton
 import triton.language as tl
 
 from testbed.kernels import (paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention,
-                             paged_prefill_attention_ref, store_kvcache, store_kvcache_ref, use_triton)
+                             paged_prefill_attention_ref, rope_store_kvcache, rope_store_kvcache_ref, store_kvcache,
+                             store_kvcache_ref, use_triton)
+from testbed.kernels.reference import rope_ref
 from testbed.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
 from testbed.kernels.prefill_attention import paged_prefill_attention_triton
 
@@ -138,6 +140,45 @@ def test_store_kvcache_casts_to_cache_dtype_and_rejects_bad_shapes():
         store_kvcache(key, key, k_cache, v_cache, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="out of range"):
         store_kvcache_ref(key, key, k_cache, v_cache, torch.tensor([1, 8]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_rope_store_kvcache_rotates_in_place_and_stores_rotated_keys(dtype, group):
+    """The fused kernel equals rope_ref + store_kvcache_ref on strided views of a fused QKV output,
+    rotates every token (padding too) and stores only real slots."""
+    from testbed.worker.layers import RotaryEmbedding
+    heads = NUM_KV_HEADS * group
+    cos_sin = RotaryEmbedding(HEAD_DIM, 512, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}).cos_sin_cache
+    n = 5
+    qkv = torch.randn(n, (heads + 2 * NUM_KV_HEADS) * HEAD_DIM).to(dtype)
+    q = qkv[:, :heads * HEAD_DIM].view(n, heads, HEAD_DIM)
+    k = qkv[:, heads * HEAD_DIM:(heads + NUM_KV_HEADS) * HEAD_DIM].view(n, NUM_KV_HEADS, HEAD_DIM)
+    v = qkv[:, (heads + NUM_KV_HEADS) * HEAD_DIM:].view(n, NUM_KV_HEADS, HEAD_DIM)
+    positions = torch.tensor([0, 7, 300, 31, 511])
+    slots = torch.tensor([3, -1, 17, 190, 64])
+    k_cache, v_cache, _, _ = make_paged([4])
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    exp_q, exp_k = rope_store_kvcache_ref(positions, q, k, v, cos_sin, ref_k, ref_v, slots)
+    assert torch.equal(exp_k, rope_ref(positions, q, k, cos_sin)[1])
+    assert not torch.equal(exp_q[1:], q[1:])  # position 0 is the identity rotation
+    v_before = v.clone()
+    got_q, got_k = rope_store_kvcache(positions, q, k, v, cos_sin, k_cache, v_cache, slots)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # rotated in place
+    close(got_q, exp_q, dtype)
+    close(got_k, exp_k, dtype)
+    close(k_cache, ref_k, dtype)
+    assert torch.equal(v_cache, ref_v) and torch.equal(v, v_before)
+
+
+def test_rope_store_kvcache_rejects_bad_shapes():
+    k_cache, v_cache, _, _ = make_paged([4])
+    q, kv = torch.randn(2, NUM_KV_HEADS, HEAD_DIM), torch.randn(2, NUM_KV_HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match="positions"):
+        rope_store_kvcache(torch.tensor([0, 1, 2]), q, kv, kv.clone(), torch.zeros(8, HEAD_DIM), k_cache, v_cache,
+                           torch.tensor([0, 1]))
 
 
 # ---------------------------------------------------------------- references vs dense

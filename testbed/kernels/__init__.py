@@ -10,9 +10,9 @@ import os
 import torch
 
 from testbed.kernels.reference import (paged_decode_attention_ref, paged_prefill_attention_ref,
-                                       store_kvcache_ref)
+                                       rope_store_kvcache_ref, store_kvcache_ref)
 
-__all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "store_kvcache_ref",
+__all__ = ["store_kvcache", "rope_store_kvcache", "rope_store_kvcache_ref", "paged_decode_attention", "paged_prefill_attention", "store_kvcache_ref",
            "paged_decode_attention_ref", "paged_prefill_attention_ref", "use_triton"]
 
 
@@ -29,6 +29,18 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def rope_store_kvcache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q [T, Hq, D] and k [T, Hk, D], then the rotated k and v into the paged cache,
+    in one kernel on a GPU (q and k rotated in place there); returns the rotated (q, k)."""
+    if use_triton(q):
+        from testbed.kernels.kv_store import store_kvcache_triton
+        store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping, (positions, q, cos_sin_cache))
+        return q, k
+    return rope_store_kvcache_ref(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

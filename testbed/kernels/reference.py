@@ -25,6 +25,29 @@ def check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ValueError(f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}")
 
 
+def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style (rotate-half) rotary embedding of q [T, Hq, D] and k [T, Hk, D] at `positions` [T]
+    from a float32 cache [max_position, D] of (cos | sin); cos/sin are rounded to q's dtype first, as
+    Hugging Face Llama does. Returns new tensors."""
+    cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def rope_store_kvcache_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k, then the rotated k and v into the paged cache; returns rotated (q, k)."""
+    q, k = rope_ref(positions, q, k, cos_sin_cache)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
 def store_kvcache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] into the cache at slot_mapping; slot -1 is skipped."""

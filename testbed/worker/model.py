@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from testbed.kernels import paged_decode_attention, paged_prefill_attention, store_kvcache
+from testbed.kernels import paged_decode_attention, paged_prefill_attention, rope_store_kvcache
 from testbed.worker.context import get_context
 from testbed.worker.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                                   RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+                                   RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, apply_rope)
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +76,14 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of q and k, the K/V store and attention; q and k may be rotated in place."""
         ctx = get_context()
         if self.k_cache is None or self.k_cache.numel() == 0:
+            q, k = apply_rope(positions, q, k, cos_sin_cache)
             return self._uncached(q, k, v, ctx)
-        store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        q, k = rope_store_kvcache(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ctx.is_decode:
             return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens, self.scale)
         return paged_prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
@@ -122,8 +125,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, p.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        return self.o_proj(self.attn(positions, q, k, v, self.rotary_emb.cos_sin_cache).flatten(1))
 
 
 class LlamaMLP(nn.Module):

@@ -177,11 +177,15 @@ class ModelRunner:
     def _upload(self, longs: list, ints: list, is_decode: bool, has_prefix: bool) -> StepInputs:
         """Pack int64 and int32 arrays into one pinned host buffer, copy it to the device without a
         stream sync, and cut the views. Two buffers alternate: a buffer is reused two steps later, when
-        its copy has long finished (each step's results are read back before the step after next)."""
+        its copy has long finished (each step's results are read back before the step after next).
+        Every view starts 16-byte aligned: Triton compiles a kernel variant per pointer alignment, so
+        views whose alignment followed the batch size cost a fresh compile on new batch shapes."""
         n64 = [len(a) for a in longs]
         n32 = [int(np.size(a)) for a in ints]
-        off32 = 8 * sum(n64)
-        nbytes = off32 + 4 * sum(n32)
+        p64 = np.cumsum([0] + [-(-n // 2) * 2 for n in n64]).tolist()  # int64 offsets, 16-byte steps
+        p32 = np.cumsum([0] + [-(-n // 4) * 4 for n in n32]).tolist()
+        off32 = 8 * p64[-1]
+        nbytes = off32 + 4 * p32[-1]
         pin = self.device.type == "cuda"
         self._staging_turn ^= 1
         buf = self._staging[self._staging_turn]
@@ -191,21 +195,15 @@ class ModelRunner:
         host = buf.numpy()
         v64 = host[:off32].view(np.int64)
         v32 = host[off32:nbytes].view(np.int32)
-        o = 0
-        for a, n in zip(longs, n64):
+        for a, n, o in zip(longs, n64, p64):
             v64[o:o + n] = a
-            o += n
-        o = 0
-        for a, n in zip(ints, n32):
+        for a, n, o in zip(ints, n32, p32):
             v32[o:o + n] = np.ravel(a)
-            o += n
         dev = buf[:nbytes].to(self.device, non_blocking=True) if pin else buf[:nbytes].clone()
         d64 = dev[:off32].view(torch.int64)
         d32 = dev[off32:nbytes].view(torch.int32)
-        p64 = np.cumsum([0] + n64).tolist()
-        p32 = np.cumsum([0] + n32).tolist()
-        input_ids, positions, slots, sample_idx, ph_dst, ph_src = (d64[p64[i]:p64[i + 1]] for i in range(6))
-        seq_lens, cu, tables = (d32[p32[i]:p32[i + 1]] for i in range(3))
+        input_ids, positions, slots, sample_idx, ph_dst, ph_src = (d64[p64[i]:p64[i] + n64[i]] for i in range(6))
+        seq_lens, cu, tables = (d32[p32[i]:p32[i] + n32[i]] for i in range(3))
         B = n32[0]
         if n64[4]:
             input_ids[ph_dst] = self._prev_tokens[ph_src]
