@@ -64,7 +64,7 @@ def attend_tile(q, acc, l_i, m_i, K, V, bt_row, start, q_pos, kv_head_off_k, kv_
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width varies per step outside CUDA graphs
 def _decode_kernel(Q, K, V, BlockTables, SeqLens, Out, MidO, MidLse, qk_scale, num_heads, num_splits,
                    stride_qs, stride_qh, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
                    stride_bt, stride_os, stride_oh,

@@ -87,7 +87,9 @@ def _new_keys_tile(q, acc, l_i, m_i, KNew, VNew, row0, start, col_k, col_v, stri
     return acc, l_i, m_new
 
 
-@triton.jit
+# Sizes that vary step to step are not specialised (Triton would compile a variant per value == 1 or
+# divisible by 16: a stall of about 0.5 s the first time a step shows a new combination).
+@triton.jit(do_not_specialize=["num_seqs", "short_q", "stride_bt"])
 def _prefill_kernel(Q, KNew, VNew, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTables, qk_scale, num_seqs,
                     short_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_kb, stride_kp, stride_kch, stride_vb, stride_vp, stride_vch, stride_bt,
