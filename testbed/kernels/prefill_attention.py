@@ -87,9 +87,10 @@ def _new_keys_tile(q, acc, l_i, m_i, KNew, VNew, row0, start, col_k, col_v, stri
     return acc, l_i, m_new
 
 
-# Sizes that vary step to step are not specialised (Triton would compile a variant per value == 1 or
-# divisible by 16: a stall of about 0.5 s the first time a step shows a new combination).
-@triton.jit(do_not_specialize=["num_seqs", "short_q", "stride_bt"])
+# The block-table width is not specialised (Triton compiles a variant per int arg == 1 or divisible by 16,
+# and the width follows the step's longest sequence); num_seqs is (== 1 makes single prompts 12% faster),
+# and `warm_up_prefill_variants` compiles its classes at start-up instead of mid-serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(Q, KNew, VNew, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTables, qk_scale, num_seqs,
                     short_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_kb, stride_kp, stride_kch, stride_vb, stride_vp, stride_vch, stride_bt,
@@ -317,3 +318,23 @@ def paged_prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
             BLOCK_N=short_block_n, SHORT=True, HAS_PREFIX=True, num_warps=short_num_warps,
             num_stages=short_num_stages, **meta)
     return out
+
+
+def warm_up_prefill_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> None:
+    """Compile, before serving, every kernel variant a step can need: 1, 2 or 16 sequences (Triton's int
+    classes: == 1, other, divisible by 16) x rows above / at most the short-row bound x with or without a
+    cached prefix. Reads block 0 of the given cache and writes nothing to it; a first use in the middle
+    of serving would otherwise stall that step for about 0.5 s per variant."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    dev, dtype = k_cache.device, k_cache.dtype
+    for num_seqs in (1, 2, 16):
+        for q_len in (4, 20):
+            for has_prefix in (False, True):
+                total = num_seqs * q_len
+                q = torch.zeros(total, num_heads, head_dim, dtype=dtype, device=dev)
+                kv = torch.zeros(total, num_kv_heads, head_dim, dtype=dtype, device=dev)
+                cu = torch.arange(0, total + 1, q_len, dtype=torch.int32, device=dev)
+                seq_lens = torch.full((num_seqs,), q_len + (16 if has_prefix else 0), dtype=torch.int32, device=dev)
+                tables = torch.zeros(num_seqs, 3, dtype=torch.int32, device=dev)
+                paged_prefill_attention_triton(q, kv, kv, k_cache, v_cache, cu, seq_lens, tables, 1.0,
+                                               has_prefix=has_prefix)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -150,6 +151,8 @@ async def run_server(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log, lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)
+    gc.collect()  # start-up objects (FastAPI, tokenizer) stay for the process's life: keep them out of
+    gc.freeze()   # every later full collection, which would otherwise pause all streams
     server = _server_class()(config)
     try:
         await server.serve()

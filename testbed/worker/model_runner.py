@@ -109,6 +109,9 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
+        if self.device.type == "cuda" and self.kv_caches:  # every layer has the same shapes: one warm-up serves all
+            from testbed.kernels.prefill_attention import warm_up_prefill_variants
+            warm_up_prefill_variants(*self.kv_caches[0], attn.num_heads)
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare(self, so: SchedulerOutput) -> StepInputs:
