@@ -198,3 +198,26 @@ def test_serve_cli_rejects_bad_flags():
     r = subprocess.run([sys.executable, "-m", "testbed.cli", "serve", "--data-parallel-size", "2"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--data-parallel-size" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "serve", "--executor-factory", "no_function_here"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "MODULE:FUNCTION" in r.stderr
+
+
+def test_sim_executor_serves_the_engine_process():
+    """The benchmark's simulator executor (API server measured without a GPU) runs in the real engine
+    process: token 0 for every generated position, requests finish at max_tokens."""
+    async def scenario() -> None:
+        client = _client("benchmarks.serve.sim_executor:create")
+        ready = await asyncio.wait_for(client.start(), 60)
+        assert ready.vocab_size == 128256  # no model given: the Llama-3.2-1B shape
+        stream = client.add("r1", [1, 2, 3], time.time(), max_tokens=5, temperature=0.0, ignore_eos=True)
+        tokens = []
+        while True:
+            out = await asyncio.wait_for(stream.get(), 30)
+            tokens += out.new_token_ids
+            if out.finished:
+                break
+        assert tokens == [0] * 5 and out.finish_reason == "length"
+        await client.shutdown()
+
+    asyncio.run(scenario())

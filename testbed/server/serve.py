@@ -110,6 +110,10 @@ async def run_server(args: argparse.Namespace) -> int:
         raise ConfigError("--data-parallel-size: `testbed serve` runs one engine replica; use 1")
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ConfigError(f"--model: given both as MODEL ({args.model_tag}) and --model ({args.model}); give one")
+    factory = args.executor_factory
+    if factory is not None and (factory.count(":") != 1 or not all(factory.split(":"))):
+        raise ConfigError(f"--executor-factory {factory!r}: give MODULE:FUNCTION, e.g. "
+                          "benchmarks.serve.sim_executor:create (the module must be importable)")
     model = resolve_model(args.model_tag or args.model, args.load_format)
     served = args.served_model_name or os.path.basename(os.path.normpath(model))
 
@@ -120,7 +124,7 @@ async def run_server(args: argparse.Namespace) -> int:
     client = EngineClient(EngineProcConfig(engine=cfg.to_dict(), model=model, load_format=args.load_format,
                                            dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
                                            log_steps=args.log_steps,
-                                           **({"executor_factory": args.executor_factory} if args.executor_factory else {})))
+                                           **({"executor_factory": factory} if factory else {})))
     tokenizer_path = args.tokenizer or model
     tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path))
     start = asyncio.ensure_future(client.start())
