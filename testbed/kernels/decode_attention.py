@@ -170,9 +170,13 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  num_splits: int | None = None, *, block_n: int = 64, num_warps: int = 4,
-                                  num_stages: int = 2) -> torch.Tensor:
+                                  num_splits: int | None = None, *, block_n: int = 64, num_warps: int | None = None,
+                                  num_stages: int | None = None) -> torch.Tensor:
     """Triton version of `paged_decode_attention_ref`; block_n keys per loop iteration, tunable launch knobs.
+
+    Default warps/stages from a sweep on H200 (bf16, GQA 4, block size 16): head_dim <= 64 takes 2 warps and 2
+    stages (batch 256: -6% time at 384 tokens of context, -11% at 1,152, against 4 warps); head_dim 128 takes 4
+    warps and 3 stages (64 x 4096: -4.5% against 2 stages).
 
     With num_splits > 1 a second kernel combines the splits (measured faster on H100 than letting the
     last split program of each group combine them: that serial tail cost more than the extra launch).
@@ -185,6 +189,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page, block_n, q.device)
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
+    if num_warps is None:
+        num_warps = 2 if head_dim <= 64 else 4
+    if num_stages is None:
+        num_stages = 2 if head_dim <= 64 else 3
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     if num_seqs == 0:
