@@ -40,6 +40,13 @@ class StepInputs:
     has_prefix: bool = True  # some sequence of more than one new token has cached tokens before them
 
 
+def sampled_rows(so: SchedulerOutput) -> list[int]:
+    """Indices of the requests that sample a token this step: those whose scheduled tokens reach the end of
+    what they have (a prompt's last chunk, a decode, or a placeholder under async scheduling)."""
+    before, counts = so.num_computed_before, so.num_new_tokens
+    return [i for i, r in enumerate(so.requests) if before[i] + counts[i] >= r.num_tokens]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, max_model_len: int,
                  device: torch.device, dtype: torch.dtype) -> None:
@@ -133,16 +140,13 @@ class ModelRunner:
         if is_decode:
             positions = np.fromiter(starts, dtype=np.int64, count=B)
             input_ids = np.zeros(B, dtype=np.int64)
-            sample_idx = []
             for i, (req, p) in enumerate(zip(reqs, starts)):
                 if p < req.num_tokens:
                     input_ids[i] = req.token_id(p)
-                    if p + 1 >= req.num_tokens:
-                        sample_idx.append(i)
                 else:
                     ph_dst.append(i)
                     ph_src.append(self._prev_row(req.request_id))
-                    sample_idx.append(i)
+            sample_idx = sampled_rows(so)  # one token per request: the row is the token
             slots = tables[np.arange(B), positions // bs].astype(np.int64) * bs + positions % bs
             seq_lens = positions + 1
             cu = np.arange(B + 1)
@@ -150,7 +154,7 @@ class ModelRunner:
             ids: list[int] = []
             pos: list[int] = []
             slot_list: list[int] = []
-            seq_lens, cu, sample_idx = [], [0], []
+            seq_lens, cu = [], [0]
             for req, start, n, table in zip(reqs, starts, counts, so.block_ids):
                 end = start + n
                 known = min(end, req.num_tokens)
@@ -163,8 +167,7 @@ class ModelRunner:
                 slot_list.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 seq_lens.append(end)
                 cu.append(cu[-1] + n)
-                if end >= req.num_tokens:
-                    sample_idx.append(cu[-1] - 1)
+            sample_idx = [cu[i + 1] - 1 for i in sampled_rows(so)]  # each sampling request's last token
             input_ids, positions, slots = ids, pos, slot_list
         has_prefix = is_decode or any(b > 0 and n > 1 for b, n in zip(starts, counts))
         return self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src], [seq_lens, cu, tables],
@@ -292,8 +295,8 @@ class ModelRunner:
         if self.broadcast_inputs is not None:
             self.broadcast_inputs(x)
         logits = self.run(x)
-        reqs, before, counts = so.requests, so.num_computed_before, so.num_new_tokens
-        rows = [i for i, r in enumerate(reqs) if before[i] + counts[i] >= r.num_tokens]
+        reqs = so.requests
+        rows = sampled_rows(so)
         params = [reqs[i].sampling_params for i in rows]
         sampled = self.sampler.sample(logits, params, [reqs[i].request_id for i in rows]) if rows else None
         self._prev_tokens = sampled[0] if rows else None
