@@ -278,6 +278,15 @@ def bench_prefill(batch: int, length: int, reps: int, sweep: bool) -> dict:
     return res
 
 
+def print_table(header: str, rows: list[dict], line) -> None:
+    """One results table: the header, `line(row)` per row, and each row's sweep winner when it was swept."""
+    print("\n" + header)
+    for r in rows:
+        print(line(r))
+        if "sweep_best" in r:
+            print(f"{'':>20} best: {r['sweep_best']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="kernel_results.json", help="where to write the JSON results")
@@ -301,18 +310,15 @@ def main() -> None:
     decode = [bench_decode(b, n, copy_gbs, reps, args.sweep in ('decode', 'all')) for b, n in decode_shapes]
     prefill = [bench_prefill(b, n, reps, args.sweep in ('prefill', 'all')) for b, n in prefill_shapes]
 
-    print(f"\n{'decode batch x ctx':>20} {'time us':>9} {'1-graph':>9} {'GB/s':>7} {'% copy':>7} {'max err':>9}")
-    for r in decode:
-        print(f"{r['batch']:>9} x {r['context']:<8} {r['time_us']:9.1f} {r['single_graph_time_us']:9.1f} "
-              f"{r['eff_bw_gbs']:7.0f} {100 * r['frac_of_copy_bw']:6.1f}% {r['max_abs_err']:9.2e}")
-        if "sweep_best" in r:
-            print(f"{'':>20} best: {r['sweep_best']}")
-    print(f"\n{'prefill batch x len':>20} {'ours ms':>9} {'SDPA ms':>9} {'ratio':>6} {'TFLOP/s':>8} {'max err':>9}")
-    for r in prefill:
-        print(f"{r['batch']:>9} x {r['length']:<8} {r['time_ms']:9.3f} {r['sdpa_time_ms']:9.3f} "
-              f"{r['ratio_vs_sdpa']:6.2f} {r['tflops']:8.1f} {r['max_abs_err_vs_sdpa']:9.2e}")
-        if "sweep_best" in r:
-            print(f"{'':>20} best: {r['sweep_best']}")
+    print_table(f"{'decode batch x ctx':>20} {'time us':>9} {'1-graph':>9} {'GB/s':>7} {'% copy':>7} {'max err':>9}",
+                decode, lambda r: f"{r['batch']:>9} x {r['context']:<8} {r['time_us']:9.1f} "
+                                  f"{r['single_graph_time_us']:9.1f} {r['eff_bw_gbs']:7.0f} "
+                                  f"{100 * r['frac_of_copy_bw']:6.1f}% {r['max_abs_err']:9.2e}")
+    print_table(f"{'prefill batch x len':>20} {'ours ms':>9} {'SDPA ms':>9} {'ratio':>6} {'no-prefix':>9} {'TFLOP/s':>8} "
+                f"{'max err':>9}",
+                prefill, lambda r: f"{r['batch']:>9} x {r['length']:<8} {r['time_ms']:9.3f} {r['sdpa_time_ms']:9.3f} "
+                                   f"{r['ratio_vs_sdpa']:6.2f} {r['no_prefix_hint_ratio_vs_sdpa']:9.2f} "
+                                   f"{r['tflops']:8.1f} {r['max_abs_err_vs_sdpa']:9.2e}")
 
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "quick": args.quick,
