@@ -16,3 +16,13 @@ def run_event_loop(main):
     except ImportError:
         from asyncio import run
     return run(main)
+
+
+def freeze_startup_heap() -> None:
+    """Move everything alive now out of the garbage collector's reach, in a process that lives for one
+    engine or one API server (as vLLM's engine core does): a full collection triggered by a burst of new
+    requests then scans only what came later, instead of pausing a step or every stream for 0.1-0.2 s.
+    Not for in-process LLMs: a frozen model's reference cycles would never be collected once it is dropped."""
+    import gc
+    gc.collect()
+    gc.freeze()

@@ -23,6 +23,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
 from testbed.engine.request import Request, SamplingParams
+from testbed.server import freeze_startup_heap
 from testbed.server import protocol as P
 from testbed.worker.stepper import EngineStepper
 
@@ -98,6 +99,7 @@ class EngineProc:
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
         self.eos = executor.eos_token_id
         log = StepLog(self.cfg.log_steps) if self.cfg.log_steps else None
+        freeze_startup_heap()  # the model, torch and compiled kernels: alive for the process's life
         self.send(P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
                           executor.vocab_size, os.getpid()))
         last_parent_check = time.monotonic()

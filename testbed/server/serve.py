@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import os
 import signal
 import sys
@@ -97,6 +96,7 @@ async def run_server(args: argparse.Namespace) -> int:
 
     from testbed.cli import engine_config
     from testbed.engine.config import ConfigError
+    from testbed.server import freeze_startup_heap
     from testbed.server.api import build_app
     from testbed.server.client import EngineClient
     from testbed.detokenizer import TokenTexts
@@ -155,8 +155,7 @@ async def run_server(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log, lifespan="off",
                             timeout_graceful_shutdown=args.shutdown_timeout)
-    gc.collect()  # start-up objects (FastAPI, tokenizer) stay for the process's life: keep them out of
-    gc.freeze()   # every later full collection, which would otherwise pause all streams
+    freeze_startup_heap()  # FastAPI, the tokenizer, ...: alive for the process's life
     server = _server_class()(config)
     try:
         await server.serve()

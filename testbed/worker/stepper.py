@@ -9,7 +9,6 @@ in the order they were scheduled, each exactly once, and never more than one ste
 """
 from __future__ import annotations
 
-import gc
 from typing import Callable
 
 from testbed.engine.core import EngineCore
@@ -24,11 +23,6 @@ class EngineStepper:
         self.core = core
         self.executor = executor
         self.clock = clock
-        # The model, torch and compiled kernels live as long as the process: moved out of the collector's
-        # reach (as vLLM's engine core does), a full collection triggered by a burst of new requests scans
-        # only those instead of stalling a step for 0.1-0.2 s.
-        gc.collect()
-        gc.freeze()
         self.async_scheduling = async_scheduling
         self.in_flight: tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]] | None = None
 
