@@ -323,18 +323,19 @@ def paged_prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 def warm_up_prefill_variants(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> None:
     """Compile, before serving, every kernel variant a step can need: 1, 2 or 16 sequences (Triton's int
     classes: == 1, other, divisible by 16) x rows above / at most the short-row bound x with or without a
-    cached prefix. Reads block 0 of the given cache and writes nothing to it; a first use in the middle
-    of serving would otherwise stall that step for about 0.5 s per variant."""
+    cached prefix. Rows of 1 query are short and rows of 65 long for any GQA group (the default bound is
+    64 // padded group). Reads block 0 of the given cache and writes nothing to it; a first use in the
+    middle of serving would otherwise stall that step for about 0.5 s per variant."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     dev, dtype = k_cache.device, k_cache.dtype
     for num_seqs in (1, 2, 16):
-        for q_len in (4, 20):
+        for q_len in (1, 65):
             for has_prefix in (False, True):
                 total = num_seqs * q_len
                 q = torch.zeros(total, num_heads, head_dim, dtype=dtype, device=dev)
                 kv = torch.zeros(total, num_kv_heads, head_dim, dtype=dtype, device=dev)
                 cu = torch.arange(0, total + 1, q_len, dtype=torch.int32, device=dev)
                 seq_lens = torch.full((num_seqs,), q_len + (16 if has_prefix else 0), dtype=torch.int32, device=dev)
-                tables = torch.zeros(num_seqs, 3, dtype=torch.int32, device=dev)
+                tables = torch.zeros(num_seqs, -(-(q_len + 16) // k_cache.shape[1]), dtype=torch.int32, device=dev)
                 paged_prefill_attention_triton(q, kv, kv, k_cache, v_cache, cu, seq_lens, tables, 1.0,
                                                has_prefix=has_prefix)
