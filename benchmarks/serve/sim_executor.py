@@ -36,10 +36,12 @@ class SleepingSimExecutor:
 
     def __init__(self, model: str, config: EngineConfig, step: str) -> None:
         spec = get_model_spec(model)
-        cost = (RooflineCostModel(spec, get_gpu_spec(step.split(":", 1)[1])) if step.startswith("roofline:")
-                else ZeroCost())
-        if not step.startswith("roofline:") and float(step) != 0.0:
-            raise ValueError(f"SIM_STEP_S={step!r}: use 0 or roofline:GPU")
+        if step.startswith("roofline:"):
+            cost = RooflineCostModel(spec, get_gpu_spec(step.split(":", 1)[1]))
+        elif step.strip() in ("", "0"):
+            cost = ZeroCost()
+        else:
+            raise ValueError(f"SIM_STEP_S={step!r}: use 0 (steps take no time) or roofline:GPU (e.g. roofline:H200)")
         self.sim = SimExecutor(cost)
         self.num_gpu_blocks = NUM_GPU_BLOCKS
         self.max_model_len = config.max_model_len or spec.max_position_embeddings

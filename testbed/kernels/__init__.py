@@ -12,8 +12,9 @@ import torch
 from testbed.kernels.reference import (paged_decode_attention_ref, paged_prefill_attention_ref,
                                        rope_store_kvcache_ref, store_kvcache_ref)
 
-__all__ = ["store_kvcache", "rope_store_kvcache", "rope_store_kvcache_ref", "paged_decode_attention", "paged_prefill_attention", "store_kvcache_ref",
-           "paged_decode_attention_ref", "paged_prefill_attention_ref", "use_triton"]
+__all__ = ["store_kvcache", "rope_store_kvcache", "paged_decode_attention", "paged_prefill_attention",
+           "store_kvcache_ref", "rope_store_kvcache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
+           "use_triton"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
