@@ -368,15 +368,16 @@ def test_prefill_extend_single_launch_shapes(seq_lens, q_lens):
 
 
 @needs_loops
-@pytest.mark.parametrize("short_q", [None, 0])
-def test_prefill_without_prefix_loops_for_fresh_long_sequences(short_q):
-    # has_prefix=False: sequences longer than short_q (16 by default here) have no cached prefix; the decode-like
-    # rows (short launch) still do. With short_q 0 every sequence must be fresh.
-    seq_lens, q_lens = ([19, 23, 33, 9], [19, 1, 33, 3]) if short_q is None else ([19, 2, 33], [19, 2, 33])
+@pytest.mark.parametrize("short_q", [None, 0, 4])
+def test_prefill_mixes_fresh_and_cached_sequences_in_one_launch(short_q):
+    # Fresh prompts (seq_len == q_len) skip the cached-prefix loops at run time; sequences with a prefix and
+    # decode-like rows in the same launch still take them. None packs group 4, so one launch takes every row;
+    # 4 sends rows of <= 4 queries to the short launch.
+    seq_lens, q_lens = [19, 23, 33, 9, 40], [19, 1, 33, 3, 17]
     q, k, v, k_cache, v_cache, cu, lens, tables, _ = extend_case(seq_lens, q_lens, 4, shared=())
     ref = paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3)
     out = paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3, block_m=32, block_n=16,
-                                         short_q=short_q, has_prefix=False)
+                                         short_q=short_q)
     close(out, ref, torch.float32)
 
 

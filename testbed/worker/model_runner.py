@@ -37,7 +37,6 @@ class StepInputs:
     cu_seqlens_q: torch.Tensor
     sample_idx: torch.Tensor
     is_decode: bool
-    has_prefix: bool = True  # some sequence of more than one new token has cached tokens before them
 
 
 def sampled_rows(so: SchedulerOutput) -> list[int]:
@@ -169,9 +168,8 @@ class ModelRunner:
                 cu.append(cu[-1] + n)
             sample_idx = [cu[i + 1] - 1 for i in sampled_rows(so)]  # each sampling request's last token
             input_ids, positions, slots = ids, pos, slot_list
-        has_prefix = is_decode or any(b > 0 and n > 1 for b, n in zip(starts, counts))
         return self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src], [seq_lens, cu, tables],
-                            is_decode, has_prefix)
+                            is_decode)
 
     def _prev_row(self, request_id: str) -> int:
         row = self._prev_rows.get(request_id)
@@ -180,7 +178,7 @@ class ModelRunner:
                                "(async scheduling out of order: update each step before scheduling the one after next)")
         return row
 
-    def _upload(self, longs: list, ints: list, is_decode: bool, has_prefix: bool) -> StepInputs:
+    def _upload(self, longs: list, ints: list, is_decode: bool) -> StepInputs:
         """Pack int64 and int32 arrays into one pinned host buffer, copy it to the device without a
         stream sync, and cut the views. Two buffers alternate: a buffer is reused two steps later, when
         its copy has long finished (each step's results are read back before the step after next).
@@ -214,7 +212,7 @@ class ModelRunner:
         if n64[4]:
             input_ids[ph_dst] = self._prev_tokens[ph_src]
         return StepInputs(input_ids, positions, slots, tables.view(B, n32[2] // B if B else 0), seq_lens, cu,
-                          sample_idx, is_decode, has_prefix)
+                          sample_idx, is_decode)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_batch: int | None = None) -> None:
@@ -276,7 +274,7 @@ class ModelRunner:
         """Forward pass; logits [num sampled rows, vocab] (None on TP ranks other than 0)."""
         hidden = self._replay(x)
         if hidden is None:
-            set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q, x.has_prefix)
+            set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)
             try:
                 hidden = self.model(x.input_ids, x.positions)
             finally:

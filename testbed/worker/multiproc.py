@@ -23,7 +23,7 @@ from testbed.worker.executor import model_limits, resolve_device, resolve_dtype
 from testbed.worker.model_runner import ModelRunner, StepInputs
 
 CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
-HEADER = 8  # cmd, T, B, max_blocks, n_sample, is_decode, arg, has_prefix
+HEADER = 7  # cmd, T, B, max_blocks, n_sample, is_decode, arg
 
 
 class TPWorkerError(RuntimeError):
@@ -61,12 +61,12 @@ def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, l
 
 
 def _recv_inputs(runner: ModelRunner, header: list[int]) -> StepInputs:
-    _, T, B, mb, ns, is_decode, _, has_prefix = header
+    _, T, B, mb, ns, is_decode, _ = header
     buf = torch.empty(3 * T + B * mb + 2 * B + 1 + ns, dtype=torch.long, device=runner.device)
     dist.broadcast(buf, 0)
     parts = torch.split(buf, [T, T, T, B * mb, B, B + 1, ns])
     return StepInputs(parts[0], parts[1], parts[2], parts[3].view(B, mb).int(), parts[4].int(), parts[5].int(),
-                      parts[6], bool(is_decode), bool(has_prefix))
+                      parts[6], bool(is_decode))
 
 
 def _worker_main(rank: int, world: int, port: int, model: str, config: EngineConfig, load_format: str, dtype: str,
@@ -173,14 +173,14 @@ class MultiprocExecutor:
             raise
 
     def _send(self, cmd: int, T: int = 0, B: int = 0, mb: int = 0, ns: int = 0, is_decode: bool = False,
-              arg: int = 0, has_prefix: bool = True) -> None:
-        self._header.copy_(torch.tensor([cmd, T, B, mb, ns, int(is_decode), arg, int(has_prefix)]))
+              arg: int = 0) -> None:
+        self._header.copy_(torch.tensor([cmd, T, B, mb, ns, int(is_decode), arg]))
         self._guard(dist.broadcast, self._header, 0)
 
     def _broadcast_inputs(self, x: StepInputs) -> None:
         B, mb = x.block_tables.shape
         T = x.input_ids.numel()
-        self._send(CMD_STEP, T, B, mb, x.sample_idx.numel(), x.is_decode, has_prefix=x.has_prefix)
+        self._send(CMD_STEP, T, B, mb, x.sample_idx.numel(), x.is_decode)
         buf = torch.cat([x.input_ids, x.positions, x.slot_mapping, x.block_tables.reshape(-1).long(),
                          x.seq_lens.long(), x.cu_seqlens_q.long(), x.sample_idx])
         self._guard(dist.broadcast, buf, 0)
