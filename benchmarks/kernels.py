@@ -70,14 +70,21 @@ def paired_ms(a, b, reps: int, rounds: int = 15) -> tuple[float, float]:
     return statistics.median(t for t, _ in times), statistics.median(t for _, t in times)
 
 
-def copy_bandwidth(gib: float, reps: int) -> float:
-    """Device copy bandwidth in GB/s, counting bytes read + written."""
-    n = int(gib * 2**30)
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), reps)
-    del src, dst
+def sized_copy_gbs(nbytes: int, reps: int, copies: int = 3, rounds: int = 4) -> float:
+    """Bandwidth (read + write) of copies of nbytes / 2 bytes, `copies` buffers in turn `rounds` times, launched
+    back to back: the floor for a kernel that moves nbytes once, fixed costs included. (Not in a CUDA graph: a
+    captured copy_ becomes a memcpy node, which ran at 2.8 TB/s on H200 where the copy kernel runs at 4.3.)"""
+    n = nbytes // 2
+    bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda").random_(), torch.empty(n, dtype=torch.uint8,
+                                                                                      device="cuda"))
+            for _ in range(copies)]
+    ms = time_ms([lambda s=s, d=d: d.copy_(s) for s, d in bufs] * rounds, reps)
     return 2 * n / (ms * 1e-3) / 1e9
+
+
+def copy_bandwidth(gib: float, reps: int) -> float:
+    """Device copy bandwidth in GB/s, counting bytes read + written, of one large copy (gib GiB copied)."""
+    return sized_copy_gbs(2 * int(gib * 2**30), reps, copies=1, rounds=1)
 
 
 def paged_cache(seq_lens: list[int], seed: int = 0):
@@ -177,18 +184,6 @@ def host_overhead_us(calls: int = 200) -> dict:
         torch.cuda.synchronize()
         res[name] = (time.perf_counter() - t0) / calls * 1e6
     return res
-
-
-def sized_copy_gbs(nbytes: int, reps: int, copies: int = 3, rounds: int = 4) -> float:
-    """Bandwidth (read + write) of copies of nbytes / 2 bytes, `copies` buffers in turn `rounds` times, launched
-    back to back: the floor for a kernel that moves nbytes once, fixed costs included. (Not in a CUDA graph: a
-    captured copy_ becomes a memcpy node, which ran at 2.8 TB/s on H200 where the copy kernel runs at 4.3.)"""
-    n = nbytes // 2
-    bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda").random_(), torch.empty(n, dtype=torch.uint8,
-                                                                                      device="cuda"))
-            for _ in range(copies)]
-    ms = time_ms([lambda s=s, d=d: d.copy_(s) for s, d in bufs] * rounds, reps)
-    return 2 * n / (ms * 1e-3) / 1e9
 
 
 def bench_decode(batch: int, context: int, copy_gbs: float, reps: int, sweep: bool, copies: int = 3,
