@@ -12,16 +12,13 @@ import torch
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
-from testbed.engine.outputs import ModelRunnerOutput
 from testbed.engine.request import Request, SamplingParams
+from testbed.presets import get_model_spec
+from testbed.sim.cost_model import RooflineCostModel
+from testbed.sim.executor import SimExecutor
+from testbed.sim.hardware import get_gpu_spec
+from testbed.worker.loader import load_model
 from testbed.worker.model_runner import ModelRunner
-
-
-class _Fixed:
-    """A 10 ms step that samples token 0 for every caught-up request (drives the engine without a model)."""
-
-    def execute(self, so):
-        return ModelRunnerOutput([0 if r.num_computed_tokens >= r.num_tokens else -1 for r in so.requests], 0.01)
 
 
 def main() -> None:
@@ -35,13 +32,14 @@ def main() -> None:
     for i in range(args.batch):
         core.add_request(Request(str(i), list(range(1000 + i, 1000 + i + args.context)),
                                  SamplingParams(max_tokens=10_000, ignore_eos=True), 0.0), 0.0)
+    sim = SimExecutor(RooflineCostModel(get_model_spec("Llama-3.2-1B"), get_gpu_spec("H200")))  # drives the engine
     while True:  # run the prefills, then stop at a pure decode step
         so = core.schedule(0.0)
         if all(n == 1 for n in so.num_new_tokens):
             break
-        core.update(so, _Fixed().execute(so), 0.0)
-    runner = ModelRunner.__new__(ModelRunner)  # prepare() needs only the block size and the device
-    runner.block_size, runner.device = cfg.block_size, torch.device("cpu")
+        core.update(so, sim.execute(so), 0.0)
+    cpu = torch.device("cpu")
+    runner = ModelRunner(load_model("SmolLM2-135M", "dummy", torch.float32, cpu)[0], cfg, 1 << 16, cpu, torch.float32)
     n = 200
     t = time.perf_counter()
     for _ in range(n):
