@@ -28,7 +28,7 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int) -> CostM
         return RecordedCostModel.from_run_dir(spec.removeprefix("recorded:"))
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"--cost-model: {spec!r} is neither 'roofline' nor a calibrated profile JSON file")
+        raise ValueError(f"--cost-model: {spec!r} is neither 'roofline', 'recorded:RUN_DIR' nor a calibrated profile JSON file")
     cm = CalibratedCostModel.from_json(json.loads(path.read_text()))
     if cm.model_name.lower() != model.name.lower() or cm.tensor_parallel_size != tp:
         raise ValueError(f"--cost-model {spec}: profile is for {cm.model_name} TP={cm.tensor_parallel_size}, "
