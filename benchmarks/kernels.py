@@ -190,7 +190,12 @@ def bench_decode(batch: int, context: int, copy_gbs: float, reps: int, sweep: bo
                  rounds: int = 4) -> dict:
     """Decode attention over `copies` distinct KV caches, called in turn `rounds` times inside one CUDA graph
     (so no call finds its cache in L2 and the graph's launch cost is spread over copies x rounds calls).
-    Also against a copy that moves the same bytes, timed the same way (`sized_copy_gbs`)."""
+    Also against a copy that moves the same bytes, timed the same way (`sized_copy_gbs`).
+
+    The caches are allocated from fresh device memory (empty_cache first), as in a fresh process: carved from the
+    blocks that the previous shape's caches left in torch's allocator, the same 1 x 32768 kernel measured 41.8
+    instead of 38.0 us per call on H200 (session 5, `benchmarks/results/session5/placement.log`)."""
+    torch.cuda.empty_cache()
     caches = [paged_cache([context] * batch, seed=c) for c in range(copies)]
     k_cache, v_cache, tables = caches[0]
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)

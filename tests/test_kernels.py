@@ -249,6 +249,19 @@ def test_decode_dispatch_default_tiles_odd_head_dim_and_empty_rows():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@needs_loops
+def test_decode_reduce_over_many_splits_and_head_dim_slices():
+    """Over 64 splits (the reduce then takes two warps) and head_dim 80 (the split-launch defaults for head_dim
+    over 64, and the reduce's slices of 32 of head_dim, the last one partly masked)."""
+    seq_lens = [70, 5]
+    k_cache, v_cache, tables, _ = make_paged(seq_lens, shared=(), head_dim=80)
+    q = torch.randn(2, NUM_KV_HEADS * 4, 80)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.1)
+    for splits in (2, 100):
+        close(paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1, splits), ref, torch.float32)
+
+
 def test_choose_num_splits_fills_the_machine_only_when_needed():
     cpu = torch.device("cpu")  # 4 "SMs" -> target 8 programs
     assert choose_num_splits(64, 8, 4096, 64, cpu) == 1

@@ -6,6 +6,10 @@ softmax in fp32 and writes either the final output (one split) or a normalised p
 its log-sum-exp; a reduce kernel then combines the splits. Splits are fixed per launch (so CUDA
 graphs can capture it) and each sequence's tiles are divided among them from its own seq_len.
 `attend_tile` is shared with the prefill kernel.
+
+On Hopper both kernels of a split launch are programmatic dependent launches: the split kernel reads
+only seq_lens (written before the step's first kernel) before `gdc_wait`, so its launch and start-up
+overlap the previous kernel's tail; the reduce starts while the split kernel runs and waits for it.
 """
 
 import functools
@@ -81,6 +85,8 @@ def _decode_kernel(Q, K, V, BlockTables, SeqLens, Out, MidO, MidLse, qk_scale, n
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    if PDL:  # everything below may read what the previous kernel wrote (q, and the cache through its store)
+        tl.extra.cuda.gdc_wait()
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -115,19 +121,22 @@ def _decode_kernel(Q, K, V, BlockTables, SeqLens, Out, MidO, MidLse, qk_scale, n
 @triton.jit
 def _reduce_kernel(MidO, MidLse, Out, num_heads, num_splits, stride_os, stride_oh,
                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """One program = (sequence, head, BLOCK_D slice of head_dim); it runs right after the split kernel, so
+    only latency counts: the partial outputs are loaded before the log-sum-exps, so both loads are in flight
+    at once (loading them after the max had put a second round trip on the critical path)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
     row = (seq * num_heads + head).to(tl.int64) * num_splits + offs_s
+    o = tl.load(MidO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     lse = tl.load(MidLse + row, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m > float("-inf"), m, 0.0))
-    o = tl.load(MidO + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     den = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(den > 0.0, den, 1.0)
     tl.store(Out + seq.to(tl.int64) * stride_os + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
@@ -181,38 +190,42 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  num_splits: int | None = None, *, block_n: int = 64, num_warps: int | None = None,
-                                  num_stages: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+                                  num_splits: int | None = None, *, block_n: int | None = None,
+                                  num_warps: int | None = None, num_stages: int | None = None,
+                                  pdl: bool | None = None) -> torch.Tensor:
     """Triton version of `paged_decode_attention_ref`; block_n keys per loop iteration, tunable launch knobs.
 
-    Default warps/stages from a sweep on H200 (bf16, GQA 4, block size 16): head_dim <= 64 takes 2 warps and 2
-    stages (batch 256: -6% time at 384 tokens of context, -11% at 1,152, against 4 warps); head_dim 128 takes 4
-    warps and 3 stages (64 x 4096: -4.5% against 2 stages).
+    Defaults from sweeps on H200 (bf16, GQA 4, block size 16): head_dim <= 64 takes 64 keys, 2 warps and 2
+    stages (batch 256: -6% time at 384 tokens of context, -11% at 1,152, against 4 warps); head_dim 128 takes 64
+    keys, 4 warps and 3 stages (64 x 4096: -4.5% against 2 stages), and when split 32 keys, 2 warps and 6
+    stages (1 x 32768 and 4 x 16384: -1 to -2%). Splits are chosen for 64-key tiles either way.
 
-    pdl: launch the reduce kernel as a programmatic dependent launch (Hopper+): it starts while the split
-    kernel runs and waits in hardware for its results, hiding the gap between the two (None: when supported).
-    With num_splits > 1 a second kernel combines the splits (measured faster on H100 than letting the
-    last split program of each group combine them: that serial tail cost more than the extra launch).
+    pdl: programmatic dependent launches for a split launch (Hopper+, None: when supported; see the module
+    docstring). With num_splits > 1 a second kernel combines the splits (measured faster on H100 than letting
+    the last split program of each group combine them: that serial tail cost more than the extra launch).
     """
     num_seqs, num_heads, head_dim = q.shape if q.dim() == 3 else (0, 0, 0)
     check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, "paged_decode_attention")
     num_kv_heads, page = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page, block_n, q.device)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page, block_n or 64, q.device)
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
     if pdl is None:
         pdl = supports_pdl(q.device)
+    split = num_splits > 1
+    long_split = split and head_dim > 64
+    if block_n is None:
+        block_n = 32 if long_split else 64
     if num_warps is None:
-        num_warps = 2 if head_dim <= 64 else 4
+        num_warps = 2 if head_dim <= 64 or long_split else 4
     if num_stages is None:
-        num_stages = 2 if head_dim <= 64 else 3
+        num_stages = 2 if head_dim <= 64 else 6 if long_split else 3
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    split = num_splits > 1
     mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim) if split else (1,), dtype=torch.float32,
                         device=q.device)
     mid_lse = torch.empty((num_seqs, num_heads, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
@@ -223,10 +236,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, SPLIT=split, FP32_DOT=q.dtype == torch.float32 or interpreting(), PDL=split and pdl,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if split and pdl else {}))
     if split:
-        _reduce_kernel[(num_seqs, num_heads)](
+        # Slices of 32 of head_dim with one warp per 64 splits (1 x 32768 on H200: 1.0 us less than one
+        # program per head with 4 warps, which also loaded the partials only after the max).
+        block_s = triton.next_power_of_2(num_splits)
+        red_d = min(32, block_d)
+        _reduce_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, red_d))](
             mid_o, mid_lse, out, num_heads, num_splits, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, PDL=pdl, num_warps=4,
+            BLOCK_S=block_s, BLOCK_D=red_d, PDL=pdl, num_warps=max(1, min(4, block_s // 64)),
             **({"launch_pdl": True} if pdl else {}))
     return out
