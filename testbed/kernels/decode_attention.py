@@ -212,16 +212,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * page, block_n or 64, q.device)
     if num_splits < 1:
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
-    if pdl is None:
-        pdl = supports_pdl(q.device)
     split = num_splits > 1
-    long_split = split and head_dim > 64
-    if block_n is None:
-        block_n = 32 if long_split else 64
-    if num_warps is None:
-        num_warps = 2 if head_dim <= 64 or long_split else 4
-    if num_stages is None:
-        num_stages = 2 if head_dim <= 64 else 6 if long_split else 3
+    pdl = split and (supports_pdl(q.device) if pdl is None else pdl)  # only split launches chain two kernels
+    tiles = (64, 2, 2) if head_dim <= 64 else (32, 2, 6) if split else (64, 4, 3)  # (block_n, warps, stages)
+    block_n, num_warps, num_stages = (default if given is None else given for given, default in
+                                      zip((block_n, num_warps, num_stages), tiles))
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     if num_seqs == 0:
@@ -235,8 +230,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, SPLIT=split, FP32_DOT=q.dtype == torch.float32 or interpreting(), PDL=split and pdl,
-        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if split and pdl else {}))
+        BLOCK_N=block_n, SPLIT=split, FP32_DOT=q.dtype == torch.float32 or interpreting(), PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
     if split:
         # Slices of 32 of head_dim with one warp per 64 splits (1 x 32768 on H200: 1.0 us less than one
         # program per head with 4 warps, which also loaded the partials only after the max).
