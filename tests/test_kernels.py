@@ -13,7 +13,8 @@ from testbed.kernels import (paged_decode_attention, paged_decode_attention_ref,
                              paged_prefill_attention_ref, rope_store_kvcache, rope_store_kvcache_ref, store_kvcache,
                              store_kvcache_ref, use_triton)
 from testbed.kernels.reference import rope_ref
-from testbed.kernels.decode_attention import choose_num_splits, paged_decode_attention_triton
+from testbed.kernels.decode_attention import (MAX_BT_WIDTH, choose_num_splits, paged_decode_attention_triton,
+                                              split_bt_width)
 from testbed.kernels.prefill_attention import paged_prefill_attention_triton
 
 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 32, 4, 48
@@ -260,6 +261,38 @@ def test_decode_reduce_over_many_splits_and_head_dim_slices():
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.1)
     for splits in (2, 100):
         close(paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1, splits), ref, torch.float32)
+
+
+def random_paged(seq_lens, page, head_dim, group, table_width, seed=0):
+    """q, caches of `page`-token blocks in shuffled order, block tables `table_width` wide (padded with -1), lens."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // page) for n in seq_lens]
+    k_cache = torch.randn(sum(blocks) + 3, page, NUM_KV_HEADS, head_dim, generator=g)
+    v_cache = torch.randn(k_cache.shape, generator=g)
+    ids = torch.randperm(sum(blocks) + 3, generator=g).to(torch.int32)
+    tables = torch.full((len(seq_lens), table_width), -1, dtype=torch.int32)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = ids[sum(blocks[:i]):sum(blocks[:i]) + n]
+    q = torch.randn(len(seq_lens), NUM_KV_HEADS * group, head_dim, generator=g)
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def test_split_bt_width_covers_splits_that_start_inside_a_block():
+    assert split_bt_width(2048, 16, 16, 64) == 32  # 1 x 32768: 32 whole blocks per split
+    assert split_bt_width(5, 64, 16, 3) == 4  # 7 tiles = 112 keys, from key 112: blocks 1..3, 3 entries
+
+
+@needs_loops
+@pytest.mark.parametrize("page,table_width,splits", [
+    (64, 5, 3),  # block ids in registers; split 1 starts inside a block and spans 3 of them
+    (4, 600, 2),  # a wide table: a split could span 512 entries > MAX_BT_WIDTH, so they are loaded per tile
+])
+def test_decode_split_block_ids_in_registers_or_per_tile(page, table_width, splits):
+    q, k_cache, v_cache, tables, lens = random_paged([320, 45, 1], page, 16, 2, table_width)
+    assert (split_bt_width(table_width, page, 16, splits) <= MAX_BT_WIDTH) == (page == 64)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.2)
+    close(paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.2, splits, block_n=16), ref,
+          torch.float32)
 
 
 def test_choose_num_splits_fills_the_machine_only_when_needed():

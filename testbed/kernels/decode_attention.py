@@ -7,9 +7,14 @@ its log-sum-exp; a reduce kernel then combines the splits. Splits are fixed per 
 graphs can capture it) and each sequence's tiles are divided among them from its own seq_len.
 `attend_tile` is shared with the prefill kernel.
 
+Split launches load each program's block-table entries into registers once, before the loop (when they
+span at most MAX_BT_WIDTH entries): with no block-table load inside the loop, Triton's pipeliner keeps
+num_stages - 1 K/V tiles in flight (with the in-loop load it kept one).
+
 On Hopper both kernels of a split launch are programmatic dependent launches: the split kernel reads
-only seq_lens (written before the step's first kernel) before `gdc_wait`, so its launch and start-up
-overlap the previous kernel's tail; the reduce starts while the split kernel runs and waits for it.
+only seq_lens and the block table (both written before the step's first kernel) before `gdc_wait`, so
+its launch and start-up overlap the previous kernel's tail; the reduce starts while the split kernel
+runs and waits for it.
 """
 
 import functools
@@ -22,23 +27,29 @@ import triton.language as tl
 from testbed.kernels.reference import check_cache, check_heads
 
 LOG2E = 1.4426950408889634
+MAX_BT_WIDTH = 256  # block-table entries a split program may hold in registers (1 x 131072 on H200 takes 128)
 
 
 @triton.jit
 def attend_tile(q, acc, l_i, m_i, K, V, bt_row, start, q_pos, kv_head_off_k, kv_head_off_v,
                 stride_kb, stride_kp, stride_vb, stride_vp, offs_d, mask_d, qk_scale,
                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-                FP32_DOT: tl.constexpr):
+                FP32_DOT: tl.constexpr, bt_vec=0, bt_first=0, BT_WIDTH: tl.constexpr = 0):
     """Fold keys [start, start+BLOCK_N) into the online softmax (base 2) of rows q; key j is visible iff j <= q_pos.
 
     q_pos must be < seq_len, so no key past the sequence is read. Cache block ids are gathered per key
-    from the block table, so BLOCK_N is independent of the cache block size. With CAUSAL False every
-    key of the tile must be visible to every row (no masks at all when EVEN_D: head_dim == BLOCK_D).
+    from the block table, so BLOCK_N is independent of the cache block size: loaded from bt_row, or with
+    BT_WIDTH > 0 taken from bt_vec, which holds the row's entries bt_first .. bt_first + BT_WIDTH - 1 (they
+    must cover every key of the tile, masked ones too). With CAUSAL False every key of the tile must be
+    visible to every row (no masks at all when EVEN_D: head_dim == BLOCK_D).
     """
     offs_n = start + tl.arange(0, BLOCK_N)
     pos = (offs_n % PAGE).to(tl.int64)
     if CAUSAL:
         in_range = offs_n <= tl.max(q_pos, 0)
+    if BT_WIDTH > 0:
+        blk = tl.gather(bt_vec, offs_n // PAGE - bt_first, 0).to(tl.int64)
+    elif CAUSAL:
         blk = tl.load(bt_row + offs_n // PAGE, mask=in_range, other=0).to(tl.int64)
     else:
         blk = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
@@ -74,7 +85,7 @@ def _decode_kernel(Q, K, V, BlockTables, SeqLens, Out, MidO, MidLse, qk_scale, n
                    stride_bt, stride_os, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, BT_WIDTH: tl.constexpr):
     if PDL:  # let the reduce kernel launch now; it waits (gdc_wait) until this grid has finished and flushed
         tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
@@ -85,6 +96,12 @@ def _decode_kernel(Q, K, V, BlockTables, SeqLens, Out, MidO, MidLse, qk_scale, n
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+    bt_first = tile_lo * BLOCK_N // PAGE
+    bt_vec = 0
+    if BT_WIDTH > 0:  # this split's block ids (the wrapper checked that BT_WIDTH entries cover its tiles)
+        offs_p = bt_first + tl.arange(0, BT_WIDTH)
+        bt_vec = tl.load(bt_row + offs_p, mask=offs_p < tl.cdiv(seq_len, PAGE), other=0)
     if PDL:  # everything below may read what the previous kernel wrote (q, and the cache through its store)
         tl.extra.cuda.gdc_wait()
 
@@ -101,11 +118,11 @@ def _decode_kernel(Q, K, V, BlockTables, SeqLens, Out, MidO, MidLse, qk_scale, n
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = BlockTables + seq.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
         acc, l_i, m_i = attend_tile(q, acc, l_i, m_i, K, V, bt_row, tile * BLOCK_N, q_pos, kv_head * stride_kh,
                                     kv_head * stride_vh, stride_kb, stride_kp, stride_vb, stride_vp, offs_d,
-                                    mask_d, qk_scale, PAGE, BLOCK_N, True, HEAD_DIM == BLOCK_D, FP32_DOT)
+                                    mask_d, qk_scale, PAGE, BLOCK_N, True, HEAD_DIM == BLOCK_D, FP32_DOT,
+                                    bt_vec, bt_first, BT_WIDTH)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if SPLIT:
@@ -171,6 +188,21 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_
     return triton.next_power_of_2(max(splits, 1))
 
 
+def split_bt_width(max_blocks: int, page: int, block_n: int, num_splits: int) -> int:
+    """Block-table entries (a power of 2) that cover any split's tiles, from the table's width alone."""
+    tiles = triton.cdiv(triton.cdiv(max_blocks * page, block_n), num_splits)
+    return triton.next_power_of_2(triton.cdiv(tiles * block_n, page) + (block_n % page != 0))
+
+
+def default_tiles(head_dim: int, split: bool, bt_in_registers: bool) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) measured fastest on H200 (bf16, GQA 4, block size 16); see the wrapper."""
+    if not split:
+        return (64, 2, 2) if head_dim <= 64 else (64, 4, 3)
+    if bt_in_registers:
+        return (32, 2, 3) if head_dim <= 64 else (16, 1, 4)
+    return (64, 2, 2) if head_dim <= 64 else (32, 2, 6)
+
+
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, num_seqs: int, where: str) -> None:
     """Shape/dtype/device checks shared by the Triton wrappers (no device sync)."""
@@ -195,10 +227,16 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   pdl: bool | None = None) -> torch.Tensor:
     """Triton version of `paged_decode_attention_ref`; block_n keys per loop iteration, tunable launch knobs.
 
-    Defaults from sweeps on H200 (bf16, GQA 4, block size 16): head_dim <= 64 takes 64 keys, 2 warps and 2
-    stages (batch 256: -6% time at 384 tokens of context, -11% at 1,152, against 4 warps); head_dim 128 takes 64
-    keys, 4 warps and 3 stages (64 x 4096: -4.5% against 2 stages), and when split 32 keys, 2 warps and 6
-    stages (1 x 32768 and 4 x 16384: -1 to -2%). Splits are chosen for 64-key tiles either way.
+    Defaults (`default_tiles`) from sweeps on H200 (bf16, GQA 4, block size 16, `benchmarks/RESULTS.md`):
+    - no split: head_dim <= 64 takes 64 keys, 2 warps and 2 stages (batch 256: -6% time at 384 tokens of
+      context, -11% at 1,152, against 4 warps); head_dim 128 takes 64 keys, 4 warps and 3 stages (64 x 4096:
+      -4.5% against 2 stages);
+    - split, block ids in registers (a split spans at most MAX_BT_WIDTH table entries): head_dim <= 64 takes
+      32 keys, 2 warps and 3 stages, head_dim 128 16 keys, 1 warp and 4 stages (session 6: 1 x 32768 -4.4%,
+      1 x 8192 at head_dim 64 -15% against the in-loop block-table load with its own best tiles);
+    - split, wider spans: as before the register block ids, 64 keys / 2 warps / 2 stages up to head_dim 64,
+      else 32 keys / 2 warps / 6 stages.
+    Splits are chosen for 64-key tiles either way.
 
     pdl: programmatic dependent launches for a split launch (Hopper+, None: when supported; see the module
     docstring). With num_splits > 1 a second kernel combines the splits (measured faster on H100 than letting
@@ -214,9 +252,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         raise ValueError(f"paged_decode_attention: num_splits must be >= 1, got {num_splits}")
     split = num_splits > 1
     pdl = split and (supports_pdl(q.device) if pdl is None else pdl)  # only split launches chain two kernels
-    tiles = (64, 2, 2) if head_dim <= 64 else (32, 2, 6) if split else (64, 4, 3)  # (block_n, warps, stages)
-    block_n, num_warps, num_stages = (default if given is None else given for given, default in
-                                      zip((block_n, num_warps, num_stages), tiles))
+    # the span for the tiles that a split with its block ids in registers takes (block_n as given, or its default)
+    bt_width = split_bt_width(block_tables.shape[1], page, block_n or default_tiles(head_dim, True, True)[0],
+                              num_splits) if split else 0
+    bt_width = bt_width if bt_width <= MAX_BT_WIDTH else 0
+    block_n, num_warps, num_stages = (default if given is None else given for given, default in zip(
+        (block_n, num_warps, num_stages), default_tiles(head_dim, split, bt_width > 0)))
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     if num_seqs == 0:
@@ -231,7 +272,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, SPLIT=split, FP32_DOT=q.dtype == torch.float32 or interpreting(), PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
+        BT_WIDTH=bt_width, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}))
     if split:
         # Slices of 32 of head_dim with one warp per 64 splits (1 x 32768 on H200: 1.0 us less than one
         # program per head with 4 warps, which also loaded the partials only after the max).
