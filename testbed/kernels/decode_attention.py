@@ -9,7 +9,8 @@ graphs can capture it) and each sequence's tiles are divided among them from its
 
 Split launches load each program's block-table entries into registers once, before the loop (when they
 span at most MAX_BT_WIDTH entries): with no block-table load inside the loop, Triton's pipeliner keeps
-num_stages - 1 K/V tiles in flight (with the in-loop load it kept one).
+num_stages - 1 K/V tiles in flight. With the load in the loop it gives the load stages of its own (sm_90
+TTGIR of Triton 3.6: 1 K/V buffer at 4 stages, 2 at 6).
 
 On Hopper both kernels of a split launch are programmatic dependent launches: the split kernel reads
 only seq_lens and the block table (both written before the step's first kernel) before `gdc_wait`, so
