@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from testbed.kernels import (paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention,
-                             paged_prefill_attention_ref, rope_store_kvcache, rope_store_kvcache_ref, store_kvcache,
-                             store_kvcache_ref, use_triton)
+                             paged_prefill_attention_ref, rope_store_kvcache, rope_store_kvcache_ref, silu_and_mul,
+                             silu_and_mul_ref, store_kvcache, store_kvcache_ref, use_triton)
 from testbed.kernels.reference import rope_ref
 from testbed.kernels.decode_attention import (MAX_BT_WIDTH, choose_num_splits, paged_decode_attention_triton,
                                               split_bt_width)
@@ -218,6 +218,20 @@ def test_reference_errors_are_clear():
                                     torch.randn(5, NUM_KV_HEADS, HEAD_DIM), k_cache, v_cache,
                                     torch.tensor([0, 5], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
                                     tables, 1.0)
+
+
+# ---------------------------------------------------------------- silu and mul
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_ref(dtype):
+    x = torch.randn(3, 5, 2 * 1100).to(dtype)  # 1,100 columns: two programs per row, the second one masked
+    out = silu_and_mul(x)
+    assert out.shape == (3, 5, 1100) and out.dtype == dtype
+    close(out, silu_and_mul_ref(x.float()), dtype)
+    strided = torch.randn(4, 2 * 2 * 24)[:, ::2]  # last dim not contiguous
+    close(silu_and_mul(strided), silu_and_mul_ref(strided), torch.float32)
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul(torch.zeros(2, 7))
 
 
 # ---------------------------------------------------------------- Triton decode

@@ -1,4 +1,5 @@
-"""Paged KV-cache kernels: KV store, paged decode attention (split-K), paged prefill/extend attention.
+"""Paged KV-cache kernels: KV store, paged decode attention (split-K), paged prefill/extend attention, and the
+MLP's silu-and-mul.
 
 Each entry point runs the Triton kernel when the tensors are on CUDA or when TRITON_INTERPRET=1 is set
 (the Triton interpreter, for tests on CPU), else the torch reference. The Triton modules are imported
@@ -10,11 +11,11 @@ import os
 import torch
 
 from testbed.kernels.reference import (paged_decode_attention_ref, paged_prefill_attention_ref,
-                                       rope_store_kvcache_ref, store_kvcache_ref)
+                                       rope_store_kvcache_ref, silu_and_mul_ref, store_kvcache_ref)
 
 __all__ = ["store_kvcache", "rope_store_kvcache", "paged_decode_attention", "paged_prefill_attention",
            "store_kvcache_ref", "rope_store_kvcache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
-           "use_triton"]
+           "silu_and_mul", "silu_and_mul_ref", "use_triton"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -63,3 +64,11 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         from testbed.kernels.prefill_attention import paged_prefill_attention_triton
         return paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
     return paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] (gate | up) -> silu(gate) * up [..., I]."""
+    if use_triton(x):
+        from testbed.kernels.activation import silu_and_mul_triton
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)

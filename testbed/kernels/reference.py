@@ -25,6 +25,12 @@ def check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ValueError(f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k_cache.shape[2]}")
 
 
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] (gate | up) -> silu(gate) * up [..., I], eager in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate-half) rotary embedding of q [T, Hq, D] and k [T, Hk, D] at `positions` [T]

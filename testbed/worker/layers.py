@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from testbed.kernels import silu_and_mul
 from testbed.kernels.reference import rope_ref
 
 _TP_OVERRIDE: tuple[int, int] | None = None
@@ -101,12 +102,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """(rms_norm(x + residual), x + residual): the residual add and the next norm in one kernel on a GPU."""
     h = x + residual
     return rms_norm.__wrapped__(h, weight, eps), h
-
-
-@fused_on_gpu
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 apply_rope = fused_on_gpu(rope_ref)  # the profiling run's rotary embedding (no cache to store into)
