@@ -173,10 +173,10 @@ def test_async_scheduling_matches_hf_and_overlaps(ratio, tmp_path):
         placeholders = []
         prepare = runner.prepare
 
-        def spy(so, prepare=prepare, placeholders=placeholders):
+        def spy(so, *args, prepare=prepare, placeholders=placeholders):
             placeholders.append(sum(b + n > r.num_tokens for r, b, n in
                                     zip(so.requests, so.num_computed_before, so.num_new_tokens)))
-            return prepare(so)
+            return prepare(so, *args)
         runner.prepare = spy
         try:
             tokens, _, reasons = run_staggered(llm, prompts, [0, 0, 1, 1, 3, 6, 10, 11], _greedy(), prefix="a")

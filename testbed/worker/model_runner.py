@@ -120,12 +120,13 @@ class ModelRunner:
             warm_up_prefill_variants(*self.kv_caches[0], attn.num_heads)
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, so: SchedulerOutput) -> StepInputs:
+    def prepare(self, so: SchedulerOutput, rows: list[int] | None = None) -> StepInputs:
         """Flat step tensors, packed on the host and sent in one non-blocking copy (no stream sync, so
         the next step can be prepared while the GPU runs this one). Decode-only steps (every request
         adds one token, the common case) take a vectorised path. A position the core has no token
         for yet (async scheduling) is a placeholder: its id is read on the device from the previous
-        step's sampled tokens."""
+        step's sampled tokens. rows: `sampled_rows(so)`, when the caller has it already."""
+        rows = sampled_rows(so) if rows is None else rows
         bs = self.block_size
         reqs, starts, counts = so.requests, so.num_computed_before, so.num_new_tokens
         B = len(reqs)
@@ -145,7 +146,7 @@ class ModelRunner:
                 else:
                     ph_dst.append(i)
                     ph_src.append(self._prev_row(req.request_id))
-            sample_idx = sampled_rows(so)  # one token per request: the row is the token
+            sample_idx = rows  # one token per request: the row is the token
             slots = tables[np.arange(B), positions // bs].astype(np.int64) * bs + positions % bs
             seq_lens = positions + 1
             cu = np.arange(B + 1)
@@ -166,7 +167,7 @@ class ModelRunner:
                 slot_list.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 seq_lens.append(end)
                 cu.append(cu[-1] + n)
-            sample_idx = [cu[i + 1] - 1 for i in sampled_rows(so)]  # each sampling request's last token
+            sample_idx = [cu[i + 1] - 1 for i in rows]  # each sampling request's last token
             input_ids, positions, slots = ids, pos, slot_list
         return self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src], [seq_lens, cu, tables],
                             is_decode)
@@ -289,12 +290,12 @@ class ModelRunner:
         Nothing here reads the device back, so the caller can schedule and launch the next step first."""
         t0 = time.perf_counter()
         self.sampler.forget(so.finished_req_ids)
-        x = self.prepare(so)
+        rows = sampled_rows(so)
+        x = self.prepare(so, rows)
         if self.broadcast_inputs is not None:
             self.broadcast_inputs(x)
         logits = self.run(x)
         reqs = so.requests
-        rows = sampled_rows(so)
         params = [reqs[i].sampling_params for i in rows]
         sampled = self.sampler.sample(logits, params, [reqs[i].request_id for i in rows]) if rows else None
         self._prev_tokens = sampled[0] if rows else None
