@@ -54,34 +54,35 @@ def _triton_interpreter():
     os.environ.pop("TRITON_INTERPRET", None)
 
 
-def make_paged(seq_lens, shared=((0, 3, 2),), head_dim=HEAD_DIM, dtype=torch.float32, seed=0):
+def make_paged(seq_lens, shared=((0, 3, 2),), head_dim=HEAD_DIM, dtype=torch.float32, seed=0,
+               block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS):
     """Random contiguous K/V per sequence plus the same data in a paged cache with shuffled block ids.
 
     shared: (seq_a, seq_b, n_blocks): seq_b's first n_blocks are seq_a's (same ids, same data).
     Returns k_cache, v_cache, block_tables (padded with -1), dense [(k, v)] per sequence.
     """
     g = torch.Generator().manual_seed(seed)
-    shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, head_dim)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)  # garbage outside the sequences' slots
     v_cache = torch.randn(shape, generator=g).to(dtype)
-    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    max_blocks = max(-(-n // BLOCK_SIZE) for n in seq_lens) + 1
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(-(-n // block_size) for n in seq_lens) + 1
     tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
     dense = []
     for i, n in enumerate(seq_lens):
-        n_blocks = -(-n // BLOCK_SIZE)
+        n_blocks = -(-n // block_size)
         ids = [free.pop() for _ in range(n_blocks)]
         k = torch.randn(n, NUM_KV_HEADS, head_dim, generator=g).to(dtype)
         v = torch.randn(n, NUM_KV_HEADS, head_dim, generator=g).to(dtype)
         for a, b, n_shared in shared:
             if b == i:
                 ids[:n_shared] = tables[a, :n_shared].tolist()
-                k[:n_shared * BLOCK_SIZE] = dense[a][0][:n_shared * BLOCK_SIZE]
-                v[:n_shared * BLOCK_SIZE] = dense[a][1][:n_shared * BLOCK_SIZE]
+                k[:n_shared * block_size] = dense[a][0][:n_shared * block_size]
+                v[:n_shared * block_size] = dense[a][1][:n_shared * block_size]
         tables[i, :n_blocks] = torch.tensor(ids, dtype=torch.int32)
         for p in range(n):
-            k_cache[ids[p // BLOCK_SIZE], p % BLOCK_SIZE] = k[p]
-            v_cache[ids[p // BLOCK_SIZE], p % BLOCK_SIZE] = v[p]
+            k_cache[ids[p // block_size], p % block_size] = k[p]
+            v_cache[ids[p // block_size], p % block_size] = v[p]
         dense.append((k, v))
     return k_cache, v_cache, tables, dense
 
@@ -277,20 +278,6 @@ def test_decode_reduce_over_many_splits_and_head_dim_slices():
         close(paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1, splits), ref, torch.float32)
 
 
-def random_paged(seq_lens, page, head_dim, group, table_width, seed=0):
-    """q, caches of `page`-token blocks in shuffled order, block tables `table_width` wide (padded with -1), lens."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // page) for n in seq_lens]
-    k_cache = torch.randn(sum(blocks) + 3, page, NUM_KV_HEADS, head_dim, generator=g)
-    v_cache = torch.randn(k_cache.shape, generator=g)
-    ids = torch.randperm(sum(blocks) + 3, generator=g).to(torch.int32)
-    tables = torch.full((len(seq_lens), table_width), -1, dtype=torch.int32)
-    for i, n in enumerate(blocks):
-        tables[i, :n] = ids[sum(blocks[:i]):sum(blocks[:i]) + n]
-    q = torch.randn(len(seq_lens), NUM_KV_HEADS * group, head_dim, generator=g)
-    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
-
-
 def test_split_bt_width_covers_splits_that_start_inside_a_block():
     assert split_bt_width(2048, 16, 16, 64) == 32  # 1 x 32768: 32 whole blocks per split
     assert split_bt_width(5, 64, 16, 3) == 4  # 7 tiles = 112 keys, from key 112: blocks 1..3, 3 entries
@@ -298,11 +285,15 @@ def test_split_bt_width_covers_splits_that_start_inside_a_block():
 
 @needs_loops
 @pytest.mark.parametrize("page,table_width,splits", [
-    (64, 5, 3),  # block ids in registers; split 1 starts inside a block and spans 3 of them
+    (64, 6, 3),  # block ids in registers; split 1 starts inside a block and spans 3 of them
     (4, 600, 2),  # a wide table: a split could span 512 entries > MAX_BT_WIDTH, so they are loaded per tile
 ])
 def test_decode_split_block_ids_in_registers_or_per_tile(page, table_width, splits):
-    q, k_cache, v_cache, tables, lens = random_paged([320, 45, 1], page, 16, 2, table_width)
+    seq_lens = [320, 45, 1]
+    k_cache, v_cache, tables, _ = make_paged(seq_lens, shared=(), head_dim=16, block_size=page, num_blocks=100)
+    tables = torch.nn.functional.pad(tables, (0, table_width - tables.shape[1]), value=-1)
+    q = torch.randn(len(seq_lens), NUM_KV_HEADS * 2, 16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
     assert (split_bt_width(table_width, page, 16, splits) <= MAX_BT_WIDTH) == (page == 64)
     ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.2)
     close(paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.2, splits, block_n=16), ref,
