@@ -106,16 +106,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """Fit a calibrated cost model to the step records of real runs and write it as a profile."""
-    import pandas as pd
-    from testbed.presets import get_model_spec
-    from testbed.rundir import read_run
-    from testbed.sim.cost_model import CalibratedCostModel
-    steps = pd.concat([read_run(d).steps() for d in args.runs], ignore_index=True)
-    cm = CalibratedCostModel.fit(steps, get_model_spec(args.model), args.gpu, args.tensor_parallel_size)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(cm.to_json(), indent=2) + "\n")
-    print(f"{cm}\nwrote {args.output} (use: testbed simulate TRACE --cost-model {args.output})")
+    """Sweep synthetic steps through the real executor and write the measured profile."""
+    from testbed.sim.profiled import ProfiledCostModel
+    from testbed.worker.profiler import build_profile
+    out = Path(args.output)
+    if out.is_dir():
+        raise ValueError(f"--output {out}: is a directory; give the profile JSON file to write")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof = build_profile(args.model, engine_config(args), args.load_format, args.dtype, args.device,
+                         args.enforce_eager, args.quick, progress=not args.no_progress)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(prof, indent=1) + "\n")
+    tmp.replace(out)
+    cm = ProfiledCostModel(prof, name=str(out))
+    errors = cm.validate()
+    print(f"profiled {prof['model']['name']} on {prof['device_name']} (tp={prof['tensor_parallel_size']}) in "
+          f"{prof['sweep_wall_s']:.0f} s; composition error on {errors.get('sync_steps', 0)} held-out mixed steps: "
+          + ", ".join(f"{k} {v:.1%}" for k, v in errors.items() if not k.endswith("_steps")))
+    print(f"wrote {out} (use: testbed simulate TRACE --cost-model {out})")
     return 0
 
 
@@ -131,8 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_args(p)
     add_engine_args(p, "Llama-3.1-8B")
     p.add_argument("--gpu", default="H100-SXM", help="GPU preset: H100-SXM, H200, A100-80GB, L4")
-    p.add_argument("--cost-model", default="roofline",
-                   help="'roofline', a calibrated profile JSON, or 'recorded:RUN_DIR' to replay a real run's steps")
+    p.add_argument("--cost-model", default="auto",
+                   help="'auto' (the profile shipped for --model/--gpu/TP, else the roofline with a warning), "
+                        "'roofline', a profile JSON from `testbed profile`, or 'recorded:RUN_DIR' to replay a real "
+                        "run's steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_simulate)
 
@@ -142,12 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.set_defaults(func=cmd_replay)
 
-    p = sub.add_parser("profile", help="fit a calibrated cost model to real runs' step records")
-    p.add_argument("runs", nargs="+", help="run directories written by testbed replay / bench serve")
-    p.add_argument("--model", required=True, help="model preset the runs served (e.g. Llama-3.2-1B)")
-    p.add_argument("--gpu", required=True, help="GPU the runs used (recorded in the profile)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p = sub.add_parser("profile", help="measure the step time of the real engine on this GPU: a profile for simulate")
+    add_engine_args(p, None)
+    add_model_args(p)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (profile an eager engine)")
     p.add_argument("--output", "-o", required=True, help="profile JSON to write")
+    p.add_argument("--quick", action="store_true", help="a few points of each sweep (a smoke test, not a profile)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("dashboard", help="Streamlit dashboard over run directories (on 127.0.0.1)")

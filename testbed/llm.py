@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
+
 from testbed.detokenizer import IncrementalDetokenizer
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
@@ -45,10 +47,22 @@ class GenerationOutput:
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
                  dtype: str = "auto", device: str | None = None, skip_tokenizer_init: bool = False,
-                 enforce_eager: bool = False, **engine_args: Any) -> None:
+                 enforce_eager: bool = False, executor=None, **engine_args: Any) -> None:
+        """`executor`: reuse one built earlier for the same model (a fresh engine over its KV cache, whose
+        stale contents are never read: every block is written before it is attended over). Its block size
+        and tensor-parallel size must match these engine arguments."""
         from testbed.worker.executor import create_executor
         self.config = EngineConfig(**engine_args)
-        self.executor = create_executor(model, self.config, load_format, dtype, device, enforce_eager)
+        if executor is None:
+            executor = create_executor(model, self.config, load_format, dtype, device, enforce_eager)
+        else:
+            runner = executor.runner
+            if (runner.block_size, runner.config.tensor_parallel_size) != (self.config.block_size,
+                                                                           self.config.tensor_parallel_size):
+                raise ValueError(f"executor was built for block_size {runner.block_size} and tensor_parallel_size "
+                                 f"{runner.config.tensor_parallel_size}; these engine arguments ask for "
+                                 f"{self.config.block_size} and {self.config.tensor_parallel_size}")
+        self.executor = executor
         self.tokenizer = None
         if not skip_tokenizer_init and load_format != "dummy":
             from testbed.worker.loader import load_tokenizer
@@ -85,7 +99,9 @@ class LLM:
         """Queue one request; returns a finished 'rejected' output when the engine cannot serve it.
         Token ids outside the vocabulary raise ValueError (the embedding would fail or, under TP, read zeros)."""
         vocab = self.executor.vocab_size
-        bad = next((int(t) for t in prompt_token_ids if not 0 <= t < vocab), None)
+        ids = np.asarray(prompt_token_ids)
+        bad = None if ids.size == 0 or (ids.min() >= 0 and ids.max() < vocab) else \
+            int(ids[(ids < 0) | (ids >= vocab)][0])
         if bad is not None:
             raise ValueError(f"request {request_id!r}: prompt token id {bad} is outside the vocabulary [0, {vocab}); "
                              "pass token ids from this model's tokenizer")

@@ -33,12 +33,17 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
                dtype: str = "auto", device: str | None = None, request_rate: float | None = None,
                burstiness: float = 1.0, limit: int | None = None, trace_format: str = "auto",
                slo_ttft: float | None = None, slo_tpot: float | None = None,
-               output: str | Path | None = None) -> tuple[Path | None, dict]:
+               output: str | Path | None = None, executor=None) -> tuple[Path | None, dict]:
+    """`executor`: reuse one built earlier (several replays on one loaded model; see `LLM`); it is left open."""
+    import gc
+
     from testbed.llm import LLM
     trace = load_trace(trace_path, request_rate=request_rate, burstiness=burstiness, seed=config.seed,
                        limit=limit, fmt=trace_format)
     llm = LLM(model, load_format=load_format, dtype=dtype, device=device, skip_tokenizer_init=True,
-              **config.to_dict())
+              executor=executor, **config.to_dict())
+    gc.collect()
+    gc.freeze()  # the model and the trace stay alive: keep full collections from pausing steps mid-replay
     try:
         vocab = llm.executor.vocab_size
         reserved = min(RESERVED_TOKEN_IDS, vocab // 10)
@@ -79,5 +84,7 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
             }
             run_dir = write_run(output, manifest, rec, summary)
     finally:
-        llm.executor.shutdown()  # TP: end the worker processes and the process group
+        gc.unfreeze()
+        if executor is None:
+            llm.executor.shutdown()  # TP: end the worker processes and the process group
     return run_dir, summary

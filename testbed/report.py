@@ -33,5 +33,7 @@ def format_summary(s: dict, title: str = "Result") -> str:
     row("Prefix-cache hit rate:", f"{s['prefix_cache_hit_rate']:.1%}")
     row("Mean batch size (requests/step):", f"{s['mean_batch_size']:.2f}")
     row("Engine steps:", s["num_steps"])
+    if s.get("cost_model"):
+        lines.append(f"Cost model: {s['cost_model']}")
     lines.append("=" * w)
     return "\n".join(lines)

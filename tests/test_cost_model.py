@@ -1,17 +1,13 @@
-"""Cost model: roofline sanity numbers, monotonicity, calibrated fit, KV capacity, GPU presets."""
-import json
+"""Cost model: roofline sanity numbers, monotonicity, KV capacity, GPU presets."""
 import math
 
-import numpy as np
-import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from testbed.engine.outputs import SchedulerOutput
 from testbed.engine.request import Request, SamplingParams
 from testbed.presets import MODEL_PRESETS, get_model_spec
-from testbed.sim.cost_model import (FEATURES, CalibratedCostModel, RooflineCostModel, nnls, num_gpu_blocks,
-                                    rank_shape)
+from testbed.sim.cost_model import RooflineCostModel, num_gpu_blocks, rank_shape
 from testbed.sim.hardware import GPU_PRESETS, GPUSpec, get_gpu_spec
 
 L8B, L70B = get_model_spec("Llama-3.1-8B"), get_model_spec("Llama-3.1-70B")
@@ -136,91 +132,6 @@ def test_llama70b_needs_tensor_parallelism():
         num_gpu_blocks(L70B, get_gpu_spec("l4"), 16)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         num_gpu_blocks(L8B, H100, 16, gpu_memory_utilization=1.5)
-
-
-# --- calibrated model -----------------------------------------------------------------------------
-
-TRUE = {"intercept": 4e-3, "num_prefill_tokens": 2e-5, "num_decode_tokens": 3e-5,
-        "sum_context_tokens": 2e-8, "sum_attn_pairs": 1e-11, "num_reqs": 0.0}
-
-
-def synthetic_steps(n: int, noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
-    rng = np.random.default_rng(seed)
-    df = pd.DataFrame({
-        "replica": 0, "start": np.arange(n) * 0.02,
-        "num_reqs": rng.integers(1, 256, n), "num_prefill_tokens": rng.integers(0, 2048, n),
-        "sum_context_tokens": rng.integers(0, 500_000, n), "sum_attn_pairs": rng.integers(0, 50_000_000, n),
-        "kv_blocks_used": 0, "kv_blocks_total": 1000, "num_waiting": 0, "num_running": 0, "num_preempted": 0,
-    })
-    df["num_decode_tokens"] = rng.integers(0, df["num_reqs"] + 1)
-    clean = sum(TRUE[f] * (df[f] if f != "intercept" else 1.0) for f in FEATURES)
-    df["duration"] = clean * (1 + noise * rng.standard_normal(n))
-    return df
-
-
-def test_fit_recovers_exact_coefficients_without_noise():
-    cm = CalibratedCostModel.fit(synthetic_steps(200), L8B, gpu_name="H100-SXM")
-    for f in FEATURES:
-        assert cm.coefficients[f] == pytest.approx(TRUE[f], rel=1e-6, abs=1e-12)
-    assert cm.r2 == pytest.approx(1.0) and cm.mape < 1e-9 and cm.num_rows == 200
-    so = step(prefill=[(100, 512)], decode=[300, 4000])
-    expected = (TRUE["intercept"] + 512 * TRUE["num_prefill_tokens"] + 2 * TRUE["num_decode_tokens"]
-                + so.sum_context_tokens * TRUE["sum_context_tokens"] + so.sum_attn_pairs * TRUE["sum_attn_pairs"])
-    assert cm.step_time(so) == pytest.approx(expected, rel=1e-6)
-    assert cm.step_time(SchedulerOutput()) == 0.0
-
-
-def test_fit_approximates_with_noise_and_reports_quality():
-    cm = CalibratedCostModel.fit(synthetic_steps(2000, noise=0.03, seed=1), L8B)
-    for f in ("intercept", "num_prefill_tokens", "num_decode_tokens", "sum_context_tokens", "sum_attn_pairs"):
-        assert cm.coefficients[f] == pytest.approx(TRUE[f], rel=0.1)
-    assert cm.coefficients["num_reqs"] < 1e-6
-    assert 0.9 < cm.r2 < 1.0 and 0.015 < cm.mape < 0.04
-
-
-def test_fit_keeps_coefficients_non_negative():
-    df = synthetic_steps(300)
-    df["duration"] = 5e-3 + 3e-5 * df["num_prefill_tokens"] - 1e-6 * df["num_reqs"]  # LS would go negative
-    cm = CalibratedCostModel.fit(df, L8B)
-    assert min(cm.coefficients.values()) >= 0 and cm.coefficients["num_reqs"] == 0.0
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.integers(0, 10_000), st.integers(3, 40), st.integers(1, 6))
-def test_nnls_satisfies_kkt(seed, m, n):
-    rng = np.random.default_rng(seed)
-    A, b = rng.standard_normal((m, n)), rng.standard_normal(m)
-    x = nnls(A, b)
-    w = A.T @ (b - A @ x)  # minus the gradient
-    assert (x >= 0).all() and (w <= 1e-8).all() and np.allclose(w[x > 0], 0, atol=1e-8)
-
-
-def test_json_round_trip():
-    cm = CalibratedCostModel.fit(synthetic_steps(100, noise=0.01), L8B, gpu_name="H200", tensor_parallel_size=2)
-    back = CalibratedCostModel.from_json(json.loads(json.dumps(cm.to_json())))
-    assert back.to_json() == cm.to_json()
-    so = step(prefill=[(0, 100)], decode=[50] * 7)
-    assert back.step_time(so) == cm.step_time(so)
-    assert (back.model_name, back.gpu_name, back.tensor_parallel_size) == ("Llama-3.1-8B", "H200", 2)
-
-
-def test_fit_and_load_errors():
-    df = synthetic_steps(100)
-    with pytest.raises(ValueError, match="lacks columns.*sum_attn_pairs"):
-        CalibratedCostModel.fit(df.drop(columns=["sum_attn_pairs"]), L8B)
-    with pytest.raises(ValueError, match="only 5 non-empty steps"):
-        CalibratedCostModel.fit(df.head(5), L8B)
-    empty = df.assign(num_prefill_tokens=0, num_decode_tokens=0)
-    with pytest.raises(ValueError, match="only 0 non-empty steps"):
-        CalibratedCostModel.fit(empty, L8B)
-    with pytest.raises(ValueError, match="num_prefill_tokens is 0 in every step"):
-        CalibratedCostModel.fit(df.assign(num_prefill_tokens=0, num_decode_tokens=1), L8B)
-    with pytest.raises(ValueError, match="NaN"):
-        CalibratedCostModel.fit(df.assign(duration=np.where(df.index == 3, np.nan, df["duration"])), L8B)
-    with pytest.raises(ValueError, match="not a calibrated"):
-        CalibratedCostModel.from_json({"kind": "roofline"})
-    with pytest.raises(ValueError, match="non-negative"):
-        CalibratedCostModel.from_json({"kind": "calibrated", "model": "x", "coefficients": {"intercept": 1.0}})
 
 
 # --- GPU presets ----------------------------------------------------------------------------------

@@ -42,11 +42,13 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """What an executor returns: one sampled token per scheduled request (-1 where the request was
-    mid-prompt and sampled nothing), optional logprobs, and how long the step took (seconds)."""
+    mid-prompt and sampled nothing), optional logprobs, how long the step took (seconds), and optionally
+    where that time went (an executor-specific record, e.g. the worker's StepTiming; the core ignores it)."""
 
     sampled_token_ids: list[int]
     duration: float = 0.0
     logprobs: list | None = None  # per request: None or (token_logprob, [(token_id, logprob), ...])
+    timing: object | None = None
 
 
 @dataclass(slots=True)

@@ -44,6 +44,7 @@ class EngineProcConfig(msgspec.Struct):
     enforce_eager: bool = False
     log_steps: str | None = None  # directory: steps.jsonl and requests.jsonl are appended there
     executor_factory: str = "testbed.worker.executor:create_executor"
+    executor_args: dict = {}  # extra keyword arguments of the factory (e.g. --emulate's gpu and cost_model)
 
 
 class StepLog:
@@ -94,7 +95,7 @@ class EngineProc:
         factory = getattr(importlib.import_module(module), name)
         config = EngineConfig(**self.cfg.engine)
         executor = factory(self.cfg.model, config, load_format=self.cfg.load_format, dtype=self.cfg.dtype,
-                           device=self.cfg.device, enforce_eager=self.cfg.enforce_eager)
+                           device=self.cfg.device, enforce_eager=self.cfg.enforce_eager, **self.cfg.executor_args)
         self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len)
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
         self.eos = executor.eos_token_id

@@ -49,6 +49,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--executor-factory", default=None, metavar="MODULE:FUNCTION",
                    help="build the engine core's executor with this function instead of the model runner "
                         "(research hook; benchmarks/serve/sim_executor.py:create serves the simulator's executor)")
+    e = p.add_argument_group("emulation (no GPU: each step takes the predicted time of one)")
+    e.add_argument("--emulate", action="store_true",
+                   help="serve with an executor that runs no model: steps take the cost model's time for --gpu "
+                        "and emit synthetic tokens (each request echoes its prompt)")
+    e.add_argument("--gpu", default="H100-SXM", help="GPU preset whose timing --emulate reproduces")
+    e.add_argument("--cost-model", default="auto",
+                   help="with --emulate: 'auto' (the shipped profile for the model and --gpu, else the roofline), "
+                        "'roofline', 'zero' (no waiting) or a profile JSON")
     p.set_defaults(func=cmd_serve)
     return p
 
@@ -114,6 +122,11 @@ async def run_server(args: argparse.Namespace) -> int:
     if factory is not None and (factory.count(":") != 1 or not all(factory.split(":"))):
         raise ConfigError(f"--executor-factory {factory!r}: give MODULE:FUNCTION, e.g. "
                           "benchmarks.serve.sim_executor:create (the module must be importable)")
+    executor_args = {}
+    if args.emulate:
+        if factory is not None:
+            raise ConfigError("--emulate: give either --emulate or --executor-factory, not both")
+        factory, executor_args = "testbed.sim.emulator:create", {"gpu": args.gpu, "cost_model": args.cost_model}
     model = resolve_model(args.model_tag or args.model, args.load_format)
     served = args.served_model_name or os.path.basename(os.path.normpath(model))
 
@@ -124,6 +137,7 @@ async def run_server(args: argparse.Namespace) -> int:
     client = EngineClient(EngineProcConfig(engine=cfg.to_dict(), model=model, load_format=args.load_format,
                                            dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
                                            log_steps=args.log_steps,
+                                           executor_args=executor_args,
                                            **({"executor_factory": factory} if factory else {})))
     tokenizer_path = args.tokenizer or model
     tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path))

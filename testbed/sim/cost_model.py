@@ -1,21 +1,17 @@
-"""Step-time cost models for sim mode (analytical roofline, and a linear model fitted to real step
-records) and KV-cache capacity. `step_time` is the simulator's hot path: O(1), a handful of float
-operations on constants precomputed in `__init__`, no numpy. An empty step costs 0 s.
+"""Step-time cost models for sim mode: the analytical roofline (for unprofiled models and GPUs) and the
+recorded timeline of a real run (decision parity), plus KV-cache capacity. The measured model is in
+profiled.py. `step_time` is the simulator's hot path: O(1), a handful of float operations on constants
+precomputed in `__init__`, no numpy. An empty step costs 0 s.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-import numpy as np
+from typing import Protocol
 
 from testbed.engine.outputs import SchedulerOutput
 from testbed.presets import ModelSpec
 from testbed.sim.hardware import GPUSpec
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 
 class CostModel(Protocol):
@@ -120,7 +116,7 @@ class RecordedCostModel:
         if manifest.exists() and json.loads(manifest.read_text()).get("config", {}).get("async_scheduling"):
             raise ValueError(f"{path}: this run used --async-scheduling, whose recorded steps overlap their "
                              "scheduling; recorded timelines replay runs without it (re-run the replay without "
-                             "--async-scheduling, or simulate it with a calibrated profile)")
+                             "--async-scheduling, or simulate it with a profile from `testbed profile`)")
         steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration"])
         if steps["replica"].nunique() > 1:
             raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")
@@ -133,102 +129,6 @@ class RecordedCostModel:
         d = self.durations[self.step]
         self.step += 1
         return d
-
-
-FEATURES = ("intercept", "num_prefill_tokens", "num_decode_tokens", "sum_context_tokens", "sum_attn_pairs", "num_reqs")
-STEP_COLUMNS = ("duration",) + FEATURES[1:]
-
-
-def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin ||A x - b|| subject to x >= 0 (Lawson-Hanson active set). Scale columns beforehand."""
-    m, n = A.shape
-    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
-    tol = 10 * np.finfo(float).eps * max(m, n) * max(np.abs(A).sum(axis=0).max(), 1.0)
-    for _ in range(3 * n + 10):
-        w = A.T @ (b - A @ x)
-        if passive.all() or w[~passive].max() <= tol:
-            break
-        passive[np.argmax(np.where(passive, -np.inf, w))] = True
-        while True:
-            s = np.zeros(n)
-            s[passive] = np.linalg.lstsq(A[:, passive], b, rcond=None)[0]
-            if s[passive].min() > tol:
-                x = s
-                break
-            neg = passive & (s <= tol)
-            step = x[neg] - s[neg]  # > 0 except in degenerate cases, where the variable just leaves
-            x = x + np.min(np.where(step > 0, x[neg] / np.where(step > 0, step, 1.0), 0.0)) * (s - x)
-            passive &= x > tol
-            x[~passive] = 0.0
-    return x
-
-
-class CalibratedCostModel:
-    """duration = c . [1, prefill tokens, decode tokens, context tokens C, attention pairs P, requests],
-    c >= 0, fitted by least squares to step records of a real run (`steps.parquet`)."""
-
-    def __init__(self, coefficients: dict[str, float], model_name: str, gpu_name: str = "",
-                 tensor_parallel_size: int = 1, r2: float = math.nan, mape: float = math.nan, num_rows: int = 0) -> None:
-        missing = [f for f in FEATURES if f not in coefficients]
-        if missing or any(not coefficients[f] >= 0 for f in FEATURES):
-            raise ValueError(f"coefficients need non-negative values for {', '.join(FEATURES)}; "
-                             f"missing {missing}, got {coefficients}")
-        self.coefficients = {f: float(coefficients[f]) for f in FEATURES}
-        self.model_name, self.gpu_name, self.tensor_parallel_size = model_name, gpu_name, tensor_parallel_size
-        self.r2, self.mape, self.num_rows = r2, mape, num_rows
-        (self._c0, self._cp, self._cd, self._cc, self._ca, self._cb) = self.coefficients.values()
-
-    @classmethod
-    def fit(cls, steps: "pd.DataFrame", model: ModelSpec, gpu_name: str = "", tensor_parallel_size: int = 1,
-            min_rows: int = 20) -> "CalibratedCostModel":
-        """Fit to step records; empty steps are dropped. R^2 and MAPE (on the fitted rows) are kept."""
-        missing = [c for c in STEP_COLUMNS if c not in steps.columns]
-        if missing:
-            raise ValueError(f"step table lacks columns {missing} (has {list(steps.columns)}); "
-                             "pass the steps.parquet a real run wrote")
-        rows = steps[(steps["num_prefill_tokens"] + steps["num_decode_tokens"]) > 0]
-        if len(rows) < min_rows:
-            raise ValueError(f"only {len(rows)} non-empty steps (of {len(steps)}); need >= {min_rows} to fit "
-                             f"{len(FEATURES)} coefficients: profile a longer run")
-        y = rows["duration"].to_numpy(dtype=float)
-        X = np.column_stack([np.ones(len(rows))] + [rows[c].to_numpy(dtype=float) for c in FEATURES[1:]])
-        if not (np.isfinite(y).all() and np.isfinite(X).all()) or (y < 0).any() or (X < 0).any():
-            raise ValueError("step table holds NaN, infinite or negative durations/counts; clean the records")
-        for j, f in enumerate(FEATURES[1:], 1):
-            if not X[:, j].any():
-                raise ValueError(f"column {f} is 0 in every step, so its cost cannot be learned; "
-                                 "profile a workload that exercises it (prefills and decodes)")
-        scale = np.linalg.norm(X, axis=0)
-        coef = nnls(X / scale, y) / scale
-        pred = X @ coef
-        ss_tot = float(((y - y.mean()) ** 2).sum())
-        r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else math.nan
-        pos = y > 0
-        mape = float(np.mean(np.abs(pred[pos] - y[pos]) / y[pos])) if pos.any() else math.nan
-        return cls(dict(zip(FEATURES, coef.tolist())), model.name, gpu_name, tensor_parallel_size, r2, mape, len(rows))
-
-    def step_time(self, so: SchedulerOutput) -> float:
-        if so.total_num_scheduled_tokens <= 0:
-            return 0.0
-        return (self._c0 + self._cp * so.num_prefill_tokens + self._cd * so.num_decode_tokens
-                + self._cc * so.sum_context_tokens + self._ca * so.sum_attn_pairs + self._cb * len(so.requests))
-
-    def to_json(self) -> dict:
-        return {"kind": "calibrated", "model": self.model_name, "gpu": self.gpu_name,
-                "tensor_parallel_size": self.tensor_parallel_size, "coefficients": dict(self.coefficients),
-                "r2": self.r2, "mape": self.mape, "num_rows": self.num_rows}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "CalibratedCostModel":
-        if d.get("kind") != "calibrated" or not isinstance(d.get("coefficients"), dict) or "model" not in d:
-            raise ValueError(f"not a calibrated cost-model profile (need kind='calibrated', model, coefficients): "
-                             f"keys {sorted(d)}")
-        return cls(d["coefficients"], d["model"], d.get("gpu", ""), int(d.get("tensor_parallel_size", 1)),
-                   float(d.get("r2", math.nan)), float(d.get("mape", math.nan)), int(d.get("num_rows", 0)))
-
-    def __repr__(self) -> str:
-        return (f"CalibratedCostModel({self.model_name}, gpu={self.gpu_name!r}, tp={self.tensor_parallel_size}, "
-                f"r2={self.r2:.4f}, mape={self.mape:.2%}, {self.coefficients})")
 
 
 def num_gpu_blocks(model: ModelSpec, gpu: GPUSpec, block_size: int, gpu_memory_utilization: float = 0.9,

@@ -13,31 +13,55 @@ from testbed.engine.metrics import summarize
 from testbed.presets import ModelSpec, get_model_spec
 from testbed.rundir import environment_info, write_run
 from testbed.sim.cluster import simulate
-from testbed.sim.cost_model import (CalibratedCostModel, CostModel, RecordedCostModel, RooflineCostModel,
-                                     num_gpu_blocks)
+from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel, num_gpu_blocks
 from testbed.sim.hardware import GPUSpec, get_gpu_spec
+from testbed.sim.profiled import ProfiledCostModel, shipped_profile, shipped_profiles
 from testbed.sim.trace import load_trace
 
 
-def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, tp: int) -> CostModel:
-    """'roofline', 'recorded:RUN_DIR' (replay a real run's step timeline: decision parity), or the path
-    of a calibrated profile JSON."""
+def _preset_name(name: str) -> str:
+    try:
+        return get_model_spec(name).name
+    except ValueError:
+        return name
+
+
+def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineConfig) -> tuple[CostModel, str]:
+    """The cost model `--cost-model` names, and a one-line description of it for the manifest and summary.
+
+    'auto' (default): the profile shipped for (model, GPU, TP), else the roofline with a warning on stderr;
+    'roofline'; 'recorded:RUN_DIR' (replay a real run's step timeline: decision parity); or the path of a
+    profile written by `testbed profile`."""
+    tp = config.tensor_parallel_size
+    if spec == "auto":
+        path = shipped_profile(model.name, gpu.name, tp)
+        if path is None:
+            print(f"testbed simulate: warning: no profile ships for {model.name} on {gpu.name} at TP={tp} "
+                  f"(shipped: {', '.join(shipped_profiles()) or 'none'}); using the roofline model, whose errors are "
+                  "much larger (README: Cost models); measure one with `testbed profile`", file=sys.stderr)
+            spec = "roofline"
+        else:
+            spec = str(path)
     if spec == "roofline":
-        return RooflineCostModel(model, gpu, tensor_parallel_size=tp)
+        return RooflineCostModel(model, gpu, tensor_parallel_size=tp), "roofline"
     if spec.startswith("recorded:"):
-        return RecordedCostModel.from_run_dir(spec.removeprefix("recorded:"))
+        return RecordedCostModel.from_run_dir(spec.removeprefix("recorded:")), spec
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"--cost-model: {spec!r} is neither 'roofline', 'recorded:RUN_DIR' nor a calibrated profile JSON file")
-    cm = CalibratedCostModel.from_json(json.loads(path.read_text()))
-    if cm.model_name.lower() != model.name.lower() or cm.tensor_parallel_size != tp:
+        raise ValueError(f"--cost-model {spec!r}: not 'auto', 'roofline', 'recorded:RUN_DIR' or an existing profile "
+                         "file (testbed profile -o FILE writes one)")
+    cm = ProfiledCostModel.from_file(path, config.async_scheduling, config.enable_prefix_caching)
+    if _preset_name(cm.model_name) != model.name or cm.tensor_parallel_size != tp:
         raise ValueError(f"--cost-model {spec}: profile is for {cm.model_name} TP={cm.tensor_parallel_size}, "
                          f"but the run uses {model.name} TP={tp}; use a matching profile")
-    return cm
+    if cm.block_size != config.block_size:
+        raise ValueError(f"--cost-model {spec}: profile was measured with --block-size {cm.block_size}, the run "
+                         f"uses {config.block_size}; profile that block size")
+    return cm, f"profile {path.name} ({cm.gpu_name}, {cm.profile.get('created', '?')}, {cm.profile.get('git_sha') or '?'})"
 
 
 def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama-3.1-8B", gpu: str = "H100-SXM",
-                   cost_model: str = "roofline", request_rate: float | None = None, burstiness: float = 1.0,
+                   cost_model: str = "auto", request_rate: float | None = None, burstiness: float = 1.0,
                    limit: int | None = None, trace_format: str = "auto", slo_ttft: float | None = None,
                    slo_tpot: float | None = None, output: str | Path | None = None, progress: bool = True,
                    on_progress: Callable[[float, float], None] | None = None) -> tuple[Path | None, dict]:
@@ -45,7 +69,7 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     on stderr; `on_progress(sim_time, horizon)` is called as simulated time advances (for GUIs)."""
     spec, gpu_spec = get_model_spec(model), get_gpu_spec(gpu)
     tp = config.tensor_parallel_size
-    cm = load_cost_model(cost_model, spec, gpu_spec, tp)
+    cm, cm_desc = load_cost_model(cost_model, spec, gpu_spec, config)
     blocks = config.num_gpu_blocks or num_gpu_blocks(spec, gpu_spec, config.block_size,
                                                      config.gpu_memory_utilization, tp)
     max_model_len = config.max_model_len or spec.max_position_embeddings
@@ -78,6 +102,7 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     rec = result.records
     summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot,
                         result.prefix_queries, result.prefix_hits)
+    summary["cost_model"] = cm_desc
     run_dir = None
     if output is not None:
         manifest = {
@@ -85,8 +110,7 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
             "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
                       "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
             "model": asdict(spec), "hardware": asdict(gpu_spec),
-            "cost_model": (cost_model if cost_model == "roofline" or cost_model.startswith("recorded:")
-                           else {"path": cost_model, **cm.to_json()}),
+            "cost_model": cm_desc,
             "seed": config.seed, "wall_time_s": wall, "simulated_time_s": result.sim_time,
             "speedup": result.sim_time / wall if wall > 0 else None, **environment_info(),
         }

@@ -21,6 +21,7 @@ from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.worker.context import reset_context, set_context
 from testbed.worker.model import LlamaForCausalLM
 from testbed.worker.sampler import Sampler
+from testbed.worker.timing import StepTimer
 
 CPU_KV_CACHE_BYTES = 2 << 30
 
@@ -66,6 +67,7 @@ class ModelRunner:
         self._staging_turn = 0
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens (device)
         self._prev_rows: dict[str, int] = {}  # request id -> its row in _prev_tokens
+        self.record_timing = False  # attach a StepTiming to every output (testbed profile)
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property
@@ -271,8 +273,8 @@ class ModelRunner:
         return out[:n]
 
     @torch.inference_mode()
-    def run(self, x: StepInputs) -> torch.Tensor | None:
-        """Forward pass; logits [num sampled rows, vocab] (None on TP ranks other than 0)."""
+    def forward(self, x: StepInputs) -> torch.Tensor:
+        """The decoder over the step's tokens (a captured graph when one fits): hidden states [T, hidden]."""
         hidden = self._replay(x)
         if hidden is None:
             set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)
@@ -280,21 +282,33 @@ class ModelRunner:
                 hidden = self.model(x.input_ids, x.positions)
             finally:
                 reset_context()
-        return self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+        return hidden
+
+    @torch.inference_mode()
+    def run(self, x: StepInputs) -> torch.Tensor | None:
+        """Forward pass; logits [num sampled rows, vocab] (None on TP ranks other than 0)."""
+        return self.model.compute_logits(self.forward(x).index_select(0, x.sample_idx))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(so)()
 
     def execute_async(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Launch the step on the device and return a function that waits for it and gives its output.
-        Nothing here reads the device back, so the caller can schedule and launch the next step first."""
+        Nothing here reads the device back, so the caller can schedule and launch the next step first.
+        With `record_timing` set, the output carries a StepTiming (host stamps and device events)."""
+        timer = StepTimer(self.device) if self.record_timing else None
         t0 = time.perf_counter()
         self.sampler.forget(so.finished_req_ids)
         rows = sampled_rows(so)
         x = self.prepare(so, rows)
         if self.broadcast_inputs is not None:
             self.broadcast_inputs(x)
-        logits = self.run(x)
+        if timer is not None:
+            timer.prepared(t0)
+        hidden = self.forward(x)
+        if timer is not None:
+            timer.mark()
+        logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
         reqs = so.requests
         params = [reqs[i].sampling_params for i in rows]
         sampled = self.sampler.sample(logits, params, [reqs[i].request_id for i in rows]) if rows else None
@@ -307,10 +321,14 @@ class ModelRunner:
                        None if lp is None else tuple(t if t is None else t.to("cpu", non_blocking=True) for t in lp))
             done = torch.cuda.Event()
             done.record()
+        if timer is not None:
+            timer.launched()
 
         def result() -> ModelRunnerOutput:
             if done is not None:
                 done.synchronize()
+            if timer is not None:
+                timer.synced()
             out = [-1] * len(reqs)
             logprobs = None
             if sampled is not None:
@@ -321,6 +339,7 @@ class ModelRunner:
                     logprobs = [None] * len(reqs)
                     for i, lp in zip(rows, lps):
                         logprobs[i] = lp
-            return ModelRunnerOutput(out, time.perf_counter() - t0, logprobs)
+            end = time.perf_counter()
+            return ModelRunnerOutput(out, end - t0, logprobs, None if timer is None else timer.result(end))
 
         return result

@@ -1,0 +1,231 @@
+"""Simulator fidelity: real `testbed replay` runs on a GPU against `testbed simulate` on the same trace,
+flags, arrivals (same seed) and KV-cache size.
+
+  # on a GPU: build the model once, profile it (optional), replay every case, write the run directories
+  python benchmarks/fidelity.py real --model Llama-3.2-1B --out DIR [--profile-out PROFILE] [--cases a,b]
+  # anywhere (CPU): simulate each real run with each cost model and print the error table
+  python benchmarks/fidelity.py sim DIR [DIR ...] [--profile PROFILE] [--json OUT] [--markdown OUT]
+
+Cases: for each trace a burst (every request at once) measures the real saturation rate; the loaded cases
+then replay Poisson arrivals at a fraction of it (light 0.3, near saturation 0.8, overload 1.3). Errors
+are (sim - real) / real of throughput, TTFT/TPOT/E2E mean/p50/p99 and the mean batch. Per-step error: the
+simulator replays the real run's own step timeline (decision parity, so its batches are the real ones)
+while the cost model predicts each of those steps; MAPE against the real cycle (schedule to schedule).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = Path("benchmarks/fidelity")  # relative to ROOT, as recorded in the manifests
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    trace: str
+    limit: int
+    load: float | None  # fraction of the family's saturation rate; None = burst (measures it)
+    family: str
+    flags: dict = field(default_factory=dict)
+
+
+CASES = [
+    Case("azure-burst", "azure_conv_3000.jsonl", 800, None, "azure"),
+    Case("azure-light", "azure_conv_3000.jsonl", 600, 0.3, "azure"),
+    Case("azure-80", "azure_conv_3000.jsonl", 2000, 0.8, "azure"),
+    Case("azure-over", "azure_conv_3000.jsonl", 2000, 1.3, "azure"),
+    Case("azure-80-async", "azure_conv_3000.jsonl", 2000, 0.8, "azure", {"async_scheduling": True}),
+    Case("mooncake-burst", "mooncake_600.jsonl", 300, None, "mooncake", {"enable_prefix_caching": True}),
+    Case("mooncake-80", "mooncake_600.jsonl", 600, 0.8, "mooncake", {"enable_prefix_caching": True}),
+    Case("long-burst", "long_context_120.jsonl", 40, None, "long"),
+    Case("long-80", "long_context_120.jsonl", 80, 0.8, "long"),
+]
+METRICS = [("output_throughput", None), ("request_throughput", None),
+           *[(m, q) for m in ("ttft_s", "tpot_s", "e2e_s") for q in ("mean", "p50", "p99")], ("mean_batch_size", None)]
+TARGETS = {"output_throughput": 0.02, "request_throughput": 0.02, "mean": 0.05, "p50": 0.05, "p99": 0.10,
+           "mean_batch_size": None, "step_mape": 0.05}
+
+
+# ---- GPU side ---------------------------------------------------------------------------------------
+def real(args: argparse.Namespace) -> None:
+    from testbed.engine.config import EngineConfig
+    from testbed.replay import run_replay
+    from testbed.worker.executor import create_executor
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = EngineConfig(max_model_len=args.max_model_len)
+    t0 = time.perf_counter()
+    executor = create_executor(args.model, base, "dummy")
+    print(f"[fidelity] executor ready in {time.perf_counter() - t0:.0f} s: {executor.num_gpu_blocks} blocks", flush=True)
+    if args.profile_out:
+        from testbed.worker.profiler import profile_executor
+        prof = profile_executor(executor, args.model, base, "dummy", quick=args.quick, progress=not args.no_progress)
+        Path(args.profile_out).write_text(json.dumps(prof, indent=1) + "\n")
+        print(f"[fidelity] profile in {prof['sweep_wall_s']:.0f} s -> {args.profile_out}", flush=True)
+    names = [c.name for c in CASES] if args.cases in (None, "all") else [] if args.cases == "none" else args.cases.split(",")
+    sat: dict[str, float] = {}
+    for case in (c for c in CASES if c.name in names):
+        if time.perf_counter() - t0 > args.budget_s:
+            print(f"[fidelity] budget of {args.budget_s:.0f} s spent: skipping {case.name}", flush=True)
+            continue
+        if case.load is not None and case.family not in sat:
+            print(f"[fidelity] {case.name}: no saturation rate for {case.family} (run its burst case): skipped")
+            continue
+        rate = math.inf if case.load is None else case.load * sat[case.family]
+        cfg = EngineConfig(**{**base.to_dict(), **case.flags})
+        t = time.perf_counter()
+        _, s = run_replay(str(TRACES / case.trace), cfg, model=args.model, load_format="dummy", request_rate=rate,
+                          limit=min(case.limit, args.limit or case.limit), output=out / case.name, executor=executor)
+        if case.load is None:
+            sat[case.family] = s["request_throughput"]
+        print(f"[fidelity] {case.name}: rate {rate:.2f}/s, {s['num_finished']} done in {time.perf_counter() - t:.0f} s, "
+              f"{s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_s']['p50']:.4f} s, TPOT p50 "
+              f"{s['tpot_s']['p50']:.4f} s, batch {s['mean_batch_size']:.1f}", flush=True)
+        with tarfile.open(out.parent / f"{out.name}.tar.gz", "w:gz") as tar:  # after every case: a timeout keeps them
+            tar.add(out, arcname=out.name)
+    executor.shutdown()
+
+
+# ---- CPU side ---------------------------------------------------------------------------------------
+class Paired:
+    """Replays a real run's step timeline (so the simulator forms the real batches) while `model` predicts
+    each step; keeps (real, predicted) per step."""
+
+    def __init__(self, recorded, model) -> None:
+        self.recorded, self.model, self.pairs = recorded, model, []
+
+    def step_time(self, so) -> float:
+        real = self.recorded.step_time(so)
+        self.pairs.append((real, self.model.step_time(so), so.num_decode_tokens == len(so.requests)))
+        return real
+
+
+def _value(summary: dict, key: str, q: str | None) -> float | None:
+    v = summary[key] if q is None else summary[key][q]
+    return None if v is None else float(v)
+
+
+def sim_case(run_dir: Path, profile: str | None) -> dict:
+    import numpy as np
+
+    from testbed.engine.config import EngineConfig
+    from testbed.presets import get_model_spec
+    from testbed.rundir import read_run
+    from testbed.sim.cluster import simulate
+    from testbed.sim.cost_model import RecordedCostModel
+    from testbed.sim.hardware import get_gpu_spec
+    from testbed.sim.run import load_cost_model, run_simulation
+    from testbed.sim.trace import load_trace
+    run = read_run(run_dir)
+    m = run.manifest
+    cfg = EngineConfig(**{**m["config"], "num_gpu_blocks": m["num_gpu_blocks"], "max_model_len": m["max_model_len"]})
+    model, gpu = m["model"]["name"], m["hardware"]["name"]
+    tr = m["trace"]
+    trace_path = str(ROOT / tr["path"]) if not Path(tr["path"]).is_absolute() else tr["path"]
+    kw = dict(model=model, gpu=gpu, request_rate=tr["request_rate"], burstiness=tr["burstiness"], limit=tr["limit"],
+              trace_format=tr["format"], progress=False)
+    models = {"roofline": "roofline", "profile": profile or "auto"}
+    result = {"case": run_dir.name, "real": run.summary, "sim": {}, "step_mape": {}, "config": m["config"],
+              "hardware": m["hardware"]["name"], "model": model}
+    for name, spec in models.items():
+        result["sim"][name] = run_simulation(trace_path, cfg, cost_model=spec, **kw)[1]
+    if not cfg.async_scheduling:  # per-step errors on the real batches (recorded timelines replay sync runs only)
+        spec_m, gpu_m = get_model_spec(model), get_gpu_spec(gpu)
+        trace = load_trace(trace_path, request_rate=tr["request_rate"], burstiness=tr["burstiness"], seed=cfg.seed,
+                           limit=tr["limit"], fmt=tr["format"])
+        for name, spec in models.items():
+            paired = Paired(RecordedCostModel.from_run_dir(run_dir), load_cost_model(spec, spec_m, gpu_m, cfg)[0])
+            simulate(trace, cfg, paired, cfg.num_gpu_blocks, cfg.max_model_len, spec_m.vocab_size)
+            real_t, pred_t, dec = (np.array(x) for x in zip(*paired.pairs))
+            err = np.abs(pred_t - real_t) / real_t
+            result["step_mape"][name] = {"all": float(err.mean()), "decode": float(err[dec].mean()) if dec.any() else None,
+                                         "eager": float(err[~dec].mean()) if (~dec).any() else None,
+                                         "steps": int(len(err)), "time_weighted": float(np.abs(pred_t - real_t).sum()
+                                                                                         / real_t.sum())}
+    return result
+
+
+def error_rows(res: dict) -> list[dict]:
+    rows = []
+    for key, q in METRICS:
+        real = _value(res["real"], key, q)
+        row = {"metric": key if q is None else f"{key} {q}", "real": real}
+        for name, s in res["sim"].items():
+            v = _value(s, key, q)
+            row[name] = None if real in (None, 0) or v is None else (v - real) / real
+        rows.append(row)
+    return rows
+
+
+def markdown(results: list[dict]) -> str:
+    lines = []
+    for res in results:
+        c = res["config"]
+        flags = ", ".join(k for k in ("async_scheduling", "enable_prefix_caching") if c.get(k)) or "sync"
+        lines.append(f"\n#### {res['case']} ({res['model']}, {res['hardware']}, {flags}; "
+                     f"{res['real']['num_finished']} requests, real {res['real']['request_throughput']:.2f} req/s)\n")
+        names = list(res["sim"])
+        lines.append("| metric | real | " + " | ".join(f"{n} error" for n in names) + " |")
+        lines.append("|---|---|" + "---|" * len(names))
+        for r in error_rows(res):
+            real = "-" if r["real"] is None else f"{r['real']:.4g}"
+            lines.append(f"| {r['metric']} | {real} | "
+                         + " | ".join("-" if r[n] is None else f"{r[n]:+.1%}" for n in names) + " |")
+        for n in names:
+            sm = res["step_mape"].get(n)
+            if sm:
+                lines.append(f"| per-step MAPE ({n}) | {sm['steps']} steps | all {sm['all']:.1%}, decode "
+                             f"{(sm['decode'] or 0):.1%}, eager {(sm['eager'] or 0):.1%}, time-weighted "
+                             f"{sm['time_weighted']:.1%} |" + " |" * (len(names) - 1))
+    return "\n".join(lines) + "\n"
+
+
+def sim(args: argparse.Namespace) -> None:
+    runs = sorted({p.parent for d in args.dirs for p in Path(d).rglob("manifest.json")})
+    results = []
+    for r in runs:
+        t = time.perf_counter()
+        results.append(sim_case(r, args.profile))
+        print(f"[fidelity] simulated {r.name} in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    text = markdown(results)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("real")
+    p.add_argument("--model", default="Llama-3.2-1B")
+    p.add_argument("--out", required=True)
+    p.add_argument("--profile-out", default=None)
+    p.add_argument("--quick", action="store_true", help="quick profile (smoke test)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while profiling")
+    p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--budget-s", type=float, default=540.0, help="skip the remaining cases after this many seconds")
+    p.add_argument("--limit", type=int, default=None, help="at most this many requests per case (smoke tests)")
+    p.set_defaults(func=real)
+    p = sub.add_parser("sim")
+    p.add_argument("dirs", nargs="+", help="folders holding the real run directories")
+    p.add_argument("--profile", default=None, help="profile JSON (default: the shipped one for the run's model/GPU)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    p.set_defaults(func=sim)
+    args = ap.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

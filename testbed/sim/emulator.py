@@ -1,0 +1,90 @@
+"""Emulation: an executor that runs no model. Each step takes the cost model's predicted time (a profile,
+the roofline, or none) and samples synthetic tokens, so the real API server and engine core serve at
+real-GPU timing on a machine without one (`testbed serve --emulate`).
+
+Timing: a step ends at (its schedule time + predicted step time); the executor sleeps whatever of that the
+engine's own host work has not already used. Under async scheduling a step starts on the "device" when the
+previous one ends, as on a GPU. Tokens: each request echoes its prompt, one token per step (never EOS), so
+text prompts give readable output and requests end at max_tokens or a stop condition.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from testbed.engine.config import EngineConfig
+from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from testbed.presets import get_model_spec
+from testbed.sim.cost_model import num_gpu_blocks
+from testbed.sim.hardware import get_gpu_spec
+
+COST_MODELS = "'auto', 'roofline', 'zero' (no wait: the engine and API server alone) or a profile JSON"
+
+
+class EmulatedExecutor:
+    def __init__(self, model: str, config: EngineConfig, gpu: str = "H100-SXM", cost_model: str = "auto",
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
+        from testbed.sim.run import load_cost_model
+        spec = get_model_spec(model)
+        gpu_spec = get_gpu_spec(gpu)
+        if cost_model == "zero":
+            self.cost, self.cost_model = None, "zero"
+        elif cost_model.startswith("recorded:"):
+            raise ValueError(f"--cost-model {cost_model}: emulation predicts each step; use {COST_MODELS}")
+        else:
+            self.cost, self.cost_model = load_cost_model(cost_model, spec, gpu_spec, config)
+        self.model_path = spec.name
+        self.hf_config = spec.hf_config()
+        self.max_model_len = config.max_model_len or spec.max_position_embeddings
+        self.num_gpu_blocks = config.num_gpu_blocks or num_gpu_blocks(spec, gpu_spec, config.block_size,
+                                                                      config.gpu_memory_utilization,
+                                                                      config.tensor_parallel_size)
+        self.eos_token_id = None
+        self.vocab_size = spec.vocab_size
+        self.clock, self.sleep = clock, sleep
+        self._device_free = 0.0  # when the emulated device finishes its last launched step
+
+    def _tokens(self, so: SchedulerOutput) -> list[int]:
+        out = []
+        for r, before, n in zip(so.requests, so.num_computed_before, so.num_new_tokens):
+            if before + n < r.num_tokens:
+                out.append(-1)  # mid-prompt chunk: samples nothing
+            else:
+                out.append(int(r.prompt_token_ids[r.num_output_tokens % r.num_prompt_tokens]))
+        return out
+
+    def _predict(self, so: SchedulerOutput) -> float:
+        return self.cost.step_time(so) if self.cost is not None else 0.0
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        start = so.step_state[0] if so.step_state else self.clock()
+        d = self._predict(so)
+        wait = start + d - self.clock()
+        if wait > 0:
+            self.sleep(wait)
+        return ModelRunnerOutput(self._tokens(so), d)
+
+    def execute_async(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Launch: the step starts when the emulated device is free; the returned function waits for its end."""
+        d = self._predict(so)
+        end = max(self._device_free, self.clock()) + d
+        self._device_free = end
+        tokens = self._tokens(so)
+
+        def result() -> ModelRunnerOutput:
+            wait = end - self.clock()
+            if wait > 0:
+                self.sleep(wait)
+            return ModelRunnerOutput(tokens, d)
+
+        return result
+
+    def shutdown(self) -> None:
+        pass
+
+
+def create(model: str | None, config: EngineConfig, gpu: str = "H100-SXM", cost_model: str = "auto",
+           **_) -> EmulatedExecutor:
+    """Executor factory for the engine-core process (`testbed serve --emulate`); `model` is a preset name
+    (the bundled SmolLM2 folder maps to its preset)."""
+    return EmulatedExecutor(model or "SmolLM2-135M", config, gpu, cost_model)

@@ -1,0 +1,264 @@
+"""The profiled cost model: a step's time from a measured profile (`testbed profile`), by interpolation.
+
+A step's time is the real engine's cycle, schedule to next schedule, built from measured terms:
+
+  engine    the EngineCore's schedule + update on the host: per batch size, plus per admitted prompt token
+  decode    decode-only steps (the common case) are looked up whole in the decode table by batch size and
+            mean context: host preparation, CUDA-graph forward (padding to the graph's batch included, since
+            both edges of every graph bucket were measured), LM head + sampler, readback
+  eager     any step with a prefill chunk runs eager; its device time is
+              linear(T tokens) + attention + LM head/sampler(sampled rows)
+            where attention = decode rows at their mean context (as an eager step runs them) + each chunk's
+            attention at (new tokens, cached context) above the launch floor; host preparation is linear in
+            rows, tokens and block-table entries (fitted on the profile's eager steps)
+
+  sync:   step = engine + host preparation + max(launch, device) + readback
+  async:  step = max(device step, all host work), since the next step is prepared while this one runs
+
+`explain(so)` returns those terms for one step, so a reader can see which one dominates.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from testbed.engine.outputs import SchedulerOutput
+from testbed.sim.tables import Table1D, Table2D
+
+FORMAT = "testbed-profile"
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and what is wrong."""
+
+
+def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||A x - b|| subject to x >= 0 (Lawson-Hanson active set). Scale columns beforehand."""
+    m, n = A.shape
+    x, passive = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(float).eps * max(m, n) * max(np.abs(A).sum(axis=0).max(), 1.0)
+    for _ in range(3 * n + 10):
+        w = A.T @ (b - A @ x)
+        if passive.all() or w[~passive].max() <= tol:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        while True:
+            s = np.zeros(n)
+            s[passive] = np.linalg.lstsq(A[:, passive], b, rcond=None)[0]
+            if s[passive].min() > tol:
+                x = s
+                break
+            neg = passive & (s <= tol)
+            step = x[neg] - s[neg]  # > 0 except in degenerate cases, where the variable just leaves
+            x = x + np.min(np.where(step > 0, x[neg] / np.where(step > 0, step, 1.0), 0.0)) * (s - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+def fit_nonnegative(X: list[list[float]], y: list[float]) -> list[float]:
+    """Non-negative least-squares coefficients of y on the columns of X (columns scaled for conditioning)."""
+    A, b = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
+    scale = np.where(np.linalg.norm(A, axis=0) > 0, np.linalg.norm(A, axis=0), 1.0)
+    return (nnls(A / scale, b) / scale).tolist()
+
+
+class ProfiledCostModel:
+    def __init__(self, profile: dict, async_scheduling: bool = False, enable_prefix_caching: bool = False,
+                 name: str = "") -> None:
+        if profile.get("format") != FORMAT:
+            raise ProfileError(f"{name or 'profile'}: not a testbed profile (format {profile.get('format')!r}); "
+                               "make one with `testbed profile`")
+        self.profile, self.async_scheduling, self.prefix_caching, self.name = (profile, async_scheduling,
+                                                                              enable_prefix_caching, name)
+        self.model_name = profile["model"]["name"]
+        self.gpu_name = profile["gpu"]
+        self.tensor_parallel_size = int(profile["tensor_parallel_size"])
+        self.block_size = int(profile["engine"]["block_size"])
+        d, ch, dr, eh = profile["decode"], profile["chunk"], profile["decode_rows"], profile["engine_host"]
+        b, c = d["batch"], d["context"]
+        self.dec_wall = Table2D(b, c, d["wall_s"])
+        self.dec_async = Table2D(b, c, d["async_cycle_s"]) if any(
+            v is not None for row in d["async_cycle_s"] for v in row) else None
+        self.dec_host = Table2D(b, c, [[None if p is None else p + l + o for p, l, o in zip(*t)]
+                                       for t in zip(d["prepare_s"], d["launch_s"], d["output_s"])])
+        self.sample = Table1D(b, [statistics.median(v for v in row if v is not None) for row in d["sample_s"]])
+        self.output = Table1D(b, [statistics.median(v for v in row if v is not None) for row in d["output_s"]])
+        # attention: a chunk of n tokens after ctx cached ones; decode rows inside an eager step
+        self.chunk_attn = Table2D(ch["tokens"], ch["context"], ch["attention_s"])
+        self.rows_attn = Table2D(dr["batch"], dr["context"], dr["attention_s"])
+        self.row_chunk = int(dr["chunk"])
+        self.attn_floor = self.chunk_attn(self.row_chunk, 0)
+        # linear part of an eager forward, by tokens: forward - attention over every eager measurement
+        lin: dict[int, list[float]] = {}
+        host_X, host_y, launch, eps = [], [], [], []
+        for kind, tab in (("chunk", ch), ("rows", dr)):
+            axis0 = tab["tokens"] if kind == "chunk" else tab["batch"]
+            for i, a in enumerate(axis0):
+                for j, ctx in enumerate(tab["context"]):
+                    fwd = tab["forward_s"][i][j]
+                    if fwd is None:
+                        continue
+                    if kind == "chunk":
+                        T, rows, blocks = a, 1, -(-(a + ctx) // self.block_size)
+                    else:
+                        T, rows = a + self.row_chunk, a + 1
+                        blocks = a * -(-(ctx + 1) // self.block_size) + -(-self.row_chunk // self.block_size)
+                    lin.setdefault(T, []).append(max(0.0, fwd - tab["attention_s"][i][j]))
+                    host_X.append([1.0, rows, T, blocks])
+                    host_y.append(tab["prepare_s"][i][j])
+                    launch.append(tab["launch_s"][i][j])
+                    gpu = fwd + tab["sample_s"][i][j]
+                    eps.append(tab["wall_s"][i][j] - tab["prepare_s"][i][j] - max(tab["launch_s"][i][j], gpu)
+                               - tab["output_s"][i][j])
+        if not lin:
+            raise ProfileError(f"{name or 'profile'}: no eager step was measured")
+        self.linear = Table1D(sorted(lin), [statistics.median(lin[t]) for t in sorted(lin)])
+        self.prep_coef = fit_nonnegative(host_X, host_y)
+        self.eager_launch = statistics.median(launch)
+        self.sync_gap = max(0.0, statistics.median(eps))
+        # engine host work: per decode batch size, and per admitted prompt token
+        self.engine_step = Table1D(eh["decode_batch"], eh["decode_step_s"])
+        base = self.engine_step(1)  # an admission step schedules and updates one request
+        self.admit = {k: Table1D(eh["admit_tokens"], [max(0.0, v - base) for v in vals])
+                      for k, vals in eh["admit_step_s"].items()}
+        self.graph_max = max(b)
+
+    # ---- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | Path, async_scheduling: bool = False,
+                  enable_prefix_caching: bool = False) -> "ProfiledCostModel":
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ProfileError(f"{p}: no such profile file") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ProfileError(f"{p}: not a JSON profile ({e}); make one with `testbed profile`") from None
+        try:
+            return cls(data, async_scheduling, enable_prefix_caching, str(p))
+        except ProfileError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, statistics.StatisticsError) as e:
+            raise ProfileError(f"{p}: malformed profile ({type(e).__name__}: {e}); re-make it with `testbed profile`") from None
+
+    # ---- the model -----------------------------------------------------------------------------
+    def _engine(self, b: int, prefill_tokens: int) -> float:
+        t = self.engine_step(b)
+        if prefill_tokens:
+            t += self.admit["prefix_caching" if self.prefix_caching else "plain"](prefill_tokens)
+        return t
+
+    def _eager_terms(self, so: SchedulerOutput) -> tuple[float, float, float, float, float]:
+        """(linear, attention, sampler, host preparation, sampled rows) of a step with a prefill chunk."""
+        reqs, nnew, before = so.requests, so.num_new_tokens, so.num_computed_before
+        B, T = len(reqs), so.total_num_scheduled_tokens
+        attn = 0.0
+        chunk_ctx = chunks = sampled = 0
+        for i, n in enumerate(nnew):
+            if n > 1:
+                c = before[i]
+                attn += self.chunk_attn(n, c) - self.attn_floor
+                chunk_ctx += c + n
+                chunks += 1
+                if c + n >= reqs[i].num_tokens:
+                    sampled += 1
+        rows = B - chunks
+        if rows:
+            attn += self.rows_attn(rows, (so.sum_context_tokens - chunk_ctx) / rows - 1.0)
+        else:
+            attn += self.attn_floor
+        sampled += rows
+        a, per_row, per_token, per_block = self.prep_coef
+        prep = a + per_row * B + per_token * T + per_block * (so.sum_context_tokens / self.block_size + 0.5 * B)
+        return self.linear(T), attn, self.sample(sampled) if sampled else 0.0, prep, sampled
+
+    def step_time(self, so: SchedulerOutput) -> float:
+        return self._step(so, None)
+
+    def _step(self, so: SchedulerOutput, engine: float | None) -> float:
+        """The step's time; `engine` overrides the engine's host term (validation against executor-only times)."""
+        B = len(so.requests)
+        if B == 0:
+            return 0.0
+        if so.num_decode_tokens == B and B <= self.graph_max:
+            ctx = so.sum_context_tokens / B - 1.0  # tokens cached before the new one, as the table is indexed
+            eng = self.engine_step(B) if engine is None else engine
+            if self.async_scheduling and self.dec_async is not None:
+                return max(self.dec_async(B, ctx), self.dec_host(B, ctx) + eng)
+            return eng + self.dec_wall(B, ctx)
+        lin, attn, samp, prep, sampled = self._eager_terms(so)
+        eng = self._engine(B, so.num_prefill_tokens) if engine is None else engine
+        device = lin + attn + samp
+        out = self.output(sampled) if sampled else 0.0
+        if self.async_scheduling:
+            return max(device + self.sync_gap, eng + prep + self.eager_launch + out)
+        return eng + prep + max(self.eager_launch, device) + out + self.sync_gap
+
+    def explain(self, so: SchedulerOutput) -> dict[str, float | str]:
+        """The terms of one step's predicted time (seconds), and which dominates."""
+        B = len(so.requests)
+        if B == 0:
+            return {"kind": "empty", "total": 0.0}
+        if so.num_decode_tokens == B and B <= self.graph_max:
+            ctx = so.sum_context_tokens / B - 1.0
+            terms = {"kind": "decode", "engine": self.engine_step(B), "step (table)": self.dec_wall(B, ctx),
+                     "runner host (table)": self.dec_host(B, ctx)}
+            if self.dec_async is not None:
+                terms["async cycle (table)"] = self.dec_async(B, ctx)
+        else:
+            lin, attn, samp, prep, sampled = self._eager_terms(so)
+            terms = {"kind": "eager", "engine": self._engine(B, so.num_prefill_tokens), "host preparation": prep,
+                     "launch": self.eager_launch, "linear layers": lin, "attention": attn, "lm head + sampler": samp,
+                     "readback": self.output(sampled) if sampled else 0.0, "sync gap": self.sync_gap}
+        terms["total"] = self.step_time(so)
+        return terms
+
+    def validate(self) -> dict[str, float]:
+        """Errors of this model on the profile's held-out mixed steps, which were measured whole on the
+        executor alone (so the engine's host term is left out): MAPE and the worst error, sync and async."""
+        from testbed.sim.synthetic import StepFactory
+        f = StepFactory(1 << 30, self.block_size, 32000)
+        steps = [(f.step([tuple(r) for r in v["rows"]]), v) for v in self.profile.get("validation", [])]
+        out: dict[str, float] = {}
+        mode = self.async_scheduling
+        try:
+            for async_, key in ((False, "wall_s"), (True, "async_cycle_s")):
+                self.async_scheduling = async_
+                errs = [(self._step(so, 0.0) - v[key]) / v[key] for so, v in steps if v.get(key)]
+                if errs:
+                    name = "async" if async_ else "sync"
+                    out[f"{name}_mape"] = float(np.mean(np.abs(errs)))
+                    out[f"{name}_worst"] = float(max(errs, key=abs))
+                    out[f"{name}_steps"] = len(errs)
+        finally:
+            self.async_scheduling = mode
+        return out
+
+    def to_json(self) -> dict:
+        return {"kind": "profile", "path": self.name, "model": self.model_name, "gpu": self.gpu_name,
+                "tensor_parallel_size": self.tensor_parallel_size, "async_scheduling": self.async_scheduling}
+
+    def __repr__(self) -> str:
+        return f"ProfiledCostModel({self.model_name}, gpu={self.gpu_name}, tp={self.tensor_parallel_size}, {self.name})"
+
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+
+def profile_file_name(model: str, gpu: str, tensor_parallel_size: int) -> str:
+    """Where a profile of (model preset, GPU preset, TP) ships: `{model}_{gpu}_tp{N}.json`."""
+    return f"{model}_{gpu}_tp{tensor_parallel_size}.json"
+
+
+def shipped_profile(model: str, gpu: str, tensor_parallel_size: int) -> Path | None:
+    """The shipped profile for these preset names, or None."""
+    path = PROFILES_DIR / profile_file_name(model, gpu, tensor_parallel_size)
+    return path if path.is_file() else None
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))

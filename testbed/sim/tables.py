@@ -1,0 +1,92 @@
+"""Interpolation tables for the profiled cost model: a few list lookups per call, no numpy in the hot path.
+
+Table1D is piecewise linear over sorted x (linear extrapolation past both ends, floored at 0).
+Table2D holds a measured grid (rows = batch sizes, columns = context lengths) with holes where a point
+was not measured (its KV did not fit the cache); holes are filled by linear extrapolation along the
+row, rows are made dense for every integer batch size up to the last one, and a lookup is one bisect
+plus one interpolation along the columns.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+
+def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _fill_row(xs: Sequence[float], ys: Sequence[float | None]) -> list[float]:
+    """Holes at either end extrapolated linearly from the two nearest measured points (one point: constant);
+    holes inside interpolated. ValueError if nothing was measured."""
+    known = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    if not known:
+        raise ValueError("a profile table row has no measured point")
+    if len(known) == 1:
+        return [known[0][1]] * len(xs)
+    kx = [x for x, _ in known]
+    out = []
+    for x, y in zip(xs, ys):
+        if y is not None:
+            out.append(y)
+            continue
+        i = min(max(bisect.bisect_left(kx, x), 1), len(known) - 1)
+        (x0, y0), (x1, y1) = known[i - 1], known[i]
+        out.append(max(0.0, _lerp(x, x0, x1, y0, y1)))
+    return out
+
+
+class Table1D:
+    def __init__(self, xs: Sequence[float], ys: Sequence[float | None]) -> None:
+        pts = sorted((x, y) for x, y in zip(xs, ys) if y is not None)
+        if not pts:
+            raise ValueError("a profile table has no measured point")
+        self.xs = [x for x, _ in pts]
+        self.ys = [y for _, y in pts]
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        if len(xs) == 1:
+            return ys[0]
+        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        v = ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return v if v > 0.0 else 0.0
+
+
+class Table2D:
+    def __init__(self, rows: Sequence[int], cols: Sequence[float], values: Sequence[Sequence[float | None]]) -> None:
+        if len(values) != len(rows) or any(len(v) != len(cols) for v in values):
+            raise ValueError(f"profile table shape {len(values)} x {[len(v) for v in values]} does not match "
+                             f"{len(rows)} rows x {len(cols)} columns")
+        if list(rows) != sorted(set(rows)) or list(cols) != sorted(set(cols)) or rows[0] < 1:
+            raise ValueError("profile table axes must be strictly increasing (rows from 1)")
+        self.cols = list(cols)
+        filled = [_fill_row(cols, v) for v in values]
+        self.rows = list(rows)
+        dense: list[list[float]] = [filled[0]]  # index 0 and everything below the first row: the first row
+        for r in range(1, rows[-1] + 1):
+            i = min(max(bisect.bisect_left(rows, r), 1), len(rows) - 1) if len(rows) > 1 else 0
+            if len(rows) == 1 or r <= rows[0]:
+                dense.append(filled[0])
+            else:
+                r0, r1 = rows[i - 1], rows[i]
+                dense.append([_lerp(r, r0, r1, a, b) for a, b in zip(filled[i - 1], filled[i])])
+        self.dense = dense
+        # past the last row: extrapolate with the slope between the last two measured rows
+        self.slope = ([(b - a) / (rows[-1] - rows[-2]) for a, b in zip(filled[-2], filled[-1])]
+                      if len(rows) > 1 else [0.0] * len(cols))
+
+    def __call__(self, r: int, c: float) -> float:
+        cols = self.cols
+        last = len(self.dense) - 1
+        if r <= last:
+            row = self.dense[r]
+        else:
+            row = [v + s * (r - last) for v, s in zip(self.dense[last], self.slope)]
+        if len(cols) == 1:
+            return row[0]
+        j = bisect.bisect_left(cols, c)
+        j = 1 if j < 1 else (len(cols) - 1 if j >= len(cols) else j)
+        c0 = cols[j - 1]
+        v = row[j - 1] + (row[j] - row[j - 1]) * (c - c0) / (cols[j] - c0)
+        return v if v > 0.0 else 0.0

@@ -1,0 +1,391 @@
+"""`testbed profile`: a designed sweep of synthetic steps through the real executor, written as a profile.
+
+The simulator's fidelity is the fidelity of its step time, so the step time is measured, not fitted to
+serving runs: the same executor a serving run uses (CUDA graphs, kernels, sampler, TP broadcast and
+all-reduce) runs steps of chosen shapes, and every step's time is split by `StepTiming` into host work
+(input preparation, launch, readback) and device work (decoder forward, LM head + sampler).
+
+Sweeps (each point: warm-up runs, then the median of `reps` timed runs):
+- decode: batch (both edges of every CUDA-graph bucket, so padding is measured) x context per request;
+  also the pipelined cycle of the same step under async scheduling;
+- chunk: one prefill/extend chunk of `new` tokens after `cached` tokens (long-context attention measured);
+  a second pass with hooks on the attention modules splits attention from the rest of the forward;
+- decode rows: decodes that share an eager step with a small chunk (how a mixed step runs them);
+- engine host: the EngineCore's own schedule + update per batch size and per admitted prompt token;
+- validation: random mixed steps (heterogeneous contexts, several chunks), measured whole, so the cost
+  model's composition error is known before anyone trusts it.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from testbed.engine.config import EngineConfig
+from testbed.engine.core import EngineCore
+from testbed.engine.outputs import ModelRunnerOutput
+from testbed.engine.request import Request
+from testbed.sim.synthetic import GREEDY, Row, StepFactory, decode_rows
+from testbed.worker.timing import StepTiming
+
+FORMAT = "testbed-profile"
+VERSION = 1
+CONTEXTS = (16, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+CHUNK_CONTEXTS = (0, 512, 2048, 8192, 16384, 32768, 65536, 131072)
+ROW_BATCHES = (1, 4, 16, 64, 128, 256)
+ROW_CHUNK = 16  # the small chunk that makes a step of decode rows eager
+TIMING_FIELDS = tuple(StepTiming.__dataclass_fields__)
+
+
+@dataclass
+class Grid:
+    """The sweep's points. Points whose KV does not fit the cache, or past max_model_len, are skipped."""
+
+    decode_batches: list[int]
+    contexts: list[int]
+    chunk_tokens: list[int]
+    chunk_contexts: list[int]
+    row_batches: list[int]
+    num_validation: int = 40
+    reps: int = 5
+    warmup: int = 2
+    host_batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128, 256])
+    host_admit_tokens: list[int] = field(default_factory=lambda: [16, 256, 1024, 4096, 8192])
+
+
+def batch_edges(graph_sizes: list[int], max_num_seqs: int) -> list[int]:
+    """Both ends of every CUDA-graph bucket (a batch of b runs the smallest graph >= b), up to max_num_seqs."""
+    edges, prev = set(), 0
+    for g in sorted(s for s in graph_sizes if s <= max_num_seqs) or [max_num_seqs]:
+        edges.update((prev + 1, g))
+        prev = g
+    edges.add(max_num_seqs)
+    return sorted(e for e in edges if 1 <= e <= max_num_seqs)
+
+
+def default_grid(config: EngineConfig, max_model_len: int, graph_sizes: list[int], quick: bool = False) -> Grid:
+    """The full sweep, or (quick) a few points of each kind for tests on a CPU."""
+    mnbt, mns = config.max_num_batched_tokens, config.max_num_seqs
+    contexts = sorted({c for c in CONTEXTS if c < max_model_len} | {max_model_len - 1})
+    chunks = sorted({n for n in CHUNKS if n <= mnbt} | {mnbt})
+    batches = batch_edges(graph_sizes, mns)
+    rows = sorted({b for b in ROW_BATCHES if b < mns} | {mns})
+    if quick:  # a smoke test of every sweep on a CPU: tiny shapes, one timed run each
+        small = lambda xs, top: sorted({x for x in xs if x <= top} | {min(xs)})[:2]
+        return Grid(small(batches, 4), small(contexts, 64), small(chunks, 64), [0, min(32, max_model_len // 4)],
+                    small(rows, 4), num_validation=2, reps=1, warmup=1, host_batches=[1, 4], host_admit_tokens=[16, 64])
+    return Grid(batches, contexts, chunks, [c for c in CHUNK_CONTEXTS if c < max_model_len], rows)
+
+
+# ---- measuring one step -------------------------------------------------------------------------
+class AttentionTimer:
+    """Forward hooks on the model's attention modules (rope + KV store + attention) that time them on the
+    device; used only on eager steps (a graph replay runs no hooks)."""
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.layers = model.attention_layers()
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def _stamp(self, *_):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    @contextmanager
+    def installed(self) -> Iterator["AttentionTimer"]:
+        handles = [h for a in self.layers for h in (a.register_forward_pre_hook(self._stamp),
+                                                    a.register_forward_hook(self._stamp))]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def take(self) -> float:
+        """Seconds inside attention since the last take (the step must have been waited for)."""
+        m, self.marks = self.marks, []
+        pairs = zip(m[0::2], m[1::2])
+        return sum(a.elapsed_time(b) / 1e3 for a, b in pairs) if self.cuda else sum(b - a for a, b in pairs)
+
+
+def _median_timing(timings: list[StepTiming]) -> dict[str, float]:
+    return {f: statistics.median(getattr(t, f) for t in timings) for f in TIMING_FIELDS}
+
+
+class StepMeasurer:
+    """Runs synthetic steps on an executor (anything with `execute`, and `runner` for timing) and times them."""
+
+    def __init__(self, executor, grid: Grid) -> None:
+        self.executor = executor
+        self.runner = executor.runner
+        self.runner.record_timing = True
+        self.grid = grid
+        self.attention = AttentionTimer(self.runner.model, self.runner.device)
+        self.can_async = hasattr(executor, "execute_async")
+
+    def sync(self, so) -> dict[str, float]:
+        for _ in range(self.grid.warmup):
+            self.executor.execute(so)
+        return _median_timing([self.executor.execute(so).timing for _ in range(self.grid.reps)])
+
+    def attention_s(self, so) -> float:
+        """Median device time inside the attention modules over `reps` eager runs."""
+        with self.attention.installed():
+            times = []
+            for _ in range(self.grid.reps):
+                self.attention.take()
+                self.executor.execute(so)
+                times.append(self.attention.take())
+        return statistics.median(times)
+
+    def async_cycle(self, so) -> float | None:
+        """Seconds per step when the same step is launched back to back with one in flight (async scheduling)."""
+        if not self.can_async:
+            return None
+        ex = self.executor
+        self.runner.record_timing = False
+        try:
+            n = max(4, 2 * self.grid.reps)
+            ex.execute_async(so)()
+            t0 = time.perf_counter()
+            pending = ex.execute_async(so)
+            for _ in range(n - 1):
+                nxt = ex.execute_async(so)
+                pending()
+                pending = nxt
+            pending()
+            return (time.perf_counter() - t0) / n
+        finally:
+            self.runner.record_timing = True
+
+
+# ---- the sweeps -----------------------------------------------------------------------------------
+def _table(rows: list[int], cols: list[int]) -> list[list[float | None]]:
+    return [[None] * len(cols) for _ in rows]
+
+
+def sweep_decode(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, tick: Callable[[], None]) -> dict:
+    out = {"batch": grid.decode_batches, "context": grid.contexts,
+           **{k: _table(grid.decode_batches, grid.contexts) for k in (*TIMING_FIELDS, "async_cycle_s")}}
+    for i, b in enumerate(grid.decode_batches):
+        for j, c in enumerate(grid.contexts):
+            tick()
+            if b * (c + 1) > capacity:
+                continue
+            so = f.step(decode_rows(b, c))
+            for k, v in m.sync(so).items():
+                out[k][i][j] = v
+            out["async_cycle_s"][i][j] = m.async_cycle(so)
+    return out
+
+
+def sweep_chunks(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, max_model_len: int,
+                 tick: Callable[[], None]) -> dict:
+    out = {"tokens": grid.chunk_tokens, "context": grid.chunk_contexts,
+           **{k: _table(grid.chunk_tokens, grid.chunk_contexts) for k in (*TIMING_FIELDS, "attention_s")}}
+    for i, n in enumerate(grid.chunk_tokens):
+        for j, c in enumerate(grid.chunk_contexts):
+            tick()
+            if n + c > min(max_model_len, capacity):
+                continue
+            so = f.step([(c, n, False)])
+            for k, v in m.sync(so).items():
+                out[k][i][j] = v
+            out["attention_s"][i][j] = m.attention_s(so)
+    return out
+
+
+def sweep_decode_rows(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, tick: Callable[[], None]) -> dict:
+    """Decode rows in an eager step: `batch` decodes at `context` plus one ROW_CHUNK-token chunk at context 0."""
+    out = {"batch": grid.row_batches, "context": grid.contexts, "chunk": ROW_CHUNK,
+           **{k: _table(grid.row_batches, grid.contexts) for k in (*TIMING_FIELDS, "attention_s")}}
+    for i, b in enumerate(grid.row_batches):
+        for j, c in enumerate(grid.contexts):
+            tick()
+            if b * (c + 1) + ROW_CHUNK > capacity:
+                continue
+            so = f.step(decode_rows(b, c) + [(0, ROW_CHUNK, False)])
+            for k, v in m.sync(so).items():
+                out[k][i][j] = v
+            out["attention_s"][i][j] = m.attention_s(so)
+    return out
+
+
+def random_step(rng: np.random.Generator, config: EngineConfig, max_model_len: int, capacity: int) -> list[Row]:
+    """A mixed step as a loaded server forms them: decodes of spread-out contexts, then up to 3 chunks."""
+    budget, kv = config.max_num_batched_tokens, capacity
+    top = max(2, min(max_model_len, capacity) - 1)
+    rows: list[Row] = []
+    for _ in range(int(rng.integers(0, config.max_num_seqs + 1))):
+        c = int(np.clip(rng.lognormal(math.log(800), 1.0), 1, top - 1))
+        if budget < 2 or kv < c + 1:
+            break
+        rows.append((c, 1, True))
+        budget, kv = budget - 1, kv - c - 1
+    for _ in range(int(rng.integers(0 if rows else 1, 4))):
+        if budget < 2 or len(rows) >= config.max_num_seqs:
+            break
+        n = int(rng.integers(2, budget + 1))
+        cached = int(rng.choice([0, int(rng.integers(0, max(1, top - n)))]))
+        if n + cached > min(top, kv):
+            continue
+        rows.append((cached, n, False))
+        budget, kv = budget - n, kv - n - cached
+    return rows or [(1, 1, True)]
+
+
+def validation_steps(m: StepMeasurer, f: StepFactory, grid: Grid, config: EngineConfig, max_model_len: int,
+                     capacity: int, tick: Callable[[], None], seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(grid.num_validation):
+        tick()
+        rows = random_step(rng, config, max_model_len, capacity)
+        so = f.step(rows)
+        out.append({"rows": [list(r) for r in rows], **m.sync(so), "async_cycle_s": m.async_cycle(so)})
+    return out
+
+
+def engine_host_costs(config: EngineConfig, max_model_len: int, grid: Grid) -> dict:
+    """Seconds of the EngineCore's own work per step on this host (no model): schedule + update of a decode
+    batch, and of a step admitting one prompt (with and without prefix caching)."""
+    def timed_steps(core: EngineCore, n: int) -> float:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            so = core.schedule(0.0)
+            core.update(so, ModelRunnerOutput([7 if r.num_computed_tokens >= r.num_tokens else -1
+                                               for r in so.requests]), 0.0)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    rng = np.random.default_rng(0)
+    decode = []
+    for b in grid.host_batches:
+        core = EngineCore(EngineConfig(**{**config.to_dict(), "max_num_seqs": max(b, config.max_num_seqs),
+                                          "max_num_batched_tokens": max(config.max_num_batched_tokens, 16 * b)}),
+                          num_gpu_blocks=b * 64 + 64, max_model_len=max_model_len)
+        for i in range(b):
+            core.add_request(Request(f"h{i}", rng.integers(1000, 30000, 16, dtype=np.int32), GREEDY, 0.0), 0.0)
+        timed_steps(core, 2)  # prefills
+        decode.append(timed_steps(core, 30))
+    admit = {}
+    for caching in (False, True):
+        cfg = EngineConfig(**{**config.to_dict(), "enable_prefix_caching": caching})
+        times = []
+        for n in grid.host_admit_tokens:
+            samples = []
+            for k in range(5):
+                core = EngineCore(cfg, num_gpu_blocks=-(-n // cfg.block_size) + 8, max_model_len=max(max_model_len, n + 1))
+                core.add_request(Request(f"a{k}", rng.integers(1000, 30000, n, dtype=np.int32), GREEDY, 0.0), 0.0)
+                samples.append(timed_steps(core, 1))
+            times.append(statistics.median(samples))
+        admit["prefix_caching" if caching else "plain"] = times
+    return {"decode_batch": grid.host_batches, "decode_step_s": decode,
+            "admit_tokens": grid.host_admit_tokens, "admit_step_s": admit}
+
+
+def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick: bool = False,
+                progress: bool = True) -> dict:
+    """Every sweep on `executor` (built for `config`); returns the profile's measured grid (no metadata)."""
+    runner = executor.runner
+    max_model_len = executor.max_model_len
+    graph_sizes = list(getattr(runner, "graph_sizes", []))
+    grid = grid or default_grid(config, max_model_len, graph_sizes, quick)
+    capacity = executor.num_gpu_blocks * config.block_size
+    f = StepFactory(executor.num_gpu_blocks, config.block_size, executor.vocab_size, config.seed)
+    m = StepMeasurer(executor, grid)
+    total = (len(grid.decode_batches) + len(grid.row_batches)) * len(grid.contexts) \
+        + len(grid.chunk_tokens) * len(grid.chunk_contexts) + grid.num_validation
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc="profiling", unit="step", file=sys.stderr, mininterval=1.0)
+    tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
+    t0 = time.perf_counter()
+    try:
+        result = {
+            "decode": sweep_decode(m, f, grid, capacity, tick),
+            "chunk": sweep_chunks(m, f, grid, capacity, max_model_len, tick),
+            "decode_rows": sweep_decode_rows(m, f, grid, capacity, tick),
+            "validation": validation_steps(m, f, grid, config, max_model_len, capacity, tick),
+            "engine_host": engine_host_costs(config, max_model_len, grid),
+        }
+    finally:
+        runner.record_timing = False
+        if bar is not None:
+            bar.close()
+    result["sweep_wall_s"] = time.perf_counter() - t0
+    result["graph_sizes"] = graph_sizes
+    return result
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's name as torch reports it ("NVIDIA H200"), or the host CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def gpu_preset_name(name: str) -> str:
+    """The GPU preset a device name maps to ("NVIDIA H100 80GB HBM3" -> "H100-SXM"), else the name itself."""
+    from testbed.sim.hardware import get_gpu_spec
+    try:
+        return get_gpu_spec(name).name
+    except ValueError:
+        return name
+
+
+def build_profile(model: str | None, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
+                  device: str | None = None, enforce_eager: bool = False, quick: bool = False,
+                  progress: bool = True) -> dict:
+    """Build the executor a serving run would use for these flags, sweep it, and return the profile."""
+    from testbed.worker.executor import create_executor
+    t0 = time.perf_counter()
+    executor = create_executor(model, config, load_format, dtype, device, enforce_eager)
+    try:
+        prof = profile_executor(executor, model, config, load_format, enforce_eager, quick, progress)
+    finally:
+        executor.shutdown()
+    prof["setup_s"] = time.perf_counter() - t0 - prof["sweep_wall_s"]
+    return prof
+
+
+def profile_executor(executor, model: str | None, config: EngineConfig, load_format: str = "auto",
+                     enforce_eager: bool = False, quick: bool = False, progress: bool = True) -> dict:
+    """Sweep an executor built for `config` and return the profile: the measured grid plus model,
+    hardware, engine flags, versions and git sha."""
+    from pathlib import Path
+
+    from testbed.rundir import environment_info
+    measured = run_profile(executor, config, quick=quick, progress=progress)
+    runner, hf = executor.runner, executor.hf_config
+    dev = device_name(runner.device)
+    name = Path(model).name if model and load_format != "dummy" else (model or "SmolLM2-135M-Instruct")
+    return {
+        "format": FORMAT, "version": VERSION,
+        "model": {"name": name, "path": executor.model_path, "load_format": load_format,
+                  **{k: hf.get(k) for k in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")}},
+        "gpu": gpu_preset_name(dev) if runner.device.type == "cuda" else "cpu", "device_name": dev,
+        "device_count": torch.cuda.device_count() if runner.device.type == "cuda" else 0,
+        "tensor_parallel_size": config.tensor_parallel_size, "dtype": str(runner.dtype).removeprefix("torch."),
+        "engine": {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+                   "max_model_len": executor.max_model_len, "block_size": config.block_size,
+                   "num_gpu_blocks": executor.num_gpu_blocks, "enforce_eager": enforce_eager,
+                   "gpu_memory_utilization": config.gpu_memory_utilization, "quick": quick},
+        **measured, **environment_info(),
+    }

@@ -1,0 +1,192 @@
+"""The profiled cost model: its tables interpolate what was measured, its terms compose as documented, its
+validation and loading errors; the non-negative fit it uses for host work."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from testbed.sim.profiled import ProfileError, ProfiledCostModel, fit_nonnegative, nnls
+from testbed.sim.synthetic import StepFactory, decode_rows
+from testbed.sim.tables import Table1D, Table2D
+
+BS = 16
+CONTEXTS = [16, 128, 1024, 8192]
+BATCHES = [1, 2, 3, 4, 5, 8, 9, 16]
+CHUNKS = [16, 64, 256, 1024]
+CHUNK_CTX = [0, 1024, 8192]
+ROWS = [1, 4, 16]
+
+
+# A made-up GPU whose every measured quantity is a known function of the step: the profile below is what
+# `testbed profile` would record on it, so the model's predictions can be checked exactly.
+def dec_fwd(b, c): return 1e-3 + 2e-5 * b + 1e-9 * b * c
+def dec_sample(b): return 5e-5 + 1e-6 * b
+def prep(rows, tokens, blocks): return 2e-5 + 3e-6 * rows + 1e-7 * tokens + 2e-8 * blocks
+def linear(t): return 8e-4 + 3e-6 * t
+def chunk_attn(n, c): return 1e-5 + 4e-12 * n * (c + n / 2)
+def rows_attn(b, c): return 1e-5 + 2e-9 * b * c
+LAUNCH, OUT_S, GAP = 3e-4, 2e-5, 1e-5
+
+
+def fake_profile(with_async: bool = True) -> dict:
+    def timing(prepare, gpu_fwd, sample, launch=LAUNCH):
+        return {"prepare_s": prepare, "launch_s": launch, "wait_s": 0.0, "output_s": OUT_S, "forward_s": gpu_fwd,
+                "sample_s": sample, "wall_s": prepare + max(launch, gpu_fwd + sample) + OUT_S + GAP}
+
+    def grid(rows, cols, fn, keys):
+        out = {k: [[None] * len(cols) for _ in rows] for k in keys}
+        for i, r in enumerate(rows):
+            for j, c in enumerate(cols):
+                for k, v in fn(r, c).items():
+                    out[k][i][j] = v
+        return out
+
+    keys = ("prepare_s", "launch_s", "wait_s", "output_s", "forward_s", "sample_s", "wall_s")
+
+    def dec(b, c):
+        t = timing(prep(b, b, b * -(-(c + 1) // BS)), dec_fwd(b, c), dec_sample(b), launch=1e-4)
+        t["async_cycle_s"] = max(t["forward_s"] + t["sample_s"], t["prepare_s"] + 1e-4 + OUT_S) if with_async else None
+        return t
+
+    def chunk(n, c):
+        t = timing(prep(1, n, -(-(n + c) // BS)), linear(n) + chunk_attn(n, c), dec_sample(1))
+        return {**t, "attention_s": chunk_attn(n, c)}
+
+    def rows(b, c):
+        att = rows_attn(b, c) + chunk_attn(16, 0)
+        t = timing(prep(b + 1, b + 16, b * -(-(c + 1) // BS) + 1), linear(b + 16) + att, dec_sample(b + 1))
+        return {**t, "attention_s": att}
+
+    return {
+        "format": "testbed-profile", "version": 1, "model": {"name": "Llama-3.2-1B"}, "gpu": "H200",
+        "tensor_parallel_size": 1, "engine": {"block_size": BS, "max_num_seqs": 16},
+        "decode": {"batch": BATCHES, "context": CONTEXTS, **grid(BATCHES, CONTEXTS, dec, keys + ("async_cycle_s",))},
+        "chunk": {"tokens": CHUNKS, "context": CHUNK_CTX, **grid(CHUNKS, CHUNK_CTX, chunk, keys + ("attention_s",))},
+        "decode_rows": {"batch": ROWS, "context": CONTEXTS, "chunk": 16,
+                        **grid(ROWS, CONTEXTS, rows, keys + ("attention_s",))},
+        "engine_host": {"decode_batch": [1, 8, 16], "decode_step_s": [1e-5, 8e-5, 1.6e-4],
+                        "admit_tokens": [16, 1024], "admit_step_s": {"plain": [1e-5 + 1e-6, 1e-5 + 6.4e-5],
+                                                                     "prefix_caching": [1e-5 + 2e-6, 1e-5 + 1.28e-4]}},
+        "validation": [],
+    }
+
+
+F = StepFactory(1 << 20, BS, 32000)
+
+
+def test_decode_steps_are_the_measured_steps_at_grid_points_and_interpolate_between():
+    cm = ProfiledCostModel(fake_profile())
+    for b in BATCHES:
+        for c in CONTEXTS:
+            so = F.step(decode_rows(b, c))
+            want = cm.engine_step(b) + fake_profile()["decode"]["wall_s"][BATCHES.index(b)][CONTEXTS.index(c)]
+            assert cm.step_time(so) == pytest.approx(want, rel=1e-9)
+    # linear in context between grid points: the decode forward is linear in b*c, so interpolation is exact
+    so = F.step(decode_rows(4, 4608))
+    lo, hi = cm.step_time(F.step(decode_rows(4, 1024))), cm.step_time(F.step(decode_rows(4, 8192)))
+    assert cm.step_time(so) == pytest.approx(lo + (hi - lo) * (4608 - 1024) / (8192 - 1024), rel=1e-9)
+    # a batch between two measured ones (same graph bucket) is interpolated along the batch
+    mid = cm.step_time(F.step(decode_rows(12, 128)))
+    assert cm.step_time(F.step(decode_rows(9, 128))) < mid < cm.step_time(F.step(decode_rows(16, 128)))
+
+
+def test_async_decode_is_the_longer_of_device_and_host():
+    cm = ProfiledCostModel(fake_profile(), async_scheduling=True)
+    so = F.step(decode_rows(8, 1024))
+    host = prep(8, 8, 8 * 65) + 1e-4 + OUT_S + cm.engine_step(8)
+    device = dec_fwd(8, 1024) + dec_sample(8)
+    assert cm.step_time(so) == pytest.approx(max(device, host), rel=1e-9)
+    assert cm.step_time(so) < ProfiledCostModel(fake_profile()).step_time(so)  # overlap hides the host work
+
+
+def test_eager_step_composes_linear_attention_sampler_and_host():
+    cm = ProfiledCostModel(fake_profile())
+    assert cm.prep_coef == pytest.approx([2e-5, 3e-6, 1e-7, 2e-8], rel=1e-6)
+    assert cm.eager_launch == pytest.approx(LAUNCH) and cm.sync_gap == pytest.approx(GAP)
+    # 3 decodes at context 1024 and two chunks: 256 new after 1024 cached, 64 new at 0 (both finish their prompt)
+    so = F.step(decode_rows(3, 1024) + [(1024, 256, False), (0, 64, False)])
+    T = 3 + 256 + 64
+    # rows_attn in the table includes one 16-token chunk; each chunk adds its attention above that floor
+    attn = (rows_attn(3, 1024) + chunk_attn(16, 0)) + (chunk_attn(256, 1024) - chunk_attn(16, 0)) \
+        + (chunk_attn(64, 0) - chunk_attn(16, 0))
+    device = linear(T) + attn + dec_sample(5)
+    host = prep(5, T, so.sum_context_tokens / BS + 2.5)
+    engine = cm.engine_step(5) + cm.admit["plain"](so.num_prefill_tokens)
+    want = engine + host + max(LAUNCH, device) + OUT_S + GAP
+    assert cm.step_time(so) == pytest.approx(want, rel=1e-6)
+    terms = cm.explain(so)
+    assert terms["kind"] == "eager" and terms["total"] == cm.step_time(so)
+    assert terms["attention"] == pytest.approx(attn, rel=1e-6) and terms["linear layers"] == pytest.approx(linear(T))
+    # prefix caching makes admission dearer, per the measured per-token cost
+    cached = ProfiledCostModel(fake_profile(), enable_prefix_caching=True)
+    assert cached.step_time(so) > cm.step_time(so)
+
+
+def test_longer_contexts_and_chunks_never_cost_less():
+    cm = ProfiledCostModel(fake_profile())
+    base = cm.step_time(F.step([(0, 512, False)]))
+    assert cm.step_time(F.step([(4096, 512, False)])) > base
+    assert cm.step_time(F.step([(0, 2048, False)])) > base
+    assert cm.step_time(F.step([])) == 0.0
+
+
+def test_validation_reports_composition_error():
+    prof = fake_profile()
+    cm = ProfiledCostModel(prof)
+    rows = [[1024, 1, True]] * 3 + [[0, 300, False]]
+    so = F.step([tuple(r) for r in rows])
+    exact = cm._step(so, 0.0)
+    prof["validation"] = [{"rows": rows, "wall_s": exact, "async_cycle_s": None},
+                          {"rows": rows, "wall_s": exact / 1.1, "async_cycle_s": None}]
+    v = ProfiledCostModel(prof).validate()
+    assert v["sync_steps"] == 2 and v["sync_mape"] == pytest.approx(0.05, rel=1e-6)
+    assert v["sync_worst"] == pytest.approx(0.1, rel=1e-6) and "async_mape" not in v
+
+
+def test_bad_profiles_are_refused_with_the_file_name(tmp_path):
+    with pytest.raises(ProfileError, match="not a testbed profile"):
+        ProfiledCostModel({"format": "other"})
+    p = tmp_path / "p.json"
+    p.write_text("{not json")
+    with pytest.raises(ProfileError, match=f"{p}: not a JSON profile"):
+        ProfiledCostModel.from_file(p)
+    bad = fake_profile()
+    del bad["chunk"]["attention_s"]
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ProfileError, match=f"{p}: malformed profile"):
+        ProfiledCostModel.from_file(p)
+    with pytest.raises(ProfileError, match="no such profile"):
+        ProfiledCostModel.from_file(tmp_path / "missing.json")
+
+
+def test_tables_interpolate_fill_holes_and_extrapolate():
+    t = Table1D([1, 2, 4], [1.0, 2.0, 4.0])
+    assert t(3) == 3.0 and t(8) == 8.0 and t(0.5) == 0.5
+    grid = Table2D([1, 4], [10, 20, 40], [[1.0, 2.0, None], [4.0, None, None]])
+    assert grid(1, 40) == pytest.approx(4.0)  # hole extrapolated along the row (linear in context)
+    assert grid(4, 20) == 4.0  # a row with one measured point is flat
+    assert grid(2, 10) == pytest.approx(2.0)  # rows interpolated along the batch
+    assert grid(7, 10) == pytest.approx(7.0)  # past the last row: the last two rows' slope
+    with pytest.raises(ValueError, match="no measured point"):
+        Table2D([1], [1, 2], [[None, None]])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(3, 40), st.integers(1, 6))
+def test_nnls_satisfies_kkt(seed, m, n):
+    rng = np.random.default_rng(seed)
+    A, b = rng.standard_normal((m, n)), rng.standard_normal(m)
+    x = nnls(A, b)
+    w = A.T @ (b - A @ x)  # minus the gradient
+    assert (x >= 0).all() and (w <= 1e-8).all() and np.allclose(w[x > 0], 0, atol=1e-8)
+
+
+def test_fit_nonnegative_recovers_a_nonnegative_model_and_clips_a_negative_one():
+    rng = np.random.default_rng(0)
+    X = np.column_stack([np.ones(50), rng.uniform(1, 100, 50), rng.uniform(1, 1e4, 50)])
+    assert fit_nonnegative(X.tolist(), (X @ [1e-3, 2e-5, 3e-8]).tolist()) == pytest.approx([1e-3, 2e-5, 3e-8], rel=1e-6)
+    coef = fit_nonnegative(X.tolist(), (X @ [1e-3, -2e-5, 3e-8]).tolist())
+    assert min(coef) >= 0 and coef[1] == 0.0
