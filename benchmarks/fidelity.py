@@ -86,25 +86,32 @@ def real(args: argparse.Namespace) -> None:
                           limit=min(case.limit, args.limit or case.limit), output=out / case.name, executor=executor)
         if case.load is None:
             sat[case.family] = s["request_throughput"]
-        print(f"[fidelity] {case.name}: rate {rate:.2f}/s, {s['num_finished']} done in {time.perf_counter() - t:.0f} s, "
-              f"{s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_s']['p50']:.4f} s, TPOT p50 "
-              f"{s['tpot_s']['p50']:.4f} s, batch {s['mean_batch_size']:.1f}", flush=True)
+        print(f"[fidelity] {case.name}: rate {rate:.2f}/s, {s['num_finished']} done ({s['num_rejected']} rejected) in "
+              f"{time.perf_counter() - t:.0f} s, {s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_s']['p50']} s, "
+              f"TPOT p50 {s['tpot_s']['p50']} s, batch {s['mean_batch_size']:.1f}", flush=True)
         with tarfile.open(out.parent / f"{out.name}.tar.gz", "w:gz") as tar:  # after every case: a timeout keeps them
             tar.add(out, arcname=out.name)
     executor.shutdown()
 
 
 # ---- CPU side ---------------------------------------------------------------------------------------
+IDLE_GAP_S = 2e-3  # a step whose next one started later than this after it ended was followed by idle time
+
+
 class Paired:
     """Replays a real run's step timeline (so the simulator forms the real batches) while `model` predicts
-    each step; keeps (real, predicted) per step."""
+    each step; keeps (real cycle, predicted, decode-only, back-to-back) per step. A step followed by idle
+    time (no request left until the next arrival) has no cycle to compare: its next start waited for the
+    arrival, so only back-to-back steps are compared."""
 
-    def __init__(self, recorded, model) -> None:
-        self.recorded, self.model, self.pairs = recorded, model, []
+    def __init__(self, recorded, model, durations: list[float]) -> None:
+        self.recorded, self.model, self.durations, self.pairs = recorded, model, durations, []
 
     def step_time(self, so) -> float:
+        k = self.recorded.step
         real = self.recorded.step_time(so)
-        self.pairs.append((real, self.model.step_time(so), so.num_decode_tokens == len(so.requests)))
+        busy = real <= self.durations[k] + IDLE_GAP_S
+        self.pairs.append((real, self.model.step_time(so), so.num_decode_tokens == len(so.requests), busy))
         return real
 
 
@@ -113,7 +120,7 @@ def _value(summary: dict, key: str, q: str | None) -> float | None:
     return None if v is None else float(v)
 
 
-def sim_case(run_dir: Path, profile: str | None) -> dict:
+def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None) -> dict:
     import numpy as np
 
     from testbed.engine.config import EngineConfig
@@ -127,7 +134,7 @@ def sim_case(run_dir: Path, profile: str | None) -> dict:
     run = read_run(run_dir)
     m = run.manifest
     cfg = EngineConfig(**{**m["config"], "num_gpu_blocks": m["num_gpu_blocks"], "max_model_len": m["max_model_len"]})
-    model, gpu = m["model"]["name"], m["hardware"]["name"]
+    model, gpu = m["model"]["name"], gpu or m["hardware"]["name"]
     tr = m["trace"]
     trace_path = str(ROOT / tr["path"]) if not Path(tr["path"]).is_absolute() else tr["path"]
     kw = dict(model=model, gpu=gpu, request_rate=tr["request_rate"], burstiness=tr["burstiness"], limit=tr["limit"],
@@ -141,14 +148,18 @@ def sim_case(run_dir: Path, profile: str | None) -> dict:
         spec_m, gpu_m = get_model_spec(model), get_gpu_spec(gpu)
         trace = load_trace(trace_path, request_rate=tr["request_rate"], burstiness=tr["burstiness"], seed=cfg.seed,
                            limit=tr["limit"], fmt=tr["format"])
+        durations = run.steps(columns=["duration"])["duration"].tolist()
         for name, spec in models.items():
-            paired = Paired(RecordedCostModel.from_run_dir(run_dir), load_cost_model(spec, spec_m, gpu_m, cfg)[0])
+            paired = Paired(RecordedCostModel.from_run_dir(run_dir), load_cost_model(spec, spec_m, gpu_m, cfg)[0],
+                            durations)
             simulate(trace, cfg, paired, cfg.num_gpu_blocks, cfg.max_model_len, spec_m.vocab_size)
-            real_t, pred_t, dec = (np.array(x) for x in zip(*paired.pairs))
+            real_t, pred_t, dec, busy = (np.array(x) for x in zip(*paired.pairs))
+            real_t, pred_t, dec = real_t[busy], pred_t[busy], dec[busy]
             err = np.abs(pred_t - real_t) / real_t
             result["step_mape"][name] = {"all": float(err.mean()), "decode": float(err[dec].mean()) if dec.any() else None,
                                          "eager": float(err[~dec].mean()) if (~dec).any() else None,
-                                         "steps": int(len(err)), "time_weighted": float(np.abs(pred_t - real_t).sum()
+                                         "steps": int(len(err)), "idle_followed": int((~busy).sum()),
+                                         "time_weighted": float(np.abs(pred_t - real_t).sum()
                                                                                          / real_t.sum())}
     return result
 
@@ -193,7 +204,7 @@ def sim(args: argparse.Namespace) -> None:
     results = []
     for r in runs:
         t = time.perf_counter()
-        results.append(sim_case(r, args.profile))
+        results.append(sim_case(r, args.profile, args.gpu))
         print(f"[fidelity] simulated {r.name} in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     text = markdown(results)
     print(text)
@@ -220,6 +231,7 @@ def main() -> None:
     p = sub.add_parser("sim")
     p.add_argument("dirs", nargs="+", help="folders holding the real run directories")
     p.add_argument("--profile", default=None, help="profile JSON (default: the shipped one for the run's model/GPU)")
+    p.add_argument("--gpu", default=None, help="GPU preset (default: the real run's device)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.set_defaults(func=sim)

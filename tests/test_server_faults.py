@@ -147,11 +147,12 @@ def broken_executor(model, config, **kw):
     raise ValueError("cannot build this executor")
 
 
-def _client(factory: str):
+def _client(factory: str, executor_args: dict | None = None):
     from testbed.engine.config import EngineConfig
     from testbed.server.client import EngineClient
     from testbed.server.engine_proc import EngineProcConfig
-    return EngineClient(EngineProcConfig(engine=EngineConfig().to_dict(), executor_factory=factory))
+    return EngineClient(EngineProcConfig(engine=EngineConfig().to_dict(), executor_factory=factory,
+                                         executor_args=executor_args or {}))
 
 
 @pytest.fixture
@@ -203,21 +204,21 @@ def test_serve_cli_rejects_bad_flags():
     assert r.returncode == 2 and "MODULE:FUNCTION" in r.stderr
 
 
-def test_sim_executor_serves_the_engine_process():
-    """The benchmark's simulator executor (API server measured without a GPU) runs in the real engine
-    process: token 0 for every generated position, requests finish at max_tokens."""
+def test_emulated_executor_serves_the_engine_process():
+    """`--emulate`'s executor runs in the real engine process: no model, each request echoes its prompt one
+    token per step and finishes at max_tokens."""
     async def scenario() -> None:
-        client = _client("benchmarks.serve.sim_executor:create")
+        client = _client("testbed.sim.emulator:create", {"gpu": "H200", "cost_model": "roofline"})
         ready = await asyncio.wait_for(client.start(), 60)
-        assert ready.vocab_size == 128256  # no model given: the Llama-3.2-1B shape
-        stream = client.add("r1", [1, 2, 3], time.time(), max_tokens=5, temperature=0.0, ignore_eos=True)
+        assert ready.vocab_size == 49152  # no model given: the bundled SmolLM2's shape
+        stream = client.add("r1", [11, 12, 13], time.time(), max_tokens=5, temperature=0.0, ignore_eos=True)
         tokens = []
         while True:
             out = await asyncio.wait_for(stream.get(), 30)
             tokens += out.new_token_ids
             if out.finished:
                 break
-        assert tokens == [0] * 5 and out.finish_reason == "length"
+        assert tokens == [11, 12, 13, 11, 12] and out.finish_reason == "length"
         await client.shutdown()
 
     asyncio.run(scenario())

@@ -48,7 +48,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument("--executor-factory", default=None, metavar="MODULE:FUNCTION",
                    help="build the engine core's executor with this function instead of the model runner "
-                        "(research hook; benchmarks/serve/sim_executor.py:create serves the simulator's executor)")
+                        "(research hook; --emulate is this with testbed.sim.emulator:create)")
     e = p.add_argument_group("emulation (no GPU: each step takes the predicted time of one)")
     e.add_argument("--emulate", action="store_true",
                    help="serve with an executor that runs no model: steps take the cost model's time for --gpu "
@@ -121,7 +121,7 @@ async def run_server(args: argparse.Namespace) -> int:
     factory = args.executor_factory
     if factory is not None and (factory.count(":") != 1 or not all(factory.split(":"))):
         raise ConfigError(f"--executor-factory {factory!r}: give MODULE:FUNCTION, e.g. "
-                          "benchmarks.serve.sim_executor:create (the module must be importable)")
+                          "testbed.sim.emulator:create (the module must be importable)")
     executor_args = {}
     if args.emulate:
         if factory is not None:

@@ -59,6 +59,7 @@ class StepTimer:
     def result(self, end: float) -> StepTiming:
         start, prepared, marked, launched, synced = self.stamps
         if self.events is not None:
+            self.events[2].synchronize()  # a step that sampled nothing was not waited for
             forward = self.events[0].elapsed_time(self.events[1]) / 1e3
             sample = self.events[1].elapsed_time(self.events[2]) / 1e3
         else:
