@@ -191,7 +191,7 @@ def run_bench(args: argparse.Namespace) -> tuple[Path | None, dict]:
     errors = [r.error for r in results if r.error]
     summary.update(duration_s=duration, num_failed=sum(r.finish_reason == "error" for r in results),
                    first_error=errors[0] if errors else None)
-    from testbed.cli import default_run_dir
+    from testbed.cli_args import default_run_dir
     from testbed.rundir import environment_info, write_run
     out = args.output or default_run_dir("real", args.trace or args.dataset, model)
     manifest = {
@@ -207,7 +207,7 @@ def run_bench(args: argparse.Namespace) -> tuple[Path | None, dict]:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from testbed.cli import print_result
+    from testbed.cli_args import print_result
     run_dir, summary = run_bench(args)
     print_result(summary, run_dir, args.format, "Serving Benchmark Result")
     return 0 if summary["num_finished"] else 1

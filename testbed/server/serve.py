@@ -20,7 +20,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` (vLLM's flags) on the CLI's subparsers."""
-    from testbed.cli import add_engine_args
+    from testbed.cli_args import add_engine_args
     p = subparsers.add_parser("serve", help="OpenAI-compatible server: API server + engine-core process",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -102,7 +102,7 @@ def _server_class():
 async def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from testbed.cli import engine_config
+    from testbed.cli_args import engine_config
     from testbed.engine.config import ConfigError
     from testbed.server import freeze_startup_heap
     from testbed.server.api import build_app

@@ -1,0 +1,84 @@
+"""Flags and output shared by the CLI's commands (`testbed simulate | replay | serve | bench`).
+
+Below both the CLI and the modules that register its `serve` and `bench` subcommands, so neither
+imports the other.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+from pathlib import Path
+
+from testbed.engine.config import DP_POLICIES, SCHEDULING_POLICIES, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
+    """Engine flags shared by every command that builds an EngineCore (vLLM's names and defaults)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=model_default,
+                   help="model name or path (default: %(default)s; none = the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--dp-policy", choices=DP_POLICIES, default="least_loaded", help="DP routing policy")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per replica (default: from memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--policy", "--scheduling-policy", dest="policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    g.add_argument("--max-num-waiting", type=int, default=None, help="reject new requests beyond this many waiting")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="keep one step in flight: schedule the next step while the device runs this one")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        dp_policy=args.dp_policy, max_num_waiting=args.max_num_waiting, async_scheduling=args.async_scheduling,
+        seed=args.seed)
+
+
+def add_trace_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="trace file: project JSONL, Azure CSV, Mooncake JSONL or a length-only CSV")
+    p.add_argument("--trace-format", default="auto", choices=("auto", "jsonl", "azure", "mooncake", "lengths"))
+    p.add_argument("--request-rate", type=float, default=None, help="re-time arrivals at R req/s (gamma process)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
+    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds, for goodput")
+    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds, for goodput")
+    p.add_argument("--output", "-o", default=None, help="run directory (default: runs/<date>-<mode>-<trace>-<model>)")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="summary on stdout")
+
+
+def default_run_dir(mode: str, trace: str, model: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    slug = "-".join(re.sub(r"[^A-Za-z0-9.]+", "_", x).strip("_") for x in (Path(trace).stem, Path(model).name))
+    return Path("runs") / f"{stamp}-{mode}-{slug}"
+
+
+def print_result(summary: dict, run_dir: Path | None, fmt: str, title: str) -> None:
+    from testbed.report import format_summary
+    if fmt == "json":
+        print(json.dumps({"run_dir": str(run_dir) if run_dir else None, **summary}, sort_keys=True))
+    else:
+        print(format_summary(summary, title))
+        if run_dir is not None:
+            print(f"Run directory: {run_dir}")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "gguf", "dummy"),
+                   help="dummy = random weights of a named shape (SmolLM2-135M, Qwen3-0.6B, Llama-3.2-1B, Llama-3.1-8B)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
