@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from testbed.worker.executor import model_limits, resolve_device, resolve_dtype
 from testbed.worker.model_runner import ModelRunner, StepInputs
+from testbed.worker.resolve import model_limits, resolve_device, resolve_dtype
 
 CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
 HEADER = 7  # cmd, T, B, max_blocks, n_sample, is_decode, arg
