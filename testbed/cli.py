@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.set_defaults(func=cmd_dashboard)
 
-    from testbed.server.bench import add_bench_parser
+    from testbed.bench.serve import add_bench_parser
     from testbed.server.serve import add_serve_parser
     add_serve_parser(sub)
     add_bench_parser(sub)

@@ -12,13 +12,13 @@ from server_helpers import ServerProcess
 from testbed.engine.metrics import summarize
 from testbed.rundir import read_run
 from testbed.cli import main as cli_main
-from testbed.server.bench import build_records
+from testbed.bench.serve import build_records
 
 
 def main(args: list[str]) -> int:
     return cli_main(["bench", "serve", *args])
-from testbed.server.bench_client import RequestResult
-from testbed.server.bench_datasets import BenchRequest, gamma_arrivals
+from testbed.bench.client import RequestResult
+from testbed.bench.datasets import BenchRequest, gamma_arrivals
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,7 +9,7 @@ import time
 
 from testbed.llm import LLM
 from testbed.engine.request import SamplingParams
-from testbed.server.bench_datasets import random_dataset
+from testbed.bench.datasets import random_dataset
 n, inp, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 llm = LLM("Llama-3.2-1B", load_format="dummy", max_model_len=4096, async_scheduling="--async-scheduling" in sys.argv)
 params = lambda reqs: [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0) for r in reqs]

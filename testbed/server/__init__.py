@@ -3,7 +3,7 @@
 api.py (routes) -> completions.py / chat.py (request shapes) -> serving.py (GenerationRun: choices,
 detokenizer.py, stop strings, metrics.py) -> client.py (ZMQ client, per-request queues) ==ZMQ +
 msgspec (protocol.py)==> engine_proc.py (EngineCore + executor loop). serve.py launches both;
-bench.py is the `testbed bench serve` client.
+the `testbed bench serve` client is testbed/bench/.
 """
 
 

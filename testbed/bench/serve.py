@@ -1,5 +1,5 @@
 """`testbed bench serve --url URL TRACE | --dataset random|sharegpt`: replay requests against an
-OpenAI-compatible server with streaming, time them client-side (bench_client.py), print the result
+OpenAI-compatible server with streaming, time them client-side (client.py), print the result
 block and write a run directory (mode "real").
 
 requests.parquet comes from the client's timings (arrival = send time after the start); when the
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the heavy imports wait until a benchmark runs, so building the CLI stays fast
     from testbed.engine.metrics import Recorder
-    from testbed.server.bench_client import RequestResult
-    from testbed.server.bench_datasets import BenchRequest
+    from testbed.bench.client import RequestResult
+    from testbed.bench.datasets import BenchRequest
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -134,8 +134,8 @@ def run_bench(args: argparse.Namespace) -> tuple[Path | None, dict]:
 
     from testbed.engine.metrics import summarize
     from testbed.server import run_event_loop
-    from testbed.server.bench_client import replay
-    from testbed.server.bench_datasets import from_trace, random_dataset, sharegpt_dataset
+    from testbed.bench.client import replay
+    from testbed.bench.datasets import from_trace, random_dataset, sharegpt_dataset
     base = args.url.rstrip("/")
     if (args.trace is None) == (args.dataset is None):
         raise ValueError("give either a TRACE file or --dataset random|sharegpt (not both)")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
-from testbed.server.bench_datasets import BenchRequest
+from testbed.bench.datasets import BenchRequest
 
 JSON = {"Content-Type": "application/json"}
 
