@@ -1,0 +1,106 @@
+"""The package's layout rules, read from the source with ast: no import cycle inside testbed/, and the
+engine (testbed/engine/) stays sans-I/O, importing only pure standard-library modules and numpy.
+
+Every import statement counts, also those inside functions and `if TYPE_CHECKING:` blocks: a lazy
+import still ties two modules together.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "testbed"
+
+# What testbed/engine/ may import besides itself: no clock (time), no sleep, no sockets (socket, zmq,
+# asyncio), no processes, no files, no torch or simpy. Extend only with modules that do no I/O.
+ENGINE_ALLOWED = {"__future__", "abc", "bisect", "collections", "dataclasses", "enum", "functools", "heapq",
+                  "itertools", "math", "numpy", "operator", "typing"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in the file: a testbed module where one is named (the deepest
+    that exists: `from testbed.sim import trace` is testbed.sim.trace), else the top-level name."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t not in known and "." in t and t.startswith("testbed."):
+                t = t.rpartition(".")[0]
+            out.append((t if t in known else t.split(".")[0], node.lineno))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {m: {t for t, _ in imports(p, m, known) if t in known and t != m} for m, p in mods.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as [a, b, ..., a], or None (iterative DFS with colours)."""
+    colour = dict.fromkeys(graph, 0)  # 0 unvisited, 1 on the stack, 2 done
+    for root in sorted(graph):
+        if colour[root]:
+            continue
+        stack = [(root, iter(sorted(graph[root])))]
+        path = [root]
+        colour[root] = 1
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+            elif colour[child] == 1:
+                return path[path.index(child):] + [child]
+            elif colour[child] == 0:
+                colour[child] = 1
+                path.append(child)
+                stack.append((child, iter(sorted(graph[child]))))
+    return None
+
+
+def test_the_graph_sees_lazy_and_relative_imports():
+    graph = import_graph()
+    assert "testbed.sim.run" in graph["testbed.cli"]             # inside cmd_simulate
+    assert "testbed.bench.serve" in graph["testbed.cli"]         # inside build_parser
+    assert "testbed.engine.request" in graph["testbed.engine.core"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle_in_the_package():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle) + " (move what both need into a module below both)"
+
+
+def test_engine_imports_no_io_module():
+    mods = modules()
+    bad = []
+    for name, path in mods.items():
+        if not name.startswith("testbed.engine"):
+            continue
+        for target, line in imports(path, name, set(mods)):
+            if not target.startswith("testbed.engine") and target not in ENGINE_ALLOWED:
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: imports {target}")
+    assert not bad, "testbed/engine/ must stay sans-I/O:\n" + "\n".join(bad)
