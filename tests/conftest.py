@@ -13,7 +13,6 @@ from testbed.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOu
 from testbed.engine.request import Request, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_TRACES = REPO.parent / "shared" / "traces"
 FIXED_TOKEN = 7
 
 
@@ -102,17 +101,6 @@ def run_engine(engine: EngineCore, arrivals: Sequence[tuple[int, Request]], exec
                 outs.setdefault(o.request_id, []).append(o)
         in_flight = launched
     raise AssertionError(f"not done after {max_steps} steps: {list(engine.requests.values())[:5]}")
-
-
-@pytest.fixture
-def shared_trace():
-    """Path of a public trace in ../shared/traces, skipping the test when that folder is absent."""
-    def get(name: str) -> Path:
-        path = SHARED_TRACES / name
-        if not path.exists():
-            pytest.skip(f"public trace {path} not present")
-        return path
-    return get
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -20,6 +20,7 @@ from testbed.sim.trace import load_trace
 from conftest import REPO
 
 SAMPLE = REPO / "traces" / "azure_conv_10min.jsonl"
+FORMATS = REPO / "traces" / "formats"
 
 
 def simulate(tmp_path, name="run", trace=SAMPLE, *, limit=200, model="Llama-3.1-8B", request_rate=None, **cfg):
@@ -127,8 +128,8 @@ def test_data_parallel_policies_finish_every_request(tmp_path, dp, policy):
         assert len(counts) >= 2, f"{policy} sent everything to one replica"
 
 
-def test_prefix_caching_hits_on_the_mooncake_slice(tmp_path, shared_trace):
-    path = shared_trace("mooncake_synthetic.jsonl")
+def test_prefix_caching_hits_on_the_mooncake_slice(tmp_path):
+    path = FORMATS / "mooncake_synthetic_head300.jsonl"
     run_dir, s = simulate(tmp_path, "on", path, limit=200, model="Llama-3.2-1B", enable_prefix_caching=True)
     req = read_run(run_dir).requests()
     assert s["num_requests"] == s["num_finished"] == len(req) == 200
@@ -207,8 +208,8 @@ def test_cli_missing_trace_file(tmp_path, capsys):
 
 
 # ---- every loader format through `testbed simulate` -------------------------------------------------------------
-def test_cli_azure_csv_slice(tmp_path, capsys, shared_trace):
-    path = head(shared_trace("azure_llm_2023_conv.csv"), tmp_path / "azure.csv", 121)
+def test_cli_azure_csv_slice(tmp_path, capsys):
+    path = head(FORMATS / "azure_llm_2023_conv_head400.csv", tmp_path / "azure.csv", 121)
     rc, out, err = cli(capsys, path, "--format", "json", "-o", tmp_path / "az")
     assert rc == 0, err
     d = json.loads(out)
@@ -216,8 +217,8 @@ def test_cli_azure_csv_slice(tmp_path, capsys, shared_trace):
     assert read_run(tmp_path / "az").requests().request_id.str.startswith("azure-").all()
 
 
-def test_cli_mooncake_slice(tmp_path, capsys, shared_trace):
-    path = head(shared_trace("mooncake_synthetic.jsonl"), tmp_path / "moon.jsonl", 60)
+def test_cli_mooncake_slice(tmp_path, capsys):
+    path = head(FORMATS / "mooncake_synthetic_head300.jsonl", tmp_path / "moon.jsonl", 60)
     rc, out, err = cli(capsys, path, "--model", "Llama-3.2-1B", "--enable-prefix-caching", "--format", "json",
                        "-o", tmp_path / "mc")
     assert rc == 0, err
@@ -225,8 +226,8 @@ def test_cli_mooncake_slice(tmp_path, capsys, shared_trace):
     assert d["num_requests"] == d["num_finished"] == 60 and d["prefix_cache_hit_rate"] > 0
 
 
-def test_cli_lengths_csv_with_request_rate(tmp_path, capsys, shared_trace):
-    path = head(shared_trace("sharegpt_lengths_llama2.csv"), tmp_path / "lengths.csv", 81)
+def test_cli_lengths_csv_with_request_rate(tmp_path, capsys):
+    path = head(FORMATS / "sharegpt_lengths_llama2_head300.csv", tmp_path / "lengths.csv", 81)
     rc, out, err = cli(capsys, path, "--request-rate", 4, "--seed", 1, "--format", "json", "-o", tmp_path / "ln")
     assert rc == 0, err
     d = json.loads(out)

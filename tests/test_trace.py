@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -12,47 +11,27 @@ import pytest
 from testbed.sim.trace import TraceError, TraceRequest, load_trace, synthesize_prompt, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "traces"
 SAMPLE = REPO / "traces" / "azure_conv_10min.jsonl"
-
-
-def shared(name: str) -> Path:
-    path = SHARED / name
-    if not path.exists():
-        pytest.skip(f"public trace {path} not present (the shared traces folder lives next to the repo)")
-    return path
-
-
-def head(src: Path, dst: Path, n: int) -> Path:
-    """Copy the first n lines of src to dst."""
-    with open(src) as f:
-        dst.write_text("".join(next(f) for _ in range(n)))
-    return dst
+FORMATS = REPO / "traces" / "formats"   # the first rows of each public trace, byte for byte (traces/README.md)
+AZURE = FORMATS / "azure_llm_2023_conv_head400.csv"
+MOONCAKE = FORMATS / "mooncake_synthetic_head300.jsonl"
 
 
 # ---- real traces -------------------------------------------------------------------------------
 
-def test_azure_slice(tmp_path):
-    src = head(shared("azure_llm_2023_conv.csv"), tmp_path / "azure.csv", 201)
-    rows = [line.split(",") for line in src.read_text().splitlines()[1:]]
-    reqs = load_trace(src)
-    assert len(reqs) == 200
+def test_azure_csv_as_published():
+    rows = [line.split(",") for line in AZURE.read_text().splitlines()[1:]]
+    reqs = load_trace(AZURE)
+    assert len(reqs) == 400
     assert reqs[0].arrival_s == 0.0 and reqs[0].id == "azure-0"
+    assert [r.id for r in reqs[-2:]] == ["azure-398", "azure-399"]
     assert [(r.input_tokens, r.output_tokens) for r in reqs] == [(int(c), int(g)) for _, c, g in rows]
-    # 18:15:50.9951690 - 18:15:46.6805900 and 18:16:29.2444100 (file line 100) - the first row
+    # 18:15:50.9951690 - 18:15:46.6805900, 18:16:29.2444100 (file line 100) and 18:17:33.0108020 (the last row)
     assert reqs[1].arrival_s == pytest.approx(4.314579, abs=1e-9)
     assert reqs[98].arrival_s == pytest.approx(42.56382, abs=1e-9)
+    assert reqs[-1].arrival_s == pytest.approx(106.330212, abs=1e-9)
     assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:]))
-
-
-def test_azure_full_file_is_fast_and_exact():
-    path = shared("azure_llm_2023_conv.csv")
-    start = time.perf_counter()
-    reqs = load_trace(path)
-    assert time.perf_counter() - start < 1.0
-    assert len(reqs) == 19366
-    assert reqs[-1].arrival_s == pytest.approx(3501.721937, abs=1e-9)  # 19:14:08.4025270 - 18:15:46.6805900
-    assert [r.id for r in load_trace(path, limit=3)] == ["azure-0", "azure-1", "azure-2"]
+    assert [r.id for r in load_trace(AZURE, limit=3)] == ["azure-0", "azure-1", "azure-2"]
 
 
 def test_azure_timestamps_parse_all_digits_across_midnight(tmp_path):
@@ -67,20 +46,20 @@ def test_azure_timestamps_parse_all_digits_across_midnight(tmp_path):
     assert a[2] == pytest.approx(86400 + 1e-7, abs=1e-9)  # 2024 is a leap year
 
 
-def test_mooncake_slice(tmp_path):
-    src = head(shared("mooncake_synthetic.jsonl"), tmp_path / "mc.jsonl", 100)
-    rows = [json.loads(line) for line in src.read_text().splitlines()]
-    reqs = load_trace(src)
-    assert len(reqs) == 100 and reqs[0].arrival_s == 0.0
+def test_mooncake_jsonl_with_hash_ids():
+    rows = [json.loads(line) for line in MOONCAKE.read_text().splitlines()]
+    reqs = load_trace(MOONCAKE)
+    assert len(reqs) == 300 and reqs[0].arrival_s == 0.0
     for r, d in zip(reqs, rows):
         assert (r.input_tokens, r.output_tokens, r.hash_ids) == (d["input_length"], d["output_length"], d["hash_ids"])
         assert r.hash_block_size == 512
         assert r.arrival_s == pytest.approx((d["timestamp"] - rows[0]["timestamp"]) / 1000)
 
 
-@pytest.mark.parametrize("name", ["sharegpt_lengths_llama2.csv", "arxiv_summarization_lengths_llama2.csv"])
-def test_lengths_slice(tmp_path, name):
-    src = head(shared(name), tmp_path / name, 301)
+@pytest.mark.parametrize("name", ["sharegpt_lengths_llama2_head300.csv",
+                                  "arxiv_summarization_lengths_llama2_head300.csv"])
+def test_lengths_csv(name):
+    src = FORMATS / name
     rows = [line.split(",") for line in src.read_text().splitlines()[1:]]
     with pytest.raises(TraceError, match=rf"{name}:1: .*request_rate"):
         load_trace(src)
@@ -90,11 +69,10 @@ def test_lengths_slice(tmp_path, name):
     assert [r.id for r in reqs[:2]] == ["lengths-0", "lengths-1"]
 
 
-def test_bundled_sample_is_the_first_ten_minutes_of_azure():
+def test_bundled_sample_is_the_azure_trace_in_project_jsonl():
     sample = load_trace(SAMPLE)
     assert len(sample) == 2867 and sample[0].arrival_s == 0.0 and sample[-1].arrival_s < 600
-    full = load_trace(shared("azure_llm_2023_conv.csv"))
-    assert sample == [r for r in full if r.arrival_s < 600]
+    assert sample[:400] == load_trace(AZURE)  # the same requests, ids and times as the published CSV
 
 
 # ---- project JSONL -----------------------------------------------------------------------------
@@ -260,9 +238,8 @@ def test_synthesize_prompt_without_hash_ids_and_range():
         synthesize_prompt(a, 256, reserved=256)
 
 
-def test_synthesize_all_mooncake_prompts_fast():
-    reqs = load_trace(shared("mooncake_synthetic.jsonl"))
-    start = time.perf_counter()
+def test_synthesized_mooncake_prompts_share_their_hash_id_prefixes():
+    reqs = load_trace(MOONCAKE)
     first_block: dict[int, np.ndarray] = {}
     for r in reqs:
         p = synthesize_prompt(r, 128256, reserved=256)
@@ -273,5 +250,4 @@ def test_synthesize_all_mooncake_prompts_fast():
             assert (first_block[h][:n] == p[:n]).all()
         else:
             first_block[h] = p[:512]
-    assert time.perf_counter() - start < 5.0
     assert len(first_block) < len(reqs)  # the trace really shares prefixes
