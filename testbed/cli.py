@@ -1,4 +1,4 @@
-"""`testbed simulate | replay | serve | bench | profile | dashboard` — flags named as vLLM's."""
+"""`testbed simulate | replay | serve | bench | profile | compare | dashboard` — flags named as vLLM's."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +13,15 @@ from testbed.engine.config import ConfigError
 def cmd_simulate(args: argparse.Namespace) -> int:
     from testbed.sim.run import run_simulation
     cfg = engine_config(args)
-    out = args.output or default_run_dir("sim", args.trace, args.model)
+    trace = args.trace or args.like
+    if trace is None:
+        raise ValueError("give a TRACE file, or --like RUN_DIR to simulate the requests a run served")
+    if args.like is not None:
+        from testbed.sim.like import like_config
+        cfg = like_config(args.like, cfg)
+    out = args.output or default_run_dir("sim", trace, args.model)
     run_dir, summary = run_simulation(
-        args.trace, cfg, model=args.model, gpu=args.gpu, cost_model=args.cost_model,
+        trace, cfg, model=args.model, gpu=args.gpu, cost_model=args.cost_model,
         request_rate=args.request_rate, burstiness=args.burstiness, limit=args.limit, trace_format=args.trace_format,
         slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, output=out, progress=not args.no_progress)
     print_result(summary, run_dir, args.format, "Simulation Result")
@@ -65,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="testbed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("simulate", help="replay a trace through the engine in simulated time")
-    add_trace_args(p)
+    add_trace_args(p, trace_required=False)
+    p.add_argument("--like", default=None, metavar="RUN_DIR",
+                   help="simulate the workload of a recorded run: its requests (unless TRACE is given), its KV-cache "
+                        "size and max_model_len (unless --num-gpu-blocks / --max-model-len are given)")
     add_engine_args(p, "Llama-3.1-8B")
     p.add_argument("--gpu", default="H100-SXM", help="GPU preset: H100-SXM, H200, A100-80GB, L4")
     p.add_argument("--cost-model", default="auto",
@@ -97,9 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dashboard)
 
     from testbed.bench.serve import add_bench_parser
+    from testbed.compare import add_compare_parser
     from testbed.server.serve import add_serve_parser
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_compare_parser(sub)
     return parser
 
 

@@ -48,8 +48,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed)
 
 
-def add_trace_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="trace file: project JSONL, Azure CSV, Mooncake JSONL or a length-only CSV")
+def add_trace_args(p: argparse.ArgumentParser, trace_required: bool = True) -> None:
+    p.add_argument("trace", **({} if trace_required else {"nargs": "?", "default": None}),
+                   help="trace file: project JSONL, Azure CSV, Mooncake JSONL or a length-only CSV; or a run "
+                        "directory (the requests it recorded)")
     p.add_argument("--trace-format", default="auto", choices=("auto", "jsonl", "azure", "mooncake", "lengths"))
     p.add_argument("--request-rate", type=float, default=None, help="re-time arrivals at R req/s (gamma process)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")

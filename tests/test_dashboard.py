@@ -15,7 +15,7 @@ pytest.importorskip("streamlit")
 pytest.importorskip("matplotlib")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from testbed import cli  # noqa: E402
+from testbed import cli, compare  # noqa: E402
 from testbed.dashboard import data, series  # noqa: E402
 from testbed.dashboard.launch import APP, SimSettings, dashboard_command, simulate_run  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_comparison_equals_summaries_with_sim_vs_real_error(monkeypatch, runs_ro
     table = at.dataframe[1].value.set_index("summary key")
     for name in ("real_base", "sim_base", "sim_dp2"):
         s, col = summary(runs_root, name), table[f"{name} [{'real' if name.startswith('real') else 'sim'}]"]
-        for label, key, scale in data.COMPARE_METRICS:
+        for label, key, scale in compare.COMPARE_METRICS:
             value = s
             for part in key.split("."):
                 value = value[part]
@@ -186,7 +186,7 @@ def test_launch_from_upload_and_bad_path(monkeypatch, tmp_path):
 def test_simulate_run_reports_progress(tmp_path):
     calls = []
     out = simulate_run(SimSettings(str(TRACE), limit=600), tmp_path / "run", lambda t, h: calls.append((t, h)))
-    assert data.load_meta(str(out))[0]["trace"]["limit"] == 600
+    assert compare.load_meta(str(out))[0]["trace"]["limit"] == 600
     assert calls and all(0 <= t <= h + 1 for t, h in calls) and all(h > 0 for _, h in calls)
     assert [t for t, _ in calls] == sorted(t for t, _ in calls)
 

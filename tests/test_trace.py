@@ -75,6 +75,22 @@ def test_bundled_sample_is_the_azure_trace_in_project_jsonl():
     assert sample[:400] == load_trace(AZURE)  # the same requests, ids and times as the published CSV
 
 
+def test_a_run_directory_is_the_trace_of_the_requests_it_recorded(tmp_path):
+    from testbed.engine.config import EngineConfig
+    from testbed.sim.run import run_simulation
+    trace = load_trace(SAMPLE, limit=60)
+    trace[5].priority = 3
+    write_jsonl(trace, tmp_path / "t.jsonl")
+    run_dir, _ = run_simulation(str(tmp_path / "t.jsonl"), EngineConfig(max_model_len=1024), model="Llama-3.2-1B",
+                                output=tmp_path / "run", progress=False)
+    served = load_trace(run_dir)   # requests over max_model_len were rejected: no output to reproduce
+    rejected = {r.id for r in trace if r.input_tokens + r.output_tokens > 1024}
+    assert rejected and served == [r for r in trace if r.id not in rejected]
+    assert [r.arrival_s for r in load_trace(run_dir, limit=3, request_rate=math.inf)] == [0.0] * 3
+    with pytest.raises(ValueError, match="run directory"):
+        load_trace(run_dir, fmt="jsonl")
+
+
 # ---- project JSONL -----------------------------------------------------------------------------
 
 def test_round_trip(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from testbed import compare
 from testbed.dashboard import data, plots, series
 from testbed.dashboard.launch_form import launch_form
 from testbed.rundir import RunDirError
@@ -41,7 +42,7 @@ def initial_roots() -> list[str]:
 
 @st.cache_data(show_spinner=False, max_entries=1024)
 def cached_meta(path: str, key: tuple) -> tuple[dict, dict]:
-    return data.load_meta(path)
+    return compare.load_meta(path)
 
 
 @st.cache_data(show_spinner=False, max_entries=256)
@@ -56,14 +57,14 @@ def figure_png(kind: str, runs: tuple[tuple[str, tuple, str, str, int], ...]) ->
                               for path, key, label, mode, i in runs]))
 
 
-def load_runs(roots: list[str]) -> tuple[list[data.RunMeta], list[str], list[str]]:
+def load_runs(roots: list[str]) -> tuple[list[compare.RunMeta], list[str], list[str]]:
     """Readable runs under the roots, a warning per folder without runs and an error per unreadable run."""
     paths, warnings = data.discover(roots)
     runs, errors = [], []
-    for path, label in zip(paths, data.unique_labels(paths)):
+    for path, label in zip(paths, compare.unique_labels(paths)):
         try:
             manifest, summary = cached_meta(str(path), data.file_key(path))
-            runs.append(data.RunMeta(str(path), label, manifest, summary))
+            runs.append(compare.RunMeta(str(path), label, manifest, summary))
         except (RunDirError, OSError) as e:
             errors.append(f"Run skipped: {e}")
     return runs, warnings, errors
@@ -74,7 +75,7 @@ def csv_button(df, name: str) -> None:
                        mime="text/csv", key=f"csv-{name}")
 
 
-def runs_view(runs: list[data.RunMeta], warnings: list[str], errors: list[str]) -> None:
+def runs_view(runs: list[compare.RunMeta], warnings: list[str], errors: list[str]) -> None:
     for msg in warnings:
         st.warning(msg)
     for msg in errors:
@@ -104,7 +105,7 @@ def _options(key: str, values) -> list[str]:
     return opts
 
 
-def pick_runs(runs: list[data.RunMeta]) -> tuple[list[data.RunMeta], data.RunMeta | None]:
+def pick_runs(runs: list[compare.RunMeta]) -> tuple[list[compare.RunMeta], compare.RunMeta | None]:
     """The runs-to-compare multiselect and the baseline choice (a real run by default)."""
     by_label = {r.label: r for r in runs}
     state = st.session_state
@@ -121,23 +122,23 @@ def pick_runs(runs: list[data.RunMeta]) -> tuple[list[data.RunMeta], data.RunMet
         return [], None
     labels = [r.label for r in chosen]
     if state.get("baseline") not in labels:
-        state["baseline"] = next((r.label for r in chosen if r.mode == "real"), labels[0])
+        state["baseline"] = compare.default_baseline(chosen).label
     return chosen, by_label[st.selectbox("Baseline (differences are relative to it)", labels, key="baseline")]
 
 
-def compare_view(chosen: list[data.RunMeta], baseline: data.RunMeta | None) -> None:
+def compare_view(chosen: list[compare.RunMeta], baseline: compare.RunMeta | None) -> None:
     if baseline is None:
         st.info("Select runs in the sidebar's 'Runs to compare and plot' box.")
         return
     if len(chosen) < 2:
         st.info("Select two or more runs to see differences against the baseline.")
-    table = data.compare_table(chosen, baseline)
+    table = compare.compare_table(chosen, baseline)
     st.dataframe(table, hide_index=True, width="stretch", height=35 * (len(table) + 1) + 3, column_config={
         c: st.column_config.NumberColumn(format="%.4g") for c in table.columns[2:]})
     csv_button(table, "comparison.csv")
 
 
-def plots_view(chosen: list[data.RunMeta]) -> None:
+def plots_view(chosen: list[compare.RunMeta]) -> None:
     if not chosen:
         st.info("Select runs to plot.")
         return
@@ -164,7 +165,7 @@ def plots_view(chosen: list[data.RunMeta]) -> None:
         st.download_button("Download PNG", png, file_name=fname, mime="image/png", key=f"png-{kind}")
 
 
-def _dp(r: data.RunMeta) -> int:
+def _dp(r: compare.RunMeta) -> int:
     cfg = r.manifest.get("config")
     return cfg.get("data_parallel_size", 1) if isinstance(cfg, dict) else 1
 

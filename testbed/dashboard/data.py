@@ -1,31 +1,13 @@
-"""Run discovery, the runs table and the comparison table; plain pandas, no Streamlit.
-
-Every number in the comparison table is read from a run's summary.json (latencies scaled from
-seconds to milliseconds, fractions to percent); nothing is recomputed, so the table always agrees
-with what `testbed simulate` / `replay` / `bench serve` printed.
-"""
+"""Run discovery and the runs table; plain pandas, no Streamlit. The comparison table is testbed.compare's,
+shared with `testbed compare`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from testbed.rundir import FILES, RunDirError, find_runs, read_run
-
-
-@dataclass(frozen=True)
-class RunMeta:
-    """A readable run directory: its display label, manifest and summary."""
-
-    path: str
-    label: str
-    manifest: dict
-    summary: dict
-
-    @property
-    def mode(self) -> str:
-        return str(self.manifest.get("mode", "?"))
+from testbed.compare import RunMeta, metric, scaled
+from testbed.rundir import FILES, find_runs
 
 
 def file_key(path: str | Path) -> tuple:
@@ -57,42 +39,10 @@ def discover(roots: list[str]) -> tuple[list[Path], list[str]]:
     return found, problems
 
 
-def load_meta(path: str) -> tuple[dict, dict]:
-    """(manifest, summary) of a run directory; RunDirError names the missing or corrupt file."""
-    run = read_run(path)
-    if not isinstance(run.manifest, dict) or not isinstance(run.summary, dict):
-        raise RunDirError(f"{path}: manifest.json and summary.json must each hold a JSON object")
-    return run.manifest, run.summary
-
-
-def unique_labels(paths: list[Path]) -> list[str]:
-    """Short display names: the folder name, or parent/name (then the full path) where names clash."""
-    labels = [p.name for p in paths]
-    for depth in (2, None):
-        clash = {x for x in labels if labels.count(x) > 1}
-        labels = [(str(p) if depth is None else "/".join(p.parts[-depth:])) if x in clash else x
-                  for p, x in zip(paths, labels)]
-    return labels
-
-
 def _name(x) -> str:
     if isinstance(x, dict):
         x = x.get("name")
     return Path(str(x)).name if x else "-"
-
-
-def _get(summary: dict, key: str):
-    cur = summary
-    for part in key.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            return None
-        cur = cur[part]
-    return cur if isinstance(cur, (int, float)) and not isinstance(cur, bool) else None
-
-
-def _scaled(summary: dict, key: str, scale: float) -> float | None:
-    v = _get(summary, key)
-    return None if v is None else v * scale
 
 
 def runs_table(runs: list[RunMeta]) -> pd.DataFrame:
@@ -111,9 +61,9 @@ def runs_table(runs: list[RunMeta]) -> pd.DataFrame:
             "policy": policy, "DP": dp, "TP": cfg.get("tensor_parallel_size", 1),
             "prefix caching": bool(cfg.get("enable_prefix_caching", False)),
             "date": str(m.get("created", ""))[:19].replace("T", " "),
-            "requests": _get(s, "num_requests"), "req/s": _get(s, "request_throughput"),
-            "output tok/s": _get(s, "output_throughput"), "TTFT p50 (ms)": _scaled(s, "ttft_s.p50", 1e3),
-            "TTFT p99 (ms)": _scaled(s, "ttft_s.p99", 1e3), "TPOT p50 (ms)": _scaled(s, "tpot_s.p50", 1e3),
+            "requests": metric(s, "num_requests"), "req/s": metric(s, "request_throughput"),
+            "output tok/s": metric(s, "output_throughput"), "TTFT p50 (ms)": scaled(s, "ttft_s.p50", 1e3),
+            "TTFT p99 (ms)": scaled(s, "ttft_s.p99", 1e3), "TPOT p50 (ms)": scaled(s, "tpot_s.p50", 1e3),
             "path": r.path,
         })
     return pd.DataFrame(rows, columns=["run", "mode", "model", "GPU", "req/s", "output tok/s", "TTFT p50 (ms)",
@@ -132,45 +82,3 @@ def filter_runs(table: pd.DataFrame, modes: list[str], models: list[str], text: 
         needle = text.strip().lower()
         keep &= table.astype(str).apply(lambda row: needle in " ".join(row).lower(), axis=1)
     return table[keep]
-
-
-# (row label, summary.json key, scale from the summary's unit to the row's unit)
-COMPARE_METRICS: list[tuple[str, str, float]] = [
-    *[(f"{name} {q} (ms)", f"{key}.{q}", 1e3) for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"),
-                                                                   ("ITL", "itl_s"), ("E2E", "e2e_s"))
-      for q in ("mean", "p50", "p90", "p99")],
-    ("request throughput (req/s)", "request_throughput", 1.0),
-    ("output throughput (tok/s)", "output_throughput", 1.0),
-    ("total token throughput (tok/s)", "total_token_throughput", 1.0),
-    ("goodput (req/s)", "goodput", 1.0),
-    ("KV utilisation mean (%)", "kv_util_mean", 100.0),
-    ("KV utilisation max (%)", "kv_util_max", 100.0),
-    ("preemptions", "num_preemptions", 1.0),
-    ("prefix-cache hit rate (%)", "prefix_cache_hit_rate", 100.0),
-    ("mean batch size (requests/step)", "mean_batch_size", 1.0),
-    ("requests finished", "num_finished", 1.0),
-    ("makespan (s)", "makespan_s", 1.0),
-]
-
-
-def diff_column(run: RunMeta, baseline: RunMeta) -> str:
-    """Header of a run's relative-difference column; 'sim-vs-real error' when exactly one side is real."""
-    kind = "sim-vs-real error" if {run.mode, baseline.mode} == {"sim", "real"} else "rel. diff"
-    return f"{run.label}: {kind} vs {baseline.label} (%)"
-
-
-def compare_table(runs: list[RunMeta], baseline: RunMeta) -> pd.DataFrame:
-    """Metrics as rows, one value column per run, plus (run - baseline) / baseline in percent for each other run."""
-    out = pd.DataFrame({"metric": [m[0] for m in COMPARE_METRICS], "summary key": [m[1] for m in COMPARE_METRICS]})
-    base = [_scaled(baseline.summary, key, scale) for _, key, scale in COMPARE_METRICS]
-    for r in runs:
-        out[f"{r.label} [{r.mode}]"] = pd.array([_scaled(r.summary, k, sc) for _, k, sc in COMPARE_METRICS],
-                                                dtype="Float64")
-    for r in runs:
-        if r.path == baseline.path:
-            continue
-        vals = [_scaled(r.summary, k, sc) for _, k, sc in COMPARE_METRICS]
-        out[diff_column(r, baseline)] = pd.array(
-            [None if v is None or b is None or b == 0 else 100.0 * (v - b) / abs(b) for v, b in zip(vals, base)],
-            dtype="Float64")
-    return out

@@ -1,4 +1,5 @@
-"""Request traces: load the project's JSONL, Azure CSV, Mooncake JSONL and length-only CSVs.
+"""Request traces: load the project's JSONL, Azure CSV, Mooncake JSONL, length-only CSVs, and the
+requests a run directory recorded (so a simulation or a replay can serve exactly what a run served).
 
 Every loader returns requests ordered by arrival (stable) with the first arrival at 0.0 s.
 Bad input never gets skipped: it raises TraceError("FILE:LINE: reason (how to fix)").
@@ -63,16 +64,22 @@ def load_trace(path, *, request_rate: float | None = None, burstiness: float = 1
     if not (0 < burstiness < math.inf):
         raise ValueError(f"burstiness must be a finite number > 0 (1 = Poisson); got {burstiness!r}")
     path = Path(path)
-    with open(path, encoding="utf-8-sig") as f:  # FileNotFoundError names the path
-        lines = [line.rstrip("\r") for line in f.read().split("\n")]
-    if not any(line.strip() for line in lines):
-        raise TraceError(path, 1, "empty trace file (write one request per line; see traces/README.md)")
-    fmt = _detect(path, lines) if fmt == "auto" else fmt
-    if fmt == "lengths" and request_rate is None:
-        raise TraceError(path, 1, "a length-only trace has no arrival times "
-                                  "(pass request_rate=..., e.g. --request-rate 5)")
-    reqs = {"jsonl": _load_jsonl, "azure": _load_azure, "mooncake": _load_mooncake,
-            "lengths": _load_lengths}[fmt](path, lines)
+    if path.is_dir():
+        if fmt != "auto":
+            raise ValueError(f"{path} is a run directory, read as the trace of the requests it recorded; "
+                             f"drop fmt={fmt!r} (or --trace-format)")
+        reqs = _load_run(path)
+    else:
+        with open(path, encoding="utf-8-sig") as f:  # FileNotFoundError names the path
+            lines = [line.rstrip("\r") for line in f.read().split("\n")]
+        if not any(line.strip() for line in lines):
+            raise TraceError(path, 1, "empty trace file (write one request per line; see traces/README.md)")
+        fmt = _detect(path, lines) if fmt == "auto" else fmt
+        if fmt == "lengths" and request_rate is None:
+            raise TraceError(path, 1, "a length-only trace has no arrival times "
+                                      "(pass request_rate=..., e.g. --request-rate 5)")
+        reqs = {"jsonl": _load_jsonl, "azure": _load_azure, "mooncake": _load_mooncake,
+                "lengths": _load_lengths}[fmt](path, lines)
     if not reqs:
         raise TraceError(path, 1, "no requests after the header (add data rows)")
     reqs.sort(key=lambda r: r.arrival_s)  # stable: equal arrivals keep file order
@@ -270,6 +277,20 @@ def _load_azure(path, lines) -> list[TraceRequest]:
     for r, ns in zip(reqs, stamps):
         r.arrival_s = (ns - t0) / 1e9
     return reqs
+
+
+def _load_run(path: Path) -> list[TraceRequest]:
+    """The requests a run directory recorded (testbed.rundir), with their ids, arrivals, priorities and the
+    input and output tokens they were served with. Requests that produced no output (rejected, or failed
+    before their first token) have no output length to reproduce and are left out."""
+    from testbed.rundir import RunDirError, read_run
+    req = read_run(path).requests(columns=["request_id", "arrival", "input_tokens", "output_tokens", "priority"])
+    req = req[(req["output_tokens"] >= 1) & (req["input_tokens"] >= 1)]
+    if req["arrival"].isna().any():
+        raise RunDirError(f"{path}: requests.parquet has a request without an arrival time (re-run the command "
+                          "that wrote it)")
+    return [TraceRequest(str(r.request_id), float(r.arrival), int(r.input_tokens), int(r.output_tokens),
+                         priority=int(r.priority)) for r in req.itertuples(index=False)]
 
 
 def write_jsonl(requests: list[TraceRequest], path) -> None:

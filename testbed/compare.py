@@ -1,0 +1,186 @@
+"""The comparison of runs that the dashboard shows and `testbed compare` prints: metrics as rows, one
+value column per run, and each other run's relative difference against a baseline run (the sim-vs-real
+error when one side is real and the other simulated).
+
+Every number is read from a run's summary.json (latencies scaled from seconds to milliseconds, fractions
+to percent); nothing is recomputed, so the table always agrees with what `testbed simulate` / `replay` /
+`bench serve` printed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from testbed.rundir import RunDirError, read_run
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """A readable run directory: its display label, manifest and summary."""
+
+    path: str
+    label: str
+    manifest: dict
+    summary: dict
+
+    @property
+    def mode(self) -> str:
+        return str(self.manifest.get("mode", "?"))
+
+
+def load_meta(path: str) -> tuple[dict, dict]:
+    """(manifest, summary) of a run directory; RunDirError names the missing or corrupt file."""
+    run = read_run(path)
+    if not isinstance(run.manifest, dict) or not isinstance(run.summary, dict):
+        raise RunDirError(f"{path}: manifest.json and summary.json must each hold a JSON object")
+    return run.manifest, run.summary
+
+
+def unique_labels(paths: list[Path]) -> list[str]:
+    """Short display names: the folder name, or parent/name (then the full path) where names clash."""
+    labels = [p.name for p in paths]
+    for depth in (2, None):
+        clash = {x for x in labels if labels.count(x) > 1}
+        labels = [(str(p) if depth is None else "/".join(p.parts[-depth:])) if x in clash else x
+                  for p, x in zip(paths, labels)]
+    return labels
+
+
+def load_runs(paths: list[str]) -> list[RunMeta]:
+    """RunMeta of each run directory, labelled as the dashboard labels them; RunDirError for an unreadable one."""
+    dirs = [Path(p) for p in paths]
+    if len({d.resolve() for d in dirs}) != len(dirs):
+        raise ValueError(f"a run directory is given twice: {' '.join(paths)}")
+    return [RunMeta(str(d), label, *load_meta(str(d))) for d, label in zip(dirs, unique_labels(dirs))]
+
+
+def default_baseline(runs: list[RunMeta]) -> RunMeta:
+    """The first real run (so differences read as sim-vs-real errors), else the first run."""
+    return next((r for r in runs if r.mode == "real"), runs[0])
+
+
+def pick_baseline(runs: list[RunMeta], name: str | None) -> RunMeta:
+    """The run named by `name` (its label or its path), or the default baseline when `name` is None."""
+    if name is None:
+        return default_baseline(runs)
+    for r in runs:
+        if name == r.label or Path(name).resolve() == Path(r.path).resolve():
+            return r
+    raise ValueError(f"--baseline {name}: not one of the compared runs ({', '.join(r.label for r in runs)}); "
+                     "give its label or path")
+
+
+def metric(summary: dict, key: str) -> float | None:
+    """The number at a dotted summary key ('ttft_s.p50'), or None where it is missing or not a number."""
+    cur = summary
+    for part in key.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur if isinstance(cur, (int, float)) and not isinstance(cur, bool) else None
+
+
+def scaled(summary: dict, key: str, scale: float) -> float | None:
+    v = metric(summary, key)
+    return None if v is None else v * scale
+
+
+# (row label, summary.json key, scale from the summary's unit to the row's unit)
+COMPARE_METRICS: list[tuple[str, str, float]] = [
+    *[(f"{name} {q} (ms)", f"{key}.{q}", 1e3) for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"),
+                                                                   ("ITL", "itl_s"), ("E2E", "e2e_s"))
+      for q in ("mean", "p50", "p90", "p99")],
+    ("request throughput (req/s)", "request_throughput", 1.0),
+    ("output throughput (tok/s)", "output_throughput", 1.0),
+    ("total token throughput (tok/s)", "total_token_throughput", 1.0),
+    ("goodput (req/s)", "goodput", 1.0),
+    ("KV utilisation mean (%)", "kv_util_mean", 100.0),
+    ("KV utilisation max (%)", "kv_util_max", 100.0),
+    ("preemptions", "num_preemptions", 1.0),
+    ("prefix-cache hit rate (%)", "prefix_cache_hit_rate", 100.0),
+    ("mean batch size (requests/step)", "mean_batch_size", 1.0),
+    ("requests finished", "num_finished", 1.0),
+    ("makespan (s)", "makespan_s", 1.0),
+]
+
+
+def diff_kind(run: RunMeta, baseline: RunMeta) -> str:
+    """'sim-vs-real error' when exactly one of the two runs is real, else 'rel. diff'."""
+    return "sim-vs-real error" if {run.mode, baseline.mode} == {"sim", "real"} else "rel. diff"
+
+
+def diff_column(run: RunMeta, baseline: RunMeta) -> str:
+    """Header of a run's relative-difference column."""
+    return f"{run.label}: {diff_kind(run, baseline)} vs {baseline.label} (%)"
+
+
+def compare_table(runs: list[RunMeta], baseline: RunMeta) -> pd.DataFrame:
+    """Metrics as rows, one value column per run, plus (run - baseline) / baseline in percent for each other run."""
+    out = pd.DataFrame({"metric": [m[0] for m in COMPARE_METRICS], "summary key": [m[1] for m in COMPARE_METRICS]})
+    base = [scaled(baseline.summary, key, scale) for _, key, scale in COMPARE_METRICS]
+    for r in runs:
+        out[f"{r.label} [{r.mode}]"] = pd.array([scaled(r.summary, k, sc) for _, k, sc in COMPARE_METRICS],
+                                                dtype="Float64")
+    for r in runs:
+        if r.path == baseline.path:
+            continue
+        vals = [scaled(r.summary, k, sc) for _, k, sc in COMPARE_METRICS]
+        out[diff_column(r, baseline)] = pd.array(
+            [None if v is None or b is None or b == 0 else 100.0 * (v - b) / abs(b) for v, b in zip(vals, base)],
+            dtype="Float64")
+    return out
+
+
+def format_table(table: pd.DataFrame, runs: list[RunMeta], baseline: RunMeta) -> str:
+    """compare_table as fixed-width text for a terminal: values to 4 significant digits, differences as
+    signed percent; each column is headed by its run's label over its mode or kind of difference."""
+    others = [r for r in runs if r.path != baseline.path]
+    head = [("metric", ""), *((r.label, f"[{r.mode}]") for r in runs),
+            *((r.label, f"{diff_kind(r, baseline)} (%)") for r in others)]
+    rows = [[row["metric"], *(_fmt(x) for x in row.iloc[2:2 + len(runs)]),
+             *(_fmt(x, pct=True) for x in row.iloc[2 + len(runs):])] for _, row in table.iterrows()]
+    widths = [max(len(h[0]), len(h[1]), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+
+    def line(cells) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([f"Baseline: {baseline.label} [{baseline.mode}] ({baseline.path}); differences are "
+                      "(run - baseline) / baseline",
+                      line([h[0] for h in head]), line([h[1] for h in head]), line(["-" * w for w in widths]),
+                      *(line(r) for r in rows)])
+
+
+def _fmt(x, pct: bool = False) -> str:
+    if pd.isna(x):
+        return "-"
+    return f"{x:+.1f}" if pct else f"{x:.4g}"
+
+
+def add_compare_parser(subparsers) -> None:
+    """Register `compare` on the CLI's subparsers."""
+    p = subparsers.add_parser("compare", help="the dashboard's comparison table of runs, in the terminal",
+                              description="Print the metrics of run directories side by side with each run's "
+                                          "difference against a baseline (the sim-vs-real error where one is "
+                                          "simulated and the other real); optionally write the latency CDFs.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by simulate / replay / bench")
+    p.add_argument("--baseline", default=None, metavar="RUN",
+                   help="label or path of the run to compare against (default: the first real run, else the first)")
+    p.add_argument("--png", default=None, metavar="FILE", help="write the TTFT / TPOT / E2E CDF figure to FILE")
+    p.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args) -> int:
+    runs = load_runs(args.runs)
+    baseline = pick_baseline(runs, args.baseline)
+    print(format_table(compare_table(runs, baseline), runs, baseline))
+    if args.png is not None:
+        from testbed.dashboard import plots, series
+        fig = plots.latency_cdfs([(plots.Series(r.label, r.mode, i), series.latency_samples(r.path))
+                                  for i, r in enumerate(runs)])
+        out = Path(args.png)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(plots.to_png(fig))
+        print(f"Latency CDFs: {out}")
+    return 0

@@ -1,0 +1,128 @@
+"""`testbed compare`, `testbed simulate --like RUN_DIR` and `make demo`, on the committed real H200 run."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.cli import main
+from testbed.compare import COMPARE_METRICS, compare_table, load_runs, metric
+from testbed.rundir import read_run
+
+from conftest import REPO
+
+REAL = REPO / "benchmarks" / "results" / "real_runs" / "serve_h200_llama3.2-1b_azure_rate8"
+SAMPLE = REPO / "traces" / "azure_conv_10min.jsonl"
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    rc = main([*map(str, args)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def sim_like(tmp_path_factory) -> Path:
+    """A simulation of the real run's workload (`--like`), as `make demo` makes it."""
+    out = tmp_path_factory.mktemp("like") / "sim"
+    assert main(["simulate", "--like", str(REAL), "--model", "Llama-3.2-1B", "--gpu", "H200", "-o", str(out),
+                 "--no-progress", "--format", "json"]) == 0
+    return out
+
+
+def test_like_serves_the_runs_requests_on_its_cache(sim_like):
+    sim, real = read_run(sim_like), read_run(REAL)
+    assert sim.manifest["num_gpu_blocks"] == real.steps(columns=["kv_blocks_total"])["kv_blocks_total"].max()
+    assert sim.manifest["max_model_len"] == real.manifest["server"]["model"]["max_model_len"] == 4096
+    assert sim.manifest["trace"]["path"] == str(REAL)
+    cols = ["request_id", "input_tokens", "output_tokens"]
+    s, r = sim.requests(), real.requests()
+    assert s[cols].sort_values("request_id", ignore_index=True).equals(r[cols].sort_values("request_id",
+                                                                                          ignore_index=True))
+    order = r.sort_values("arrival")
+    expected = dict(zip(order.request_id, order.arrival - order.arrival.iloc[0]))
+    assert s.set_index("request_id").arrival.to_dict() == pytest.approx(expected, abs=1e-9)
+    assert sim.summary["num_finished"] == 200
+
+
+def test_like_keeps_explicit_cache_flags_and_needs_a_cache_size(tmp_path, capsys):
+    rc, out, err = run_cli(capsys, "simulate", "--like", REAL, "--model", "Llama-3.2-1B", "--gpu", "H200",
+                           "--num-gpu-blocks", 5000, "--max-model-len", 2048, "--limit", 20, "-o", tmp_path / "a",
+                           "--no-progress", "--format", "json")
+    assert rc == 0, err
+    m = read_run(tmp_path / "a").manifest
+    assert (m["num_gpu_blocks"], m["max_model_len"]) == (5000, 2048)
+    blind = tmp_path / "no_cache"   # a `bench serve` run without --server-log-steps: no KV size anywhere
+    shutil.copytree(REAL, blind)
+    steps = read_run(blind).steps().iloc[:0]
+    steps.to_parquet(blind / "steps.parquet")
+    rc, _, err = run_cli(capsys, "simulate", "--like", blind, "-o", tmp_path / "b", "--no-progress")
+    assert rc == 2 and "no_cache" in err and "--num-gpu-blocks" in err
+    rc, _, err = run_cli(capsys, "simulate", "-o", tmp_path / "c", "--no-progress")
+    assert rc == 2 and "--like RUN_DIR" in err
+
+
+def test_compare_prints_the_dashboards_table_with_the_sim_vs_real_error(sim_like, tmp_path, capsys):
+    png = tmp_path / "fig" / "cdfs.png"
+    rc, out, err = run_cli(capsys, "compare", sim_like, REAL, "--png", png)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"Baseline: {REAL.name} [real]")  # the real run by default, as in the dashboard
+    assert "sim-vs-real error (%)" in lines[2]
+    sim, real = read_run(sim_like).summary, read_run(REAL).summary
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[4:-1])}
+    assert len(rows) == len(COMPARE_METRICS)
+    for label, key, scale in COMPARE_METRICS:
+        s, r = metric(sim, key), metric(real, key)
+        cells = rows[label]
+        assert cells[:2] == [f"{s * scale:.4g}", f"{r * scale:.4g}"], label
+        assert cells[2] == ("-" if r == 0 else f"{100 * (s - r) / abs(r):+.1f}"), label
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and lines[-1] == f"Latency CDFs: {png}"
+
+
+def test_compare_table_is_shared_with_the_dashboard(sim_like):
+    runs = load_runs([str(sim_like), str(REAL)])
+    table = compare_table(runs, runs[0]).set_index("summary key")
+    err = table[f"{REAL.name}: sim-vs-real error vs sim (%)"]
+    real, sim = read_run(REAL).summary, read_run(sim_like).summary
+    assert err["ttft_s.p50"] == pytest.approx(100 * (real["ttft_s"]["p50"] / sim["ttft_s"]["p50"] - 1))
+
+
+def test_compare_baseline_choice_and_bad_input(sim_like, tmp_path, capsys):
+    rc, out, _ = run_cli(capsys, "compare", REAL, sim_like, "--baseline", "sim")
+    assert rc == 0 and out.startswith("Baseline: sim [sim]")
+    other = tmp_path / "sim2"
+    shutil.copytree(sim_like, other)
+    rc, out, _ = run_cli(capsys, "compare", sim_like, other)
+    assert rc == 0 and "rel. diff (%)" in out.splitlines()[2]   # two sim runs: a plain relative difference
+    rc, _, err = run_cli(capsys, "compare", sim_like, REAL, "--baseline", "nope")
+    assert rc == 2 and "--baseline nope" in err and REAL.name in err
+    rc, _, err = run_cli(capsys, "compare", sim_like, tmp_path / "missing")
+    assert rc == 2 and "missing" in err and "manifest.json" in err
+    rc, _, err = run_cli(capsys, "compare", sim_like, sim_like)
+    assert rc == 2 and "given twice" in err
+
+
+def test_make_demo_prints_the_comparison_and_writes_the_figure(tmp_path):
+    """The Makefile's demo commands, with the test's interpreter as the venv (its setup step is skipped)."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.fail("`make` is not installed; CI runs `make test`, so it must be there")
+    stamp = tmp_path / "sim-installed"
+    stamp.touch()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([make, "-s", "demo", f"BIN={Path(sys.executable).parent}", f"SIM={stamp}",
+                           f"DEMO_OUT={tmp_path / 'demo'}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sim-vs-real error (%)" in proc.stdout and "TTFT p50 (ms)" in proc.stdout
+    assert (tmp_path / "demo" / "latency_cdfs.png").stat().st_size > 10_000
+    assert f'make dashboard RUNS="{tmp_path / "demo" / "sim"} {REAL.relative_to(REPO)}"' in proc.stdout
+    manifest = json.loads((tmp_path / "demo" / "sim" / "manifest.json").read_text())
+    assert manifest["mode"] == "sim" and manifest["trace"]["num_requests"] == 200
