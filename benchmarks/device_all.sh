@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU number in RESULTS.md from one command on the device machine (one H200 or H100):
+# Every GPU number in RESULTS.md from one command on a GPU machine (one H200 or H100):
 #   bash benchmarks/device_all.sh [kernels] [e2e] [e2e-quick] [serve]      (default: all three, full)
-# Writes JSON and logs under $OUT (default /tmp/device-out). The server packages travel as wheels in
-# .cache/serve-whl (see the device README and benchmarks/serve/run.sh).
+# Writes JSON and logs under $OUT (default /tmp/device-out). The server packages can travel as wheels in
+# .cache/serve-whl (see benchmarks/serve/run.sh).
 set -o pipefail
 export OUT=${OUT:-/tmp/device-out} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p $OUT

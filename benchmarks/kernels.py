@@ -194,7 +194,7 @@ def bench_decode(batch: int, context: int, copy_gbs: float, reps: int, sweep: bo
 
     The caches are allocated from fresh device memory (empty_cache first), as in a fresh process: carved from the
     blocks that the previous shape's caches left in torch's allocator, the same 1 x 32768 kernel measured 41.8
-    instead of 38.0 us per call on H200 (session 5, `benchmarks/results/session5/placement.log`)."""
+    instead of 38.0 us per call on H200 (commit 45ea4ba, `benchmarks/results/2026-11-21_45ea4ba/placement.log`)."""
     torch.cuda.empty_cache()
     caches = [paged_cache([context] * batch, seed=c) for c in range(copies)]
     k_cache, v_cache, tables = caches[0]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `testbed bench serve` against `testbed serve` on one GPU (Llama-3.2-1B shape, dummy weights), plus the offline
 # LLM throughput on the same requests (API-server overhead = serve tok/s / offline tok/s). Writes under $OUT.
-# On the device machine the server packages travel as wheels in .cache/serve-whl (see the device README).
+# On a GPU machine without a package index, the server packages can travel as wheels in .cache/serve-whl.
 # ENGINE_FLAGS (e.g. --async-scheduling) go to both the offline leg and the server; AZURE_RATES="" skips the
 # Azure-trace runs (default 4 8 16 req/s).
 set -x

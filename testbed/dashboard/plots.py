@@ -38,7 +38,7 @@ class Series:
 
 
 def to_png(fig: Figure, dpi: int = 100) -> bytes:
-    """PNG bytes of a figure (closed afterwards, so long sessions do not pile up figures)."""
+    """PNG bytes of a figure (closed afterwards, so a long-running dashboard does not pile up figures)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     plt.close(fig)

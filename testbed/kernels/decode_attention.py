@@ -233,9 +233,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
       context, -11% at 1,152, against 4 warps); head_dim 128 takes 64 keys, 4 warps and 3 stages (64 x 4096:
       -4.5% against 2 stages);
     - split, block ids in registers (a split spans at most MAX_BT_WIDTH table entries): head_dim <= 64 takes
-      32 keys, 2 warps and 3 stages, head_dim 128 16 keys, 1 warp and 4 stages (session 6: 1 x 32768 -4.4%,
+      32 keys, 2 warps and 3 stages, head_dim 128 16 keys, 1 warp and 4 stages (705d249: 1 x 32768 -4.4%,
       1 x 8192 at head_dim 64 -15% against the in-loop block-table load with its own best tiles);
-    - split, wider spans (block ids loaded per tile, as before session 6): 64 keys / 2 warps / 2 stages up to
+    - split, wider spans (block ids loaded per tile, as before 705d249): 64 keys / 2 warps / 2 stages up to
       head_dim 64, else 32 keys / 2 warps / 6 stages.
     Splits are chosen for 64-key tiles either way.
 
