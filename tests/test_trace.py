@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from testbed.sim.trace import TraceError, TraceRequest, load_trace, synthesize_prompt, write_jsonl
@@ -89,6 +90,10 @@ def test_a_run_directory_is_the_trace_of_the_requests_it_recorded(tmp_path):
     assert [r.arrival_s for r in load_trace(run_dir, limit=3, request_rate=math.inf)] == [0.0] * 3
     with pytest.raises(ValueError, match="run directory"):
         load_trace(run_dir, fmt="jsonl")
+    req = pd.read_parquet(run_dir / "requests.parquet")
+    req.assign(output_tokens=0).to_parquet(run_dir / "requests.parquet")
+    with pytest.raises(ValueError, match="no request of this run produced output"):
+        load_trace(run_dir)
 
 
 # ---- project JSONL -----------------------------------------------------------------------------

@@ -289,6 +289,8 @@ def _load_run(path: Path) -> list[TraceRequest]:
     if req["arrival"].isna().any():
         raise RunDirError(f"{path}: requests.parquet has a request without an arrival time (re-run the command "
                           "that wrote it)")
+    if not len(req):
+        raise RunDirError(f"{path}: no request of this run produced output, so there is no workload to reproduce")
     return [TraceRequest(str(r.request_id), float(r.arrival), int(r.input_tokens), int(r.output_tokens),
                          priority=int(r.priority)) for r in req.itertuples(index=False)]
 
