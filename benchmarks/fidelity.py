@@ -37,16 +37,16 @@ class Case:
     flags: dict = field(default_factory=dict)
 
 
-CASES = [
+CASES = [  # in the order they run: what a cut-short run keeps comes first
     Case("azure-burst", "azure_conv_3000.jsonl", 800, None, "azure"),
-    Case("azure-light", "azure_conv_3000.jsonl", 600, 0.3, "azure"),
     Case("azure-80", "azure_conv_3000.jsonl", 2000, 0.8, "azure"),
-    Case("azure-over", "azure_conv_3000.jsonl", 2000, 1.3, "azure"),
-    Case("azure-80-async", "azure_conv_3000.jsonl", 2000, 0.8, "azure", {"async_scheduling": True}),
     Case("mooncake-burst", "mooncake_600.jsonl", 300, None, "mooncake", {"enable_prefix_caching": True}),
     Case("mooncake-80", "mooncake_600.jsonl", 600, 0.8, "mooncake", {"enable_prefix_caching": True}),
     Case("long-burst", "long_context_120.jsonl", 40, None, "long"),
     Case("long-80", "long_context_120.jsonl", 80, 0.8, "long"),
+    Case("azure-light", "azure_conv_3000.jsonl", 600, 0.3, "azure"),
+    Case("azure-over", "azure_conv_3000.jsonl", 2000, 1.3, "azure"),
+    Case("azure-80-async", "azure_conv_3000.jsonl", 2000, 0.8, "azure", {"async_scheduling": True}),
 ]
 METRICS = [("output_throughput", None), ("request_throughput", None),
            *[(m, q) for m in ("ttft_s", "tpot_s", "e2e_s") for q in ("mean", "p50", "p99")], ("mean_batch_size", None)]

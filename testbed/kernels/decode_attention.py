@@ -28,7 +28,8 @@ import triton.language as tl
 from testbed.kernels.reference import check_cache, check_heads
 
 LOG2E = 1.4426950408889634
-MAX_BT_WIDTH = 256  # block-table entries a split program may hold in registers (1 x 131072 on H200 takes 128)
+MAX_BT_WIDTH = 128  # block-table entries a split program may hold in registers (1 x 131072 on H200 takes 128;
+# 256, which 2 x 131072 would take, faulted with an illegal address on H200, Triton 3.6)
 
 
 @triton.jit
