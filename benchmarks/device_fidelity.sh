@@ -12,7 +12,8 @@ mkdir -p $OUT
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1] if 'H100' not in torch.cuda.get_device_name() else 'H100-SXM')")
 profile=${4:-$OUT/${model}_${gpu}_tp1.json}
-args=(--model "$model" --out "$OUT/runs_${model}_${gpu}" --budget-s "$budget" --no-progress)
+args=(--model "$model" --out "/tmp/runs_${model}_${gpu}" --tar "$OUT/runs_${model}_${gpu}.tar.gz" --budget-s "$budget"
+      --no-progress)
 [ "$profile" != noprofile ] && args+=(--profile-out "$profile")
 [ "$cases" != all ] && args+=(--cases "$cases")
 python3 benchmarks/fidelity.py real "${args[@]}" 2>&1 | tee "$OUT/log_${model}_${gpu}.txt"

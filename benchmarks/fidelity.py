@@ -40,8 +40,8 @@ class Case:
 CASES = [  # in the order they run: what a cut-short run keeps comes first
     Case("azure-burst", "azure_conv_3000.jsonl", 800, None, "azure"),
     Case("azure-80", "azure_conv_3000.jsonl", 2000, 0.8, "azure"),
-    Case("mooncake-burst", "mooncake_600.jsonl", 300, None, "mooncake", {"enable_prefix_caching": True}),
-    Case("mooncake-80", "mooncake_600.jsonl", 600, 0.8, "mooncake", {"enable_prefix_caching": True}),
+    Case("mooncake-burst", "mooncake_600.jsonl", 200, None, "mooncake", {"enable_prefix_caching": True}),
+    Case("mooncake-80", "mooncake_600.jsonl", 300, 0.8, "mooncake", {"enable_prefix_caching": True}),
     Case("long-burst", "long_context_120.jsonl", 40, None, "long"),
     Case("long-80", "long_context_120.jsonl", 80, 0.8, "long"),
     Case("azure-light", "azure_conv_3000.jsonl", 600, 0.3, "azure"),
@@ -61,6 +61,7 @@ def real(args: argparse.Namespace) -> None:
     from testbed.worker.executor import create_executor
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tarball = Path(args.tar) if args.tar else out.parent / f"{out.name}.tar.gz"
     base = EngineConfig(max_model_len=args.max_model_len)
     t0 = time.perf_counter()
     executor = create_executor(args.model, base, "dummy")
@@ -89,7 +90,7 @@ def real(args: argparse.Namespace) -> None:
         print(f"[fidelity] {case.name}: rate {rate:.2f}/s, {s['num_finished']} done ({s['num_rejected']} rejected) in "
               f"{time.perf_counter() - t:.0f} s, {s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_s']['p50']} s, "
               f"TPOT p50 {s['tpot_s']['p50']} s, batch {s['mean_batch_size']:.1f}", flush=True)
-        with tarfile.open(out.parent / f"{out.name}.tar.gz", "w:gz") as tar:  # after every case: a timeout keeps them
+        with tarfile.open(tarball, "w:gz") as tar:  # after every case: a timeout keeps them
             tar.add(out, arcname=out.name)
     executor.shutdown()
 
@@ -221,6 +222,8 @@ def main() -> None:
     p.add_argument("--model", default="Llama-3.2-1B")
     p.add_argument("--out", required=True)
     p.add_argument("--profile-out", default=None)
+    p.add_argument("--tar", default=None, help="tarball of the run directories, rewritten after every case "
+                                               "(default: beside --out)")
     p.add_argument("--quick", action="store_true", help="quick profile (smoke test)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while profiling")
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")

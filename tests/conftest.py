@@ -50,6 +50,7 @@ def check_step(engine: EngineCore, so: SchedulerOutput) -> None:
     assert so.num_prefill_tokens + so.num_decode_tokens == so.total_num_scheduled_tokens
     assert so.sum_context_tokens == sum(b + n for b, n in zip(so.num_computed_before, so.num_new_tokens))
     assert so.sum_attn_pairs == sum(n * b + n * (n + 1) // 2 for b, n in zip(so.num_computed_before, so.num_new_tokens))
+    assert so.max_context_tokens == max((b + n for b, n in zip(so.num_computed_before, so.num_new_tokens)), default=0)
     for req, n, before, table in zip(so.requests, so.num_new_tokens, so.num_computed_before, so.block_ids):
         assert before + n == req.num_computed_tokens <= req.num_tokens + req.num_pending
         assert 0 <= req.num_pending <= 2, f"{req}: more than the in-flight step's and this step's tokens pending"

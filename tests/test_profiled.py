@@ -190,3 +190,28 @@ def test_fit_nonnegative_recovers_a_nonnegative_model_and_clips_a_negative_one()
     assert fit_nonnegative(X.tolist(), (X @ [1e-3, 2e-5, 3e-8]).tolist()) == pytest.approx([1e-3, 2e-5, 3e-8], rel=1e-6)
     coef = fit_nonnegative(X.tolist(), (X @ [1e-3, -2e-5, 3e-8]).tolist())
     assert min(coef) >= 0 and coef[1] == 0.0
+
+
+def test_uneven_contexts_add_the_measured_tail():
+    """A decode step whose longest row is `skew` tokens past the mean costs the even step plus the tail measured
+    for that skew (one long row keeps attention busy after the rest are done)."""
+    prof = fake_profile()
+    tail = lambda b, d: 1e-8 * d  # noqa: E731 - the made-up GPU's tail: 10 ns per token of skew
+    deltas, tb = [1024, 8192], [1, 4, 16]
+    mean = lambda b, d: 256 + d / b  # noqa: E731
+    wall = [[prof["decode"]["wall_s"][0][0]] * 2 for _ in tb]  # placeholders, replaced below
+    cm0 = ProfiledCostModel(prof)
+    for i, b in enumerate(tb):
+        for j, d in enumerate(deltas):
+            wall[i][j] = cm0.dec_wall(b, mean(b, d)) + tail(b, d)
+    prof["decode_tail"] = {"batch": tb, "delta": deltas, "base": 256, "wall_s": wall,
+                           "async_cycle_s": [[None] * 2 for _ in tb]}
+    cm = ProfiledCostModel(prof)
+    rows = decode_rows(7, 300) + decode_rows(1, 5000)
+    so = F.step(rows)
+    c = so.sum_context_tokens / 8 - 1
+    skew = 5000 - c
+    assert cm.step_time(so) == pytest.approx(cm.engine_step(8) + cm.dec_wall(8, c) + tail(8, skew), rel=1e-6)
+    assert cm.explain(so)["uneven contexts"] == pytest.approx(tail(8, skew), rel=1e-6)
+    even = F.step(decode_rows(8, round(c)))
+    assert cm.step_time(even) < cm.step_time(so)

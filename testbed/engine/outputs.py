@@ -13,7 +13,9 @@ class SchedulerOutput:
 
     Aggregates (filled by the scheduler, used by cost models and step records):
     prefill tokens belong to requests still inside their prompt; `sum_context_tokens` is the KV
-    length attended over, summed over requests; `sum_attn_pairs` the number of (query, key) pairs.
+    length attended over, summed over requests (`max_context_tokens` its largest term: the longest
+    sequence bounds how fast attention over a batch can finish); `sum_attn_pairs` the number of
+    (query, key) pairs.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -28,6 +30,7 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     sum_context_tokens: int = 0
     sum_attn_pairs: int = 0
+    max_context_tokens: int = 0
     step_state: tuple = ()  # (scheduled at, used blocks, waiting, running) for the step record
 
     @property

@@ -105,7 +105,7 @@ class Scheduler:
         bm = self.block_manager
         budget = self.max_num_batched_tokens
         reqs, nnew, nbefore, tables = so.requests, so.num_new_tokens, so.num_computed_before, so.block_ids
-        prefill = decode = ctx = pairs = 0
+        prefill = decode = ctx = pairs = maxc = 0
         running = self.running
 
         req_blocks, bs = bm.req_blocks, bm.block_size
@@ -151,6 +151,8 @@ class Scheduler:
             else:
                 prefill += n
             ctx += computed + n
+            if computed + n > maxc:
+                maxc = computed + n
             pairs += n * computed + n * (n + 1) // 2
             req.num_computed_tokens = computed + n
 
@@ -181,6 +183,8 @@ class Scheduler:
                     req.num_pending += 1
                 prefill += n
                 ctx += hit + n
+                if hit + n > maxc:
+                    maxc = hit + n
                 pairs += n * hit + n * (n + 1) // 2
                 req.num_computed_tokens = hit + n
 
@@ -189,6 +193,7 @@ class Scheduler:
         so.num_decode_tokens = decode
         so.sum_context_tokens = ctx
         so.sum_attn_pairs = pairs
+        so.max_context_tokens = maxc
         return so
 
     def finish(self, req: Request, status: RequestStatus) -> None:

@@ -29,6 +29,7 @@ from testbed.engine.outputs import SchedulerOutput
 from testbed.sim.tables import Table1D, Table2D
 
 FORMAT = "testbed-profile"
+ISSUE_BOUND_TOKENS = 1024  # eager steps this small take longer to issue than to run: their launch time is pure host
 
 
 class ProfileError(ValueError):
@@ -110,13 +111,31 @@ class ProfiledCostModel:
                     lin.setdefault(T, []).append(max(0.0, fwd - tab["attention_s"][i][j]))
                     host_X.append([1.0, rows, T, blocks])
                     host_y.append(tab["prepare_s"][i][j])
-                    launch.append(tab["launch_s"][i][j])
+                    if T <= ISSUE_BOUND_TOKENS:
+                        launch.append(tab["launch_s"][i][j])
                     gpu = fwd + tab["sample_s"][i][j]
                     eps.append(tab["wall_s"][i][j] - tab["prepare_s"][i][j] - max(tab["launch_s"][i][j], gpu)
                                - tab["output_s"][i][j])
         if not lin:
             raise ProfileError(f"{name or 'profile'}: no eager step was measured")
         self.linear = Table1D(sorted(lin), [statistics.median(lin[t]) for t in sorted(lin)])
+        # uneven contexts: the extra time when one row's context exceeds the mean by delta (0 at delta 0)
+        self.dec_tail = self.dec_tail_async = self.rows_tail = None
+        if "decode_tail" in profile:
+            t = profile["decode_tail"]
+            base = t["base"]
+            for attr, key, table in (("dec_tail", "wall_s", self.dec_wall), ("dec_tail_async", "async_cycle_s",
+                                                                              self.dec_async)):
+                if table is None or all(v is None for row in t[key] for v in row):
+                    continue
+                extra = [[0.0] + [None if w is None else max(0.0, w - table(bb, base + dd / bb))
+                                  for dd, w in zip(t["delta"], row)] for bb, row in zip(t["batch"], t[key])]
+                setattr(self, attr, Table2D(t["batch"], [0] + t["delta"], extra))
+        if "rows_tail" in profile:
+            t = profile["rows_tail"]
+            extra = [[0.0] + [None if u is None or e is None else max(0.0, u - e) for u, e in zip(ur, er)]
+                     for ur, er in zip(t["attention_s"], t["even_attention_s"])]
+            self.rows_tail = Table2D(t["batch"], [0] + t["delta"], extra)
         self.prep_coef = fit_nonnegative(host_X, host_y)
         self.eager_launch = statistics.median(launch)
         self.sync_gap = max(0.0, statistics.median(eps))
@@ -157,18 +176,23 @@ class ProfiledCostModel:
         reqs, nnew, before = so.requests, so.num_new_tokens, so.num_computed_before
         B, T = len(reqs), so.total_num_scheduled_tokens
         attn = 0.0
-        chunk_ctx = chunks = sampled = 0
+        chunk_ctx = chunks = sampled = longest_row = 0
         for i, n in enumerate(nnew):
+            c = before[i]
             if n > 1:
-                c = before[i]
                 attn += self.chunk_attn(n, c) - self.attn_floor
                 chunk_ctx += c + n
                 chunks += 1
                 if c + n >= reqs[i].num_tokens:
                     sampled += 1
+            elif c > longest_row:
+                longest_row = c
         rows = B - chunks
         if rows:
-            attn += self.rows_attn(rows, (so.sum_context_tokens - chunk_ctx) / rows - 1.0)
+            mean = (so.sum_context_tokens - chunk_ctx) / rows - 1.0
+            attn += self.rows_attn(rows, mean)
+            if self.rows_tail is not None and longest_row > mean:
+                attn += self.rows_tail(rows, longest_row - mean)
         else:
             attn += self.attn_floor
         sampled += rows
@@ -186,10 +210,12 @@ class ProfiledCostModel:
             return 0.0
         if so.num_decode_tokens == B and B <= self.graph_max:
             ctx = so.sum_context_tokens / B - 1.0  # tokens cached before the new one, as the table is indexed
+            skew = so.max_context_tokens - 1.0 - ctx  # how far the longest row is past the mean
             eng = self.engine_step(B) if engine is None else engine
             if self.async_scheduling and self.dec_async is not None:
-                return max(self.dec_async(B, ctx), self.dec_host(B, ctx) + eng)
-            return eng + self.dec_wall(B, ctx)
+                device = self.dec_async(B, ctx) + (self.dec_tail_async(B, skew) if self.dec_tail_async else 0.0)
+                return max(device, self.dec_host(B, ctx) + eng)
+            return eng + self.dec_wall(B, ctx) + (self.dec_tail(B, skew) if self.dec_tail else 0.0)
         lin, attn, samp, prep, sampled = self._eager_terms(so)
         eng = self._engine(B, so.num_prefill_tokens) if engine is None else engine
         device = lin + attn + samp
@@ -205,7 +231,9 @@ class ProfiledCostModel:
             return {"kind": "empty", "total": 0.0}
         if so.num_decode_tokens == B and B <= self.graph_max:
             ctx = so.sum_context_tokens / B - 1.0
+            skew = so.max_context_tokens - 1.0 - ctx
             terms = {"kind": "decode", "engine": self.engine_step(B), "step (table)": self.dec_wall(B, ctx),
+                     "uneven contexts": self.dec_tail(B, skew) if self.dec_tail else 0.0,
                      "runner host (table)": self.dec_host(B, ctx)}
             if self.dec_async is not None:
                 terms["async cycle (table)"] = self.dec_async(B, ctx)

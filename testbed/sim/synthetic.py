@@ -62,6 +62,7 @@ class StepFactory:
             so.num_computed_before.append(cached)
             so.block_ids.append(self._blocks(cached + new))
             so.sum_context_tokens += cached + new
+            so.max_context_tokens = max(so.max_context_tokens, cached + new)
             so.sum_attn_pairs += new * cached + new * (new + 1) // 2
         so.total_num_scheduled_tokens = so.num_prefill_tokens + so.num_decode_tokens
         return so

@@ -315,10 +315,13 @@ class ModelRunner:
         self._prev_tokens = sampled[0] if rows else None
         self._prev_rows = {reqs[i].request_id: j for j, i in enumerate(rows)}
         done = None
-        if sampled is not None and self.device.type == "cuda":
-            tokens, lp = sampled
-            sampled = (tokens.to("cpu", non_blocking=True),
-                       None if lp is None else tuple(t if t is None else t.to("cpu", non_blocking=True) for t in lp))
+        if self.device.type == "cuda":
+            if sampled is not None:
+                tokens, lp = sampled
+                sampled = (tokens.to("cpu", non_blocking=True),
+                           None if lp is None else tuple(t if t is None else t.to("cpu", non_blocking=True) for t in lp))
+            # Waited for even when nothing was sampled (every row mid-prompt): the staging buffer this step's
+            # inputs were copied from is rewritten two steps later, so its copy must be done by then.
             done = torch.cuda.Event()
             done.record()
         if timer is not None:

@@ -31,8 +31,8 @@ import torch
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import ModelRunnerOutput
-from testbed.engine.request import Request
-from testbed.sim.synthetic import GREEDY, Row, StepFactory, decode_rows
+from testbed.engine.request import Request, SamplingParams
+from testbed.sim.synthetic import Row, StepFactory, decode_rows
 from testbed.worker.timing import StepTiming
 
 FORMAT = "testbed-profile"
@@ -42,6 +42,9 @@ CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 
 CHUNK_CONTEXTS = (0, 512, 2048, 8192, 16384, 32768, 65536, 131072)
 ROW_BATCHES = (1, 4, 16, 64, 128, 256)
 ROW_CHUNK = 16  # the small chunk that makes a step of decode rows eager
+TAIL_BASE = 256  # decode tail steps: every row at this context but one, which has `delta` more
+TAIL_DELTAS = (1024, 4096, 16384, 65536, 131072)
+TAIL_BATCHES = (1, 2, 4, 8, 16, 33, 64, 128, 256)
 TIMING_FIELDS = tuple(StepTiming.__dataclass_fields__)
 
 
@@ -57,6 +60,9 @@ class Grid:
     num_validation: int = 40
     reps: int = 5
     warmup: int = 2
+    tail_batches: list[int] = field(default_factory=lambda: list(TAIL_BATCHES))
+    tail_deltas: list[int] = field(default_factory=lambda: list(TAIL_DELTAS))
+    tail_base: int = TAIL_BASE
     host_batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128, 256])
     host_admit_tokens: list[int] = field(default_factory=lambda: [16, 256, 1024, 4096, 8192])
 
@@ -81,8 +87,13 @@ def default_grid(config: EngineConfig, max_model_len: int, graph_sizes: list[int
     if quick:  # a smoke test of every sweep on a CPU: tiny shapes, one timed run each
         small = lambda xs, top: sorted({x for x in xs if x <= top} | {min(xs)})[:2]
         return Grid(small(batches, 4), small(contexts, 64), small(chunks, 64), [0, min(32, max_model_len // 4)],
-                    small(rows, 4), num_validation=2, reps=1, warmup=1, host_batches=[1, 4], host_admit_tokens=[16, 64])
-    return Grid(batches, contexts, chunks, [c for c in CHUNK_CONTEXTS if c < max_model_len], rows)
+                    small(rows, 4), num_validation=2, reps=1, warmup=1, tail_batches=small(batches, 4),
+                    tail_deltas=[max_model_len // 4], tail_base=max_model_len // 4, host_batches=[1, 4],
+                    host_admit_tokens=[16, 64])
+    top = max_model_len - TAIL_BASE - 1
+    return Grid(batches, contexts, chunks, [c for c in CHUNK_CONTEXTS if c < max_model_len], rows,
+                tail_batches=sorted({b for b in TAIL_BATCHES if b < mns} | {mns}),
+                tail_deltas=sorted({d for d in TAIL_DELTAS if d < top} | {top}))
 
 
 # ---- measuring one step -------------------------------------------------------------------------
@@ -191,6 +202,47 @@ def sweep_decode(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, tic
     return out
 
 
+def sweep_tail(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, tick: Callable[[], None]) -> dict:
+    """Decode steps whose contexts are uneven: every row at TAIL_BASE but one at TAIL_BASE + delta. The
+    longest row bounds how soon attention can finish, which a mean context does not show."""
+    base = grid.tail_base
+    out = {"batch": grid.tail_batches, "delta": grid.tail_deltas, "base": base,
+           **{k: _table(grid.tail_batches, grid.tail_deltas) for k in (*TIMING_FIELDS, "async_cycle_s")}}
+    for i, b in enumerate(grid.tail_batches):
+        for j, d in enumerate(grid.tail_deltas):
+            tick()
+            if b * (base + 1) + d > capacity:
+                continue
+            so = f.step(decode_rows(b - 1, base) + decode_rows(1, base + d))
+            for k, v in m.sync(so).items():
+                out[k][i][j] = v
+            out["async_cycle_s"][i][j] = m.async_cycle(so)
+    return out
+
+
+def sweep_rows_tail(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, tick: Callable[[], None]) -> dict:
+    """The same unevenness for decode rows inside an eager step: device time in attention of the uneven
+    step (rows at TAIL_BASE, one at TAIL_BASE + delta, plus a ROW_CHUNK chunk) and of the even step with
+    the same total context."""
+    batches, base = grid.row_batches, grid.tail_base
+    out = {"batch": batches, "delta": grid.tail_deltas, "base": base, "chunk": ROW_CHUNK,
+           **{k: _table(batches, grid.tail_deltas) for k in ("attention_s", "even_attention_s")}}
+    chunk = [(0, ROW_CHUNK, False)]
+    for i, b in enumerate(batches):
+        for j, d in enumerate(grid.tail_deltas):
+            tick()
+            if b * (base + 1) + d + ROW_CHUNK > capacity:
+                continue
+            uneven = f.step(decode_rows(b - 1, base) + decode_rows(1, base + d) + chunk)
+            even = f.step(decode_rows(b, base + d // b) + chunk)
+            for so in (uneven, even):
+                for _ in range(m.grid.warmup):
+                    m.executor.execute(so)
+            out["attention_s"][i][j] = m.attention_s(uneven)
+            out["even_attention_s"][i][j] = m.attention_s(even)
+    return out
+
+
 def sweep_chunks(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, max_model_len: int,
                  tick: Callable[[], None]) -> dict:
     out = {"tokens": grid.chunk_tokens, "context": grid.chunk_contexts,
@@ -272,14 +324,22 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, grid: Grid) -> d
         return statistics.median(times)
 
     rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    bs = config.block_size
+
+    def admitted(core: EngineCore, req: Request) -> Request:
+        if core.add_request(req, 0.0) is not None:
+            raise RuntimeError(f"engine host sweep: request {req.request_id} was rejected ({req.stop_reason})")
+        return req
+
     decode = []
     for b in grid.host_batches:
         core = EngineCore(EngineConfig(**{**config.to_dict(), "max_num_seqs": max(b, config.max_num_seqs),
                                           "max_num_batched_tokens": max(config.max_num_batched_tokens, 16 * b)}),
-                          num_gpu_blocks=b * 64 + 64, max_model_len=max_model_len)
+                          num_gpu_blocks=b * -(-(16 + 64) // bs) + 8, max_model_len=max_model_len)
         for i in range(b):
-            core.add_request(Request(f"h{i}", rng.integers(1000, 30000, 16, dtype=np.int32), GREEDY, 0.0), 0.0)
-        timed_steps(core, 2)  # prefills
+            admitted(core, Request(f"h{i}", rng.integers(1000, 30000, 16, dtype=np.int32), params, 0.0))
+        timed_steps(core, 1)  # the prefills
         decode.append(timed_steps(core, 30))
     admit = {}
     for caching in (False, True):
@@ -288,8 +348,8 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, grid: Grid) -> d
         for n in grid.host_admit_tokens:
             samples = []
             for k in range(5):
-                core = EngineCore(cfg, num_gpu_blocks=-(-n // cfg.block_size) + 8, max_model_len=max(max_model_len, n + 1))
-                core.add_request(Request(f"a{k}", rng.integers(1000, 30000, n, dtype=np.int32), GREEDY, 0.0), 0.0)
+                core = EngineCore(cfg, num_gpu_blocks=-(-(n + 64) // bs) + 8, max_model_len=max(max_model_len, n + 65))
+                admitted(core, Request(f"a{k}", rng.integers(1000, 30000, n, dtype=np.int32), params, 0.0))
                 samples.append(timed_steps(core, 1))
             times.append(statistics.median(samples))
         admit["prefix_caching" if caching else "plain"] = times
@@ -308,7 +368,9 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
     f = StepFactory(executor.num_gpu_blocks, config.block_size, executor.vocab_size, config.seed)
     m = StepMeasurer(executor, grid)
     total = (len(grid.decode_batches) + len(grid.row_batches)) * len(grid.contexts) \
-        + len(grid.chunk_tokens) * len(grid.chunk_contexts) + grid.num_validation
+        + len(grid.chunk_tokens) * len(grid.chunk_contexts) \
+        + (len(grid.tail_batches) + len(grid.row_batches)) * len(grid.tail_deltas) \
+        + grid.num_validation
     bar = None
     if progress:
         from tqdm import tqdm
@@ -318,8 +380,10 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
     try:
         result = {
             "decode": sweep_decode(m, f, grid, capacity, tick),
+            "decode_tail": sweep_tail(m, f, grid, capacity, tick),
             "chunk": sweep_chunks(m, f, grid, capacity, max_model_len, tick),
             "decode_rows": sweep_decode_rows(m, f, grid, capacity, tick),
+            "rows_tail": sweep_rows_tail(m, f, grid, capacity, tick),
             "validation": validation_steps(m, f, grid, config, max_model_len, capacity, tick),
             "engine_host": engine_host_costs(config, max_model_len, grid),
         }
