@@ -57,7 +57,7 @@ class Grid:
     chunk_tokens: list[int]
     chunk_contexts: list[int]
     row_batches: list[int]
-    num_validation: int = 40
+    num_validation: int = 30
     reps: int = 5
     warmup: int = 2
     tail_batches: list[int] = field(default_factory=lambda: list(TAIL_BATCHES))
