@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Simulator fidelity on one GPU, one model per call: profile it, then replay the fidelity cases on the same
 # loaded model. Everything lands under $OUT (the profile, a tarball of the run directories, the log).
-#   [LIMIT=N] bash benchmarks/device_fidelity.sh MODEL [CASES|all|none] [BUDGET_S] [PROFILE|noprofile]
+#   [LIMIT=N] [REPS=N] bash benchmarks/device_fidelity.sh MODEL [CASES|all|none] [BUDGET_S] [PROFILE|noprofile]
 # The simulator side runs anywhere afterwards: python benchmarks/fidelity.py sim RUNS --profile PROFILE
 set -o pipefail
 model=${1:?model preset, e.g. Llama-3.2-1B}
@@ -17,4 +17,5 @@ args=(--model "$model" --out "/tmp/runs_${model}_${gpu}" --tar "$OUT/runs_${mode
 [ "$profile" != noprofile ] && args+=(--profile-out "$profile")
 [ "$cases" != all ] && args+=(--cases "$cases")
 [ -n "$LIMIT" ] && args+=(--limit "$LIMIT")
+[ -n "$REPS" ] && args+=(--reps "$REPS")
 python3 benchmarks/fidelity.py real "${args[@]}" 2>&1 | tee "$OUT/log_${model}_${gpu}.txt"

@@ -49,7 +49,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {out}: is a directory; give the profile JSON file to write")
     out.parent.mkdir(parents=True, exist_ok=True)
     prof = build_profile(args.model, engine_config(args), args.load_format, args.dtype, args.device,
-                         args.enforce_eager, args.quick, progress=not args.no_progress)
+                         args.enforce_eager, args.quick, progress=not args.no_progress, reps=args.reps)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(prof, indent=1) + "\n")
     tmp.replace(out)
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (profile an eager engine)")
     p.add_argument("--output", "-o", required=True, help="profile JSON to write")
     p.add_argument("--quick", action="store_true", help="a few points of each sweep (a smoke test, not a profile)")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per point, median taken (default 5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_profile)
 

@@ -137,7 +137,7 @@ class ProfiledCostModel:
                      for ur, er in zip(t["attention_s"], t["even_attention_s"])]
             self.rows_tail = Table2D(t["batch"], [0] + t["delta"], extra)
         self.prep_coef = fit_nonnegative(host_X, host_y)
-        self.eager_launch = statistics.median(launch)
+        self.eager_launch = statistics.fmean(launch)
         self.sync_gap = max(0.0, statistics.median(eps))
         # engine host work: per decode batch size, and per admitted prompt token
         self.engine_step = Table1D(eh["decode_batch"], eh["decode_step_s"])

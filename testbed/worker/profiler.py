@@ -358,12 +358,16 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, grid: Grid) -> d
 
 
 def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick: bool = False,
-                progress: bool = True) -> dict:
+                progress: bool = True, reps: int | None = None) -> dict:
     """Every sweep on `executor` (built for `config`); returns the profile's measured grid (no metadata)."""
     runner = executor.runner
     max_model_len = executor.max_model_len
     graph_sizes = list(getattr(runner, "graph_sizes", []))
     grid = grid or default_grid(config, max_model_len, graph_sizes, quick)
+    if reps is not None:
+        if reps < 1:
+            raise ValueError(f"--reps must be >= 1, got {reps}")
+        grid.reps = reps
     capacity = executor.num_gpu_blocks * config.block_size
     f = StepFactory(executor.num_gpu_blocks, config.block_size, executor.vocab_size, config.seed)
     m = StepMeasurer(executor, grid)
@@ -415,13 +419,13 @@ def gpu_preset_name(name: str) -> str:
 
 def build_profile(model: str | None, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
                   device: str | None = None, enforce_eager: bool = False, quick: bool = False,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, reps: int | None = None) -> dict:
     """Build the executor a serving run would use for these flags, sweep it, and return the profile."""
     from testbed.worker.executor import create_executor
     t0 = time.perf_counter()
     executor = create_executor(model, config, load_format, dtype, device, enforce_eager)
     try:
-        prof = profile_executor(executor, model, config, load_format, enforce_eager, quick, progress)
+        prof = profile_executor(executor, model, config, load_format, enforce_eager, quick, progress, reps)
     finally:
         executor.shutdown()
     prof["setup_s"] = time.perf_counter() - t0 - prof["sweep_wall_s"]
@@ -429,13 +433,14 @@ def build_profile(model: str | None, config: EngineConfig, load_format: str = "a
 
 
 def profile_executor(executor, model: str | None, config: EngineConfig, load_format: str = "auto",
-                     enforce_eager: bool = False, quick: bool = False, progress: bool = True) -> dict:
+                     enforce_eager: bool = False, quick: bool = False, progress: bool = True,
+                     reps: int | None = None) -> dict:
     """Sweep an executor built for `config` and return the profile: the measured grid plus model,
     hardware, engine flags, versions and git sha."""
     from pathlib import Path
 
     from testbed.rundir import environment_info
-    measured = run_profile(executor, config, quick=quick, progress=progress)
+    measured = run_profile(executor, config, quick=quick, progress=progress, reps=reps)
     runner, hf = executor.runner, executor.hf_config
     dev = device_name(runner.device)
     name = Path(model).name if model and load_format != "dummy" else (model or "SmolLM2-135M-Instruct")
