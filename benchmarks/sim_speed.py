@@ -21,17 +21,18 @@ from testbed.presets import get_model_spec
 from testbed.sim.cluster import simulate
 from testbed.sim.cost_model import RooflineCostModel, num_gpu_blocks
 from testbed.sim.hardware import get_gpu_spec
+from testbed.sim.run import load_cost_model
 from testbed.sim.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 
 
-def run_case(trace_path: Path, rate_scale: float, dp: int, repeat: int) -> dict:
+def run_case(trace_path: Path, rate_scale: float, dp: int, repeat: int, cost_model: str = "auto") -> dict:
     model, gpu = get_model_spec("Llama-3.1-8B"), get_gpu_spec("H100-SXM")
     cfg = EngineConfig(data_parallel_size=dp, dp_policy="least_loaded")
     blocks = num_gpu_blocks(model, gpu, cfg.block_size, cfg.gpu_memory_utilization)
-    cm = RooflineCostModel(model, gpu)
+    cm, cm_desc = load_cost_model(cost_model, model, gpu, cfg)
     best_sim = best_total = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -45,7 +46,8 @@ def run_case(trace_path: Path, rate_scale: float, dp: int, repeat: int) -> dict:
         summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl)
         t3 = time.perf_counter()
         best_sim, best_total = min(best_sim, t2 - t1), min(best_total, t3 - t0)
-    return {"case": f"{rate_scale:g}x rate, {dp} replica(s)", "requests": len(trace), "replicas": dp,
+    return {"case": f"{rate_scale:g}x rate, {dp} replica(s)", "cost_model": cm_desc, "requests": len(trace),
+            "replicas": dp,
             "simulated_s": res.sim_time, "steps": summary["num_steps"], "wall_sim_s": best_sim,
             "wall_total_s": best_total, "speedup_sim": res.sim_time / best_sim,
             "speedup_total": res.sim_time / best_total, "finished": summary["num_finished"],

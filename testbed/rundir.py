@@ -43,7 +43,7 @@ def environment_info() -> dict:
                              text=True, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         sha = None
-    sha = sha or os.environ.get("TESTBED_GIT_SHA")  # a copy of the tree without .git (e.g. a benchmark machine)
+    sha = os.environ.get("TESTBED_GIT_SHA") or sha  # set where the tree is a copy (e.g. on a benchmark machine)
     return {"git_sha": sha, "python": platform.python_version(), "versions": versions,
             "host": platform.node(), "platform": platform.platform(),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
