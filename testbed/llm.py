@@ -5,17 +5,17 @@ sans-I/O core: schedule at the wall clock, run the model, update at the wall clo
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
 
 from testbed.detokenizer import IncrementalDetokenizer
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
-from testbed.engine.request import Request, SamplingParams
+from testbed.engine.request import InvalidParam, Request, SamplingParams, check_token_ids, child_seed
 from testbed.worker.stepper import EngineStepper
 
 
@@ -97,14 +97,16 @@ class LLM:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> RequestOutput | None:
         """Queue one request; returns a finished 'rejected' output when the engine cannot serve it.
-        Token ids outside the vocabulary raise ValueError (the embedding would fail or, under TP, read zeros)."""
+        Bad input raises ValueError before the request is queued: sampling parameters out of range (checked
+        again here, as they may have been changed after construction) and token ids outside the vocabulary
+        (the embedding would fail or, under TP, read zeros)."""
         vocab = self.executor.vocab_size
-        ids = np.asarray(prompt_token_ids)
-        bad = None if ids.size == 0 or (ids.min() >= 0 and ids.max() < vocab) else \
-            int(ids[(ids < 0) | (ids >= vocab)][0])
-        if bad is not None:
-            raise ValueError(f"request {request_id!r}: prompt token id {bad} is outside the vocabulary [0, {vocab}); "
-                             "pass token ids from this model's tokenizer")
+        try:
+            params.verify(vocab)
+            check_token_ids(prompt_token_ids, vocab)
+        except InvalidParam as e:
+            raise ValueError(f"request {request_id!r}: {e.reason}; pass token ids from this model's tokenizer"
+                             if e.param == "prompt" else f"request {request_id!r}: {e.reason}") from None
         req = Request(request_id, prompt_token_ids, params, self.now() if arrival_time is None else arrival_time,
                       priority=priority, eos_token_id=self.eos_token_id)
         return self.engine.add_request(req, self.now())
@@ -140,7 +142,7 @@ class LLM:
                 self._next_id += 1
                 results.append(gen)
                 for k in range(sp.n):
-                    child = sp if sp.n == 1 else SamplingParams(**{**sp.__dict__, "n": 1, "seed": None if sp.seed is None else sp.seed + k})
+                    child = sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=child_seed(sp.seed, k))
                     rid = gen.request_id if sp.n == 1 else f"{gen.request_id}-{k}"
                     rejected = self.add_request(rid, ids, child)
                     if rejected is not None:

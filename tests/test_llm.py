@@ -389,3 +389,42 @@ def test_dummy_weights_take_token_ids_only():
             assert c.finish_reason == "length" and c.text == ""
     finally:
         llm.executor.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_failing_in_sampling_ends_with_an_error_and_the_engine_goes_on(async_scheduling):
+    """A request's parameters changed after admission (so no validation saw them) make the real sampler
+    raise; that request ends with finish_reason "error", the requests batched with it finish with the
+    tokens they get alone, and the engine serves the next call."""
+    llm = LLM("SmolLM2-135M", load_format="dummy", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+              async_scheduling=async_scheduling)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        ref = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6]], greedy)]
+        llm.add_request("ok0", [1, 2, 3], greedy)
+        llm.add_request("bad", [7, 8, 9], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
+        llm.add_request("ok1", [4, 5, 6], greedy)
+        outs: dict[str, list] = {}
+        for step in range(50):
+            if step == 2:
+                llm.engine.requests["bad"].sampling_params.temperature = 1e-300  # 0 in float32: inf logits, NaN probs
+            for o in llm.step():
+                outs.setdefault(o.request_id, []).append(o)
+            if not llm.has_unfinished_requests():
+                break
+        bad = outs["bad"][-1]
+        assert bad.finish_reason == "error" and "probability tensor" in bad.stop_reason
+        assert 1 <= sum(len(o.new_token_ids) for o in outs["bad"]) < 6
+        for rid, tokens in zip(("ok0", "ok1"), ref):
+            assert [t for o in outs[rid] for t in o.new_token_ids] == tokens and outs[rid][-1].finish_reason == "length"
+        assert [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6]], greedy)] == ref
+        # parameters changed before a call are checked again before anything is batched
+        sp = SamplingParams(max_tokens=2)
+        sp.top_k = 2**63
+        with pytest.raises(ValueError, match="top_k"):
+            llm.generate([[1, 2]], sp)
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            llm.generate([[1, 2]], SamplingParams(max_tokens=2, stop_token_ids=[49152]))
+        assert not llm.has_unfinished_requests()
+    finally:
+        llm.executor.shutdown()

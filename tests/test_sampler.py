@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from testbed.engine.request import SamplingParams
+from testbed.engine.request import InvalidParam, SamplingParams, child_seed
 from testbed.worker.sampler import Sampler
 
 CPU = torch.device("cpu")
@@ -125,3 +125,47 @@ def test_chunked_argmax_equals_argmax_with_ties(vocab):
         x[0, [5, vocab // 2, vocab - 1]] = 50.0  # ties across chunks: the first index wins
         x[n - 1, [vocab - 2, vocab - 1]] += 60.0 * (n > 1)
         assert torch.equal(argmax(x), x.argmax(-1)) and argmax(x)[0] == 5
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 1.0}, "n"),
+    ({"temperature": -1e-9}, "temperature"), ({"temperature": math.inf}, "temperature"),
+    ({"temperature": math.nan}, "temperature"), ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": math.nan}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 2**63}, "top_k"), ({"top_k": 2.0}, "top_k"),
+    ({"seed": 2**63}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2**63}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+    ({"stop": ""}, "stop"), ({"stop": ["ok", "a\ud800"]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+])
+def test_sampling_params_rejects_out_of_range_values(kwargs, param):
+    with pytest.raises(InvalidParam) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param and isinstance(e.value, ValueError)
+
+
+def test_sampling_params_normalises_and_checks_the_vocabulary():
+    assert SamplingParams(temperature=5e-324).greedy and SamplingParams(temperature=9.9e-6).temperature == 0.0
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5 and SamplingParams(top_k=-1).top_k == 0
+    SamplingParams(top_k=100, stop_token_ids=[99]).verify(100)
+    with pytest.raises(InvalidParam, match=r"top_k must be -1, 0 \(off\) or in \[1, 100\]"):
+        SamplingParams(top_k=101).verify(100)
+    with pytest.raises(InvalidParam, match=r"token id 100 is outside the vocabulary \[0, 100\)"):
+        SamplingParams(stop_token_ids=[5, 100]).verify(100)
+    sp = SamplingParams()
+    sp.top_k = 2**63  # changed after construction: verify checks everything again
+    with pytest.raises(InvalidParam, match="top_k"):
+        sp.verify(100)
+    assert child_seed(None, 3) is None and child_seed(7, 2) == 9
+    assert child_seed(2**63 - 1, 1) == -2**63 and child_seed(-2**63, 0) == -2**63
+
+
+def test_extreme_valid_values_sample_the_most_likely_token():
+    """A top_p below float32's smallest number once masked every token (NaN probabilities); a top_k above
+    the vocabulary once overflowed the tensor of ks."""
+    for params in (SamplingParams(temperature=1.0, top_p=1e-46), SamplingParams(temperature=1.0, top_p=5e-324),
+                   SamplingParams(temperature=1.0, top_k=1, top_p=1e-46), SamplingParams(temperature=5e-324)):
+        assert set(_draw(params, 200)) == {0}, params
+    assert set(_draw(SamplingParams(temperature=1.0, top_k=2**62), 3000)) == set(range(len(PROBS)))

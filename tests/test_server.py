@@ -376,6 +376,60 @@ def test_400_invalid_input(http, path, body, param):
     assert err["type"] == "invalid_request_error"
 
 
+INT64_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # each of these once killed the engine core (the sampler overflowed or drew from NaN probabilities),
+    # answered a plain-text 500, or was accepted without a bound
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "top_k": 2**63}, "top_k"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "top_k": 49153}, "top_k"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "top_k": -2}, "top_k"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "seed": 2**70}, "seed"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "seed": 2**64 - 1, "n": 2}, "seed"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "seed": -2**63 - 1}, "seed"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "priority": 2**70}, "priority"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "min_tokens": 2**70}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 2**70}, "min_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2**70}, "max_tokens"),
+    ("/v1/completions", '{"prompt": "Hi", "max_tokens": 4, "temperature": 1e999}', "temperature"),
+    ("/v1/completions", '{"prompt": "Hi", "max_tokens": 4, "top_p": 1e-999}', "top_p"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "n": 1000}, "n"),
+    ("/v1/completions", {"prompt": [PROMPT] * 9, "max_tokens": 4, "n": 128}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stop_token_ids": [49152]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [1, 2**64], "max_tokens": 4}, "prompt"),
+    ("/detokenize", {"tokens": [2**70]}, "tokens"),
+])
+def test_400_out_of_range_values(http, path, body, param):
+    err = _error(http, path, body, 400, param, headers={"content-type": "application/json"})
+    assert err["type"] == "invalid_request_error"
+    assert_serving(http)
+
+
+@pytest.mark.parametrize("literal", ["Infinity", "-Infinity", "NaN"])
+def test_400_non_finite_temperature(http, literal):
+    body = '{"prompt": "%s", "max_tokens": 4, "temperature": %s}' % (PROMPT, literal)
+    _error(http, "/v1/completions", body, 400, "temperature", headers={"content-type": "application/json"})
+    assert_serving(http)
+
+
+def test_extreme_but_valid_sampling_values_are_greedy(client, http):
+    """Temperatures below 1e-5 are greedy, and a top_p below float32's range keeps the most likely token."""
+    greedy, _ = _completion_text(client, prompt=PROMPT, max_tokens=4, temperature=0)
+    for extra in ({"temperature": 5e-324}, {"temperature": 1e-6}, {"temperature": 1.0, "top_p": 1e-46},
+                  {"temperature": 1.0, "top_k": 1, "top_p": 5e-324}):
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == greedy, extra
+    # seed + choice index wraps inside int64: the largest seed with n=2 runs both choices
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "seed": INT64_MAX, "n": 2,
+                                           "stream": False})
+    assert r.status_code == 200, r.text
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length", "length"]
+    assert_serving(http)
+
+
 def test_400_bad_json_and_wrong_types(http):
     _error(http, "/v1/completions", b'{"prompt": "x", ', 400, headers={"content-type": "application/json"})
     _error(http, "/v1/completions", b"[1, 2]", 400, headers={"content-type": "application/json"})

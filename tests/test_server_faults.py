@@ -54,6 +54,10 @@ def test_waiting_bound_503_then_sigterm_drains_in_flight(tmp_path):
 
     async def scenario() -> int:
         async with httpx.AsyncClient(timeout=120) as h:
+            # seeds outside int64 once got a plain-text 500 after taking a waiting slot for good
+            for seed in (2**70, 2**64 - 1, 2**70):
+                r = await h.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "seed": seed})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
             # A runs (the only seat), B waits: the bound of 1 waiting request is reached
             a = await open_stream(h, url, 12)
             b = await open_stream(h, url, 3, first_chunk=False)
@@ -130,10 +134,13 @@ def test_engine_crash_ends_every_in_flight_request_with_an_error(tmp_path):
 
 # ---- an exception inside the engine core, with executors that fail on purpose ------------------------
 class _FailingExecutor:
+    """An executor that is broken as a whole (not on one request's data), so the engine core must stop."""
+
     num_gpu_blocks, max_model_len, eos_token_id, vocab_size = 64, 128, None, 1000
 
     def execute(self, so):
-        raise RuntimeError("boom in execute")
+        from testbed.worker.stepper import ExecutorFailure
+        raise ExecutorFailure("boom in execute")
 
     def shutdown(self) -> None:
         pass
@@ -162,25 +169,87 @@ def tests_on_path(monkeypatch):
     monkeypatch.syspath_prepend(here)
 
 
+MARK = [42, 4242, 42, 4242]  # a prompt starting with these token ids makes `marked_request_fails` raise
+
+
+def marked_request_fails(model, config, **kw):
+    """The real executor (bundled SmolLM2), except that any step holding a request whose prompt starts
+    with MARK raises, as a sampler or input preparation failing on one request's data would."""
+    from testbed.worker.executor import UniprocExecutor
+
+    class MarkedRequestFails(UniprocExecutor):
+        def _check(self, so) -> None:
+            if any(list(r.prompt_token_ids[:len(MARK)]) == MARK for r in so.requests):
+                raise RuntimeError("injected failure on a marked request")
+
+        def execute(self, so):
+            self._check(so)
+            return super().execute(so)
+
+        def execute_async(self, so):
+            self._check(so)
+            return super().execute_async(so)
+
+    return MarkedRequestFails(model, config, **kw)
+
+
+def test_a_request_the_executor_fails_on_ends_with_an_error_and_the_engine_goes_on(tmp_path, tests_on_path):
+    srv = ServerProcess("--executor-factory", f"{Path(__file__).stem}:marked_request_fails",
+                        log_dir=tmp_path).wait_ready()
+    url = srv.url
+    engine = srv.engine_pid()
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=60) as h:
+            normal = await open_stream(h, url, 24)
+            marked = {"prompt": MARK + [5, 6, 7], "max_tokens": 5, "ignore_eos": True}
+            r = await h.post(f"{url}/v1/completions", json=marked)
+            assert r.status_code == 500, r.text
+            err = r.json()["error"]
+            assert err["code"] == "generation_failed" and "injected failure" in err["message"]
+            async with h.stream("POST", f"{url}/v1/completions", json={**marked, "stream": True}) as s:
+                events = sse_events([line async for line in s.aiter_lines()])
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "generation_failed"
+            chat = await h.post(f"{url}/v1/chat/completions",
+                                json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+            assert chat.status_code == 200, chat.text
+            ev = await read_rest(*normal)
+            assert tokens_of(ev) == 24 and ev[-1] == "[DONE]"
+            assert not any("error" in x for x in ev if isinstance(x, dict))
+            assert (await h.get(f"{url}/health")).status_code == 200
+            page = (await h.get(f"{url}/metrics")).text
+            assert metric(page, "testbed:request_success_total", finished_reason="error") == 2
+            assert metric(page, "testbed:num_requests_running") == 0
+
+    try:
+        asyncio.run(scenario())
+        assert srv.engine_pid() == engine  # the same engine core served on
+        assert srv.terminate() == 0, srv.log_text()
+    finally:
+        srv.kill()
+
+
 def test_engine_exception_is_reported_then_process_dies(tests_on_path):
     from testbed.server.client import EngineDeadError
 
     async def scenario() -> None:
         client = _client(f"{Path(__file__).stem}:failing_executor")
-        ready = await asyncio.wait_for(client.start(), 60)
-        assert ready.max_model_len == 128 and ready.num_gpu_blocks == 64
-        stream = client.add("r1", [1, 2, 3], time.time(), max_tokens=4, temperature=0.0)
-        with pytest.raises(EngineDeadError, match="boom in execute"):
-            await asyncio.wait_for(stream.get(), 30)
-        assert client.is_dead
-        deadline = time.monotonic() + 10
-        while client.proc.poll() is None:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        assert client.proc.returncode == 1
-        with pytest.raises(EngineDeadError):
-            client.add("r2", [1], time.time(), max_tokens=1)
-        await client.shutdown()
+        try:
+            ready = await asyncio.wait_for(client.start(), 60)
+            assert ready.max_model_len == 128 and ready.num_gpu_blocks == 64
+            stream = client.add("r1", [1, 2, 3], time.time(), max_tokens=4, temperature=0.0)
+            with pytest.raises(EngineDeadError, match="boom in execute"):
+                await asyncio.wait_for(stream.get(), 30)
+            assert client.is_dead
+            deadline = time.monotonic() + 10
+            while client.proc.poll() is None:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert client.proc.returncode == 1
+            with pytest.raises(EngineDeadError):
+                client.add("r2", [1], time.time(), max_tokens=1)
+        finally:
+            await client.shutdown()
 
     asyncio.run(scenario())
 

@@ -170,6 +170,14 @@ class BlockManager:
             elif ref_cnt[b] < 0:
                 raise AssertionError(f"double free of block {b} by request {request_id!r}")
 
+    def uncache(self, request_id: str) -> None:
+        """Take a request's blocks out of the prefix cache (their contents may be wrong), before `free`."""
+        h2b, block_hash = self.hash_to_block, self.block_hash
+        for b in self.req_blocks.get(request_id, ()):
+            if block_hash[b] is not None:
+                del h2b[block_hash[b]]
+                block_hash[b] = None
+
     def reset_prefix_cache(self) -> None:
         """Forget every CACHED block (used blocks keep their hashes until freed)."""
         for b in self.cached:

@@ -37,8 +37,8 @@ class ReplicaStats:
 class EngineCore:
     """Admission (with stated rejections), scheduling, token bookkeeping and stop checks.
 
-    Invariant: every request added ends exactly once, as stop / length / abort / rejected, and is
-    then recorded in `records.requests`.
+    Invariant: every request added ends exactly once, as stop / length / abort / rejected / error, and
+    is then recorded in `records.requests`.
     """
 
     def __init__(self, config: EngineConfig, num_gpu_blocks: int | None = None, max_model_len: int | None = None,
@@ -118,6 +118,8 @@ class EngineCore:
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         if req.first_scheduled_time is None:
             self.num_waiting_tokens -= req.num_prompt_tokens
+        if status == RequestStatus.FINISHED_ERROR:  # its failed step may have left its blocks half written
+            self.block_manager.uncache(req.request_id)
         self.scheduler.finish(req, status)
         req.finish_time = now
         self.records.record_request(req)
@@ -169,6 +171,14 @@ class EngineCore:
             elif stream:
                 outputs.append(RequestOutput(req.request_id, [tok], False, None, None, req.num_cached_tokens,
                                              None if lp is None else [lp]))
+        if out.errors:
+            for rid, reason in out.errors.items():
+                req = self.requests.get(rid)
+                if req is not None:
+                    req.stop_reason = reason
+                    self._finish(req, RequestStatus.FINISHED_ERROR, now)
+                    any_finished = True
+                    outputs.append(RequestOutput(rid, [], True, "error", reason, max(req.num_cached_tokens, 0)))
         if any_finished:
             self.scheduler.drop_finished()
         start, used, waiting, running_n = so.step_state

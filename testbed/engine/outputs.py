@@ -37,6 +37,17 @@ class SchedulerOutput:
     def num_reqs(self) -> int:
         return len(self.requests)
 
+    def subset(self, rows: list[int]) -> "SchedulerOutput":
+        """The same step restricted to `rows` (to run requests on their own after a failed step);
+        the aggregates stay those of the whole step."""
+        ids = {self.requests[i].request_id for i in rows}
+        return SchedulerOutput(
+            [self.requests[i] for i in rows], [self.num_new_tokens[i] for i in rows],
+            [self.num_computed_before[i] for i in rows], [self.block_ids[i] for i in rows],
+            self.new_req_ids & ids, [], self.finished_req_ids, self.total_num_scheduled_tokens,
+            self.num_prefill_tokens, self.num_decode_tokens, self.sum_context_tokens, self.sum_attn_pairs,
+            self.step_state)
+
     @property
     def is_empty(self) -> bool:
         return not self.requests
@@ -46,12 +57,15 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What an executor returns: one sampled token per scheduled request (-1 where the request was
     mid-prompt and sampled nothing), optional logprobs, how long the step took (seconds), and optionally
-    where that time went (an executor-specific record, e.g. the worker's StepTiming; the core ignores it)."""
+    where that time went (an executor-specific record, e.g. the worker's StepTiming; the core ignores it).
+    `errors` maps the requests the executor failed on (their token is -1) to the reason; the core
+    ends them with finish_reason "error" and the others go on."""
 
     sampled_token_ids: list[int]
     duration: float = 0.0
     logprobs: list | None = None  # per request: None or (token_logprob, [(token_id, logprob), ...])
     timing: object | None = None
+    errors: dict[str, str] | None = None
 
 
 @dataclass(slots=True)

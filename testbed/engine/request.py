@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import enum
+import math
+import operator
 from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 
 class RequestStatus(enum.IntEnum):
@@ -16,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_REJECTED = 6
+    FINISHED_ERROR = 7  # the executor failed on this request (its data); the engine went on
 
     @property
     def finished(self) -> bool:
@@ -31,12 +36,70 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_REJECTED: "rejected",
+    RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the engine stores ids, seeds and priorities as int64
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-30 overflow
+MAX_N = 128  # sequences per prompt (OpenAI's bound on `n`)
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's bound)
+
+
+class InvalidParam(ValueError):
+    """A request parameter out of range; `param` names it (the API server answers 400 with it)."""
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"SamplingParams: {param} {reason}")
+        self.param, self.reason = param, f"{param} {reason}"
+
+
+def _int_in(v, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_priority(priority) -> None:
+    """A request's scheduling priority must fit the engine's int64."""
+    if not _int_in(priority, INT64_MIN, INT64_MAX):
+        raise InvalidParam("priority", f"must be an integer in [-2**63, 2**63 - 1], got {priority!r}")
+
+
+def _is_token(t, vocab_size: int) -> bool:
+    try:
+        return not isinstance(t, bool) and 0 <= operator.index(t) < vocab_size
+    except TypeError:
+        return False
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+    """Every token id must index the vocabulary (the embedding reads out of bounds otherwise). Integer
+    lists and arrays are checked with numpy; anything else id by id."""
+    if len(ids) == 0:
+        return
+    arr = np.asarray(ids) if not isinstance(ids, np.ndarray) else ids
+    if arr.ndim == 1 and arr.dtype.kind in "iu" and arr.min() >= 0 and arr.max() < vocab_size:
+        return
+    for t in ids:
+        if not _is_token(t, vocab_size):
+            shown = int(t) if isinstance(t, (int, np.integer)) and not isinstance(t, bool) else repr(t)
+            raise InvalidParam(param, f"token id {shown} is outside the vocabulary [0, {vocab_size})")
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Seed of sequence `index` of an n > 1 request: seed + index, wrapped into int64."""
+    return None if seed is None else (seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
 @dataclass
 class SamplingParams:
-    """Per-request generation settings with vLLM's names. `top_k` 0 or -1 means off."""
+    """Per-request generation settings with vLLM's names; the one validator of them, for the offline
+    API and the API server alike. Construction checks every range that does not depend on the model
+    (InvalidParam naming the field) and normalises: `top_k` -1 becomes 0 (off), a temperature below
+    SAMPLING_EPS becomes 0 (greedy). `verify(vocab_size)` adds the vocabulary-dependent checks."""
 
     n: int = 1
     temperature: float = 1.0
@@ -55,27 +118,56 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        checks = [
-            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 0, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (all(s for s in self.stop), "stop strings must be non-empty"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams: {msg}")
+        if not _int_in(self.n, 1, MAX_N):
+            raise InvalidParam("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        t = self.temperature
+        if not (_number(t) and 0 <= t < math.inf):
+            raise InvalidParam("temperature", f"must be a finite number >= 0, got {t!r}")
+        self.temperature = 0.0 if t < SAMPLING_EPS else float(t)
+        if not (_number(self.top_p) and 0 < self.top_p <= 1):
+            raise InvalidParam("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _int_in(self.top_k, -1, INT64_MAX):
+            raise InvalidParam("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not _int_in(self.seed, INT64_MIN, INT64_MAX):
+            raise InvalidParam("seed", f"must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        if self.max_tokens is not None and not _int_in(self.max_tokens, 1, INT64_MAX):
+            raise InvalidParam("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _int_in(self.min_tokens, 0, INT64_MAX):
+            raise InvalidParam("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidParam("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
+            raise InvalidParam("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidParam("stop", f"strings must be non-empty, got {s!r}")
+            check_text(s, "stop")
+        check_token_ids(self.stop_token_ids, INT64_MAX, "stop_token_ids")
         if self.top_k == -1:
             self.top_k = 0
+
+    def verify(self, vocab_size: int) -> "SamplingParams":
+        """Check everything again (a field may have been set after construction) plus what depends on
+        the model: top_k up to the vocabulary size, stop_token_ids inside the vocabulary."""
+        self.__post_init__()
+        if self.top_k > vocab_size:
+            raise InvalidParam("top_k", f"must be -1, 0 (off) or in [1, {vocab_size}] (the vocabulary size), "
+                                        f"got {self.top_k}")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_text(text: str, param: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (JSON "\\ud800") cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParam(param, f"holds a lone surrogate {text[e.start]!r} at character {e.start}, which is "
+                                  "not valid Unicode text; send UTF-8 text") from None
 
 
 class Request:
@@ -107,6 +199,7 @@ class Request:
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
+        check_priority(priority)
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)

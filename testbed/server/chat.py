@@ -8,7 +8,8 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from testbed.server.schemas import MAX_LOGPROBS, ChatCompletionRequest, ChatMessage, bad_request
+from testbed.engine.request import MAX_LOGPROBS
+from testbed.server.schemas import ChatCompletionRequest, ChatMessage, bad_request
 from testbed.server.serving import LOGPROB_FLOOR, GenerationRun, sampling_params
 from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
@@ -63,7 +64,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     prompt = render_chat(state, req.messages, req.add_generation_prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    sp = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop)
+    sp = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop)
     run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.include_stop_str_in_output,
                         req.skip_special_tokens, req.priority)
     run.start()

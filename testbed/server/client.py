@@ -26,7 +26,11 @@ WATCH_INTERVAL_S = 0.1
 
 
 class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; the server answers 503 from now on."""
+    """The engine-core process is gone (or the server is stopping); the server answers 503 with `code`."""
+
+    def __init__(self, message: str, code: str = "engine_dead") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class RequestStream:
@@ -179,15 +183,16 @@ class EngineClient:
         one, e.g. the n choices of one HTTP request), a new one if None. `params`: AddRequest fields."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
-        stream = stream if stream is not None else RequestStream(request_id)
-        self.streams[request_id] = stream
-        self.sent_seq += 1
-        msg = P.AddRequest(self.sent_seq, request_id, prompt_token_ids, arrival_time, **params)
+        # encode first: a request that cannot be sent must leave no stream and no sequence number behind
+        data = P.encoder.encode(P.AddRequest(self.sent_seq + 1, request_id, prompt_token_ids, arrival_time, **params))
         try:
-            self.inp.send(P.encoder.encode(msg), zmq.NOBLOCK, copy=False)
+            self.inp.send(data, zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:  # no peer: the process died and the watchdog has not seen it yet
             self._die(f"cannot reach the engine-core process ({e})")
             raise EngineDeadError(f"engine core is dead: {self.dead_reason}") from None
+        self.sent_seq += 1
+        stream = stream if stream is not None else RequestStream(request_id)
+        self.streams[request_id] = stream
         return stream
 
     def abort(self, request_ids: list[str]) -> None:

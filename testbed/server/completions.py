@@ -68,7 +68,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute; "
                           "drop one of them", "echo")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    sp = sampling_params(req, req.max_tokens, req.logprobs, stop)
+    sp = sampling_params(state, req, req.max_tokens, req.logprobs, stop)
     run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.include_stop_str_in_output,
                         req.skip_special_tokens, req.priority)
     echoes = [(t if t is not None else state.detokenize(p)) if req.echo else "" for p, t in zip(prompts, texts)]

@@ -22,7 +22,7 @@ import zmq
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
-from testbed.engine.request import Request, SamplingParams
+from testbed.engine.request import Request, SamplingParams, check_token_ids
 from testbed.server import freeze_startup_heap
 from testbed.server import protocol as P
 from testbed.worker.stepper import EngineStepper
@@ -86,6 +86,7 @@ class EngineProc:
         self.running = True
         self.core: EngineCore | None = None
         self.eos: int | None = None
+        self.vocab_size = 0
 
     def send(self, msg) -> None:
         self.out.send(P.encoder.encode(msg), copy=False)
@@ -99,6 +100,7 @@ class EngineProc:
         self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len)
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
         self.eos = executor.eos_token_id
+        self.vocab_size = executor.vocab_size
         log = StepLog(self.cfg.log_steps) if self.cfg.log_steps else None
         freeze_startup_heap()  # the model, torch and compiled kernels: alive for the process's life
         self.send(P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
@@ -165,13 +167,14 @@ class EngineProc:
         """Queue one request; a bad one is rejected (with the reason) rather than killing the engine."""
         self.acked_seq = m.seq
         now = time.time()
-        try:
+        try:  # the API server validated it already; checked again so that no input can reach a step unchecked
             sp = SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, seed=m.seed,
                                 max_tokens=m.max_tokens, min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids,
-                                ignore_eos=m.ignore_eos, logprobs=m.logprobs)
+                                ignore_eos=m.ignore_eos, logprobs=m.logprobs).verify(self.vocab_size)
+            check_token_ids(m.prompt_token_ids, self.vocab_size)
             req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, self.eos)
             return self.core.add_request(req, now)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             return RequestOutput(m.request_id, [], True, "rejected", str(e))
 
     def stats(self) -> P.SchedulerStats:

@@ -10,8 +10,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-MAX_LOGPROBS = 20
-
 
 class APIError(Exception):
     """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""

@@ -11,35 +11,31 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from testbed.engine.request import SamplingParams
+from testbed.engine.request import InvalidParam, SamplingParams, check_priority, child_seed
 from testbed.server.client import EngineDeadError, RequestStream
 from testbed.detokenizer import IncrementalDetokenizer
-from testbed.server.schemas import MAX_LOGPROBS, APIError, bad_request
+from testbed.server.schemas import APIError, bad_request
 from testbed.server.state import ServerState
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
+MAX_CHOICES = 1024  # prompts x n of one HTTP request (each is a core request with its own detokenizer)
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None, stop: list[str]) -> SamplingParams:
-    """Validate the shared sampling fields (400 naming the parameter) into SamplingParams."""
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}", "logprobs")
+def sampling_params(state: ServerState, req, max_tokens: int | None, logprobs: int | None,
+                    stop: list[str]) -> SamplingParams:
+    """Validate the shared sampling fields through SamplingParams (the offline API's validator too),
+    with the served model's vocabulary, into a 400 naming the parameter."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-    if any(not s for s in stop):
-        raise bad_request("stop strings must be non-empty", "stop")
     try:
+        check_priority(req.priority)
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
-            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs)
-    except ValueError as e:
-        param = next((p for p in ("n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "logprobs", "stop")
-                      if f"SamplingParams: {p} " in str(e)), None)
-        raise bad_request(str(e).removeprefix("SamplingParams: "), param) from None
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs).verify(state.vocab_size)
+    except InvalidParam as e:
+        raise bad_request(e.reason, e.param) from None
 
 
 class Choice:
@@ -71,6 +67,9 @@ class GenerationRun:
         self.arrival = time.time()
         if sp.stop and state.tokenizer is None:
             raise bad_request("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
+        if len(prompts) * sp.n > MAX_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={sp.n} asks for {len(prompts) * sp.n} sequences; this "
+                              f"server generates at most {MAX_CHOICES} per request: split it", "n")
         for p in prompts:
             self._check_length(p, sp.max_tokens)
         self.choices: list[Choice] = []
@@ -101,7 +100,9 @@ class GenerationRun:
                               "shorten it", "max_tokens")
 
     def start(self) -> None:
-        """Admit every choice or none: 503 when the engine is dead or the waiting bound is reached."""
+        """Admit every choice or none: 503 when the engine is dead or the waiting bound is reached. A
+        failure part way (the engine died) aborts the choices already sent, so none runs orphaned and
+        no waiting slot or arrival entry is left behind."""
         st, client = self.state, self.state.client
         if client.is_dead:
             raise APIError(503, f"engine core is dead: {client.dead_reason}", None, "engine_dead")
@@ -109,19 +110,24 @@ class GenerationRun:
         if bound is not None and client.num_waiting_estimate + len(self.choices) > bound:
             raise APIError(503, f"too many waiting requests (bound {bound}, --max-num-waiting); retry later",
                            None, "waiting_queue_full")
-        for c in self.choices:
-            st.arrivals[c.request_id] = self.arrival
-            try:
+        sent: list[str] = []
+        try:
+            for c in self.choices:
                 self._add(c)
-            except EngineDeadError as e:
-                self._fail_all()
-                raise APIError(503, str(e), None, "engine_dead") from None
+                sent.append(c.request_id)
+                st.arrivals[c.request_id] = self.arrival
+        except BaseException as e:
+            client.abort(sent)
+            self._fail_all()
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), None, e.code) from None
+            raise
 
     def _add(self, c: Choice) -> None:
         sp = self.sp
         self.state.client.add(c.request_id, self.prompts[c.prompt_index], self.arrival, stream=self.stream,
                               max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                              seed=None if sp.seed is None else sp.seed + c.index % sp.n, min_tokens=sp.min_tokens,
+                              seed=child_seed(sp.seed, c.index % sp.n), min_tokens=sp.min_tokens,
                               stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, logprobs=sp.logprobs,
                               priority=self.priority)
 
@@ -147,7 +153,7 @@ class GenerationRun:
                 out = self.stream.get_nowait()
         except EngineDeadError as e:
             self._fail_all()
-            raise APIError(503, str(e), None, "engine_dead") from None
+            raise APIError(503, str(e), None, e.code) from None
         return list(changed.values())
 
     def _apply(self, c: Choice, out) -> None:
@@ -155,6 +161,9 @@ class GenerationRun:
         if out.finish_reason == "rejected":
             self._finish(c, "error", None, now)
             raise APIError(503 if "waiting" in str(out.stop_reason) else 400, f"request rejected: {out.stop_reason}")
+        if out.finish_reason == "error":  # the executor failed on this request; the engine goes on
+            self._finish(c, "error", None, now)
+            raise APIError(500, f"generation failed: {out.stop_reason}", None, "generation_failed")
         before = c.detok.num_tokens
         stopped = c.detok.add(out.new_token_ids)
         n = c.detok.num_tokens - before

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from testbed.engine.request import InvalidParam, check_token_ids
 from testbed.server.client import EngineClient
 from testbed.detokenizer import TokenTexts
 from testbed.server.metrics import ServerMetrics
@@ -53,9 +54,10 @@ class ServerState:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param)
+        try:
+            check_token_ids(ids, self.vocab_size, param)
+        except InvalidParam as e:
+            raise bad_request(e.reason.removeprefix(f"{param} "), param) from None
 
 
 def new_id(prefix: str) -> str:

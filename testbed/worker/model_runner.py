@@ -21,6 +21,7 @@ from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.worker.context import reset_context, set_context
 from testbed.worker.model import LlamaForCausalLM
 from testbed.worker.sampler import Sampler
+from testbed.worker.stepper import ExecutorFailure
 from testbed.worker.timing import StepTimer
 
 CPU_KV_CACHE_BYTES = 2 << 30
@@ -305,10 +306,17 @@ class ModelRunner:
             self.broadcast_inputs(x)
         if timer is not None:
             timer.prepared(t0)
-        hidden = self.forward(x)
-        if timer is not None:
-            timer.mark()
-        logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+        try:
+            hidden = self.forward(x)
+            if timer is not None:
+                timer.mark()
+            logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+        except Exception as e:
+            if self.broadcast_inputs is None:
+                raise
+            # the other ranks wait in this step's collectives: the group is out of step for good
+            raise ExecutorFailure(f"rank 0's forward failed after the other tensor-parallel ranks started the "
+                                  f"step ({type(e).__name__}: {e})") from e
         reqs = so.requests
         params = [reqs[i].sampling_params for i in rows]
         sampled = self.sampler.sample(logits, params, [reqs[i].request_id for i in rows]) if rows else None

@@ -21,12 +21,13 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.worker.model_runner import ModelRunner, StepInputs
 from testbed.worker.resolve import model_limits, resolve_device, resolve_dtype
+from testbed.worker.stepper import ExecutorFailure
 
 CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
 HEADER = 7  # cmd, T, B, max_blocks, n_sample, is_decode, arg
 
 
-class TPWorkerError(RuntimeError):
+class TPWorkerError(ExecutorFailure):
     """A tensor-parallel rank died or stopped answering; the group is unusable from then on."""
 
 
@@ -163,6 +164,8 @@ class MultiprocExecutor:
             return fn(*args, **kwargs)
         except TPWorkerError:  # raised by a nested guard (execute -> broadcast of the step's inputs)
             raise
+        except ExecutorFailure as e:
+            raise self._fail(str(e)) from e
         except Exception as e:
             dead = self._dead_ranks()
             if dead:

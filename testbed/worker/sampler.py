@@ -109,12 +109,13 @@ class Sampler:
 
     @staticmethod
     def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Mask logits outside each row's top-k and nucleus (top-p) to -inf."""
-        ks = [p.top_k for p in params]
+        """Mask logits outside each row's top-k and nucleus (top-p) to -inf. The most likely token always
+        stays (a top_p below float32's smallest number would otherwise mask every token)."""
+        vocab = logits.shape[-1]
+        ks = [min(p.top_k, vocab) for p in params]
         ps = [p.top_p for p in params]
         if all(k <= 0 for k in ks) and all(p >= 1.0 for p in ps):
             return logits
-        vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         k_t = _on(logits, [k if k > 0 else vocab for k in ks]).unsqueeze(1)
@@ -122,6 +123,7 @@ class Sampler:
         probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
         p_t = _on(logits, ps).to(probs.dtype).unsqueeze(1)
-        mask |= before >= p_t  # keep the smallest prefix whose mass reaches top_p (always >= 1 token)
+        mask |= before >= p_t  # keep the smallest prefix whose mass reaches top_p
+        mask[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)

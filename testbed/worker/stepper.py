@@ -6,6 +6,10 @@ the host work of scheduling, input building and output handling hides behind the
 the same calls in a fixed order (schedule N+1, then update N); a decode of N+1 computes on the token
 N sampled through a placeholder the model runner fills on the device. Invariant: steps are updated
 in the order they were scheduled, each exactly once, and never more than one step is in flight.
+
+A step whose execution raises does not stop the engine: its requests run again one at a time, and
+those that fail on their own end with finish_reason "error" (one request's bad data cannot take the
+others down). Only an ExecutorFailure (a dead tensor-parallel rank, a device error) propagates.
 """
 from __future__ import annotations
 
@@ -13,6 +17,20 @@ from typing import Callable
 
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+
+
+class ExecutorFailure(RuntimeError):
+    """The executor itself is broken (not one request's data): no later step can run."""
+
+
+def is_fatal(e: BaseException) -> bool:
+    """Errors after which the executor cannot be trusted: its own verdict, or a sticky device error."""
+    text = str(e)
+    return isinstance(e, (ExecutorFailure, MemoryError)) or "CUDA error" in text or "device-side assert" in text
+
+
+def describe(e: BaseException) -> str:
+    return f"the executor failed on this request: {type(e).__name__}: {e}"
 
 
 class EngineStepper:
@@ -38,9 +56,17 @@ class EngineStepper:
         if not self.async_scheduling:
             if so.is_empty:
                 return so, []
-            out = self.executor.execute(so)
+            out = self._execute(so)
             return so, core.update(so, out, self.clock())
-        launched = None if so.is_empty else (so, self.executor.execute_async(so))
+        launched = None
+        if not so.is_empty:
+            try:
+                launched = (so, self.executor.execute_async(so))
+            except Exception as e:  # noqa: BLE001 - sorted out by _isolate
+                if is_fatal(e):
+                    raise
+                outputs = self.drain()  # the step before first: this one's placeholders are its tokens
+                return so, outputs + core.update(so, self._isolate(so, e), self.clock())
         outputs = self.drain()
         self.in_flight = launched
         return so, outputs
@@ -52,3 +78,41 @@ class EngineStepper:
         prev, result = self.in_flight
         self.in_flight = None
         return self.core.update(prev, result(), self.clock())
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.executor.execute(so)
+        except Exception as e:  # noqa: BLE001 - sorted out by _isolate
+            if is_fatal(e):
+                raise
+            return self._isolate(so, e)
+
+    def _isolate(self, so: SchedulerOutput, error: Exception) -> ModelRunnerOutput:
+        """Run each request of a failed step on its own (synchronously); the ones that fail alone get
+        an error, the others their tokens. A step of one request fails with `error` directly."""
+        n = so.num_reqs
+        tokens = [-1] * n
+        logprobs: list | None = None
+        errors: dict[str, str] = {}
+        if n == 1:
+            errors[so.requests[0].request_id] = describe(error)
+            return ModelRunnerOutput(tokens, 0.0, None, errors=errors)
+        duration = 0.0
+        for i, req in enumerate(so.requests):
+            if req.finished:  # ended by the step updated meanwhile (async scheduling)
+                continue
+            try:
+                out = self.executor.execute(so.subset([i]))
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                if is_fatal(e):
+                    raise
+                errors[req.request_id] = describe(e)
+                continue
+            tokens[i] = out.sampled_token_ids[0]
+            duration += out.duration
+            if out.logprobs is not None:
+                logprobs = logprobs or [None] * n
+                logprobs[i] = out.logprobs[0]
+            if out.errors:
+                errors.update(out.errors)
+        return ModelRunnerOutput(tokens, duration, logprobs, errors=errors)

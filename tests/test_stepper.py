@@ -1,0 +1,91 @@
+"""EngineStepper when the executor fails: a step that raises is re-run one request at a time, the
+request that fails on its own ends with finish_reason "error", the others finish as if nothing had
+happened, the engine goes on, and an ExecutorFailure still stops it. Sync and async scheduling."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from conftest import FIXED_TOKEN, FixedTokenExecutor, make_engine, make_request
+from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from testbed.worker.stepper import EngineStepper, ExecutorFailure
+
+MARK = [3, 1, 4, 1, 5]
+
+
+class FailsOnMarkedRequests(FixedTokenExecutor):
+    """FixedTokenExecutor that raises for any step holding a request whose prompt starts with MARK
+    (once `armed`), as a sampler does on a request's bad data; `fatal` makes it an ExecutorFailure."""
+
+    def __init__(self, error: type[Exception] = RuntimeError) -> None:
+        super().__init__()
+        self.error = error
+        self.steps: list[list[str]] = []
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append([r.request_id for r in so.requests])
+        if any(list(r.prompt_token_ids[:len(MARK)]) == MARK for r in so.requests):
+            raise self.error("probability tensor contains either inf, nan or element < 0")
+        return super().execute(so)
+
+    def execute_async(self, so: SchedulerOutput):
+        out = self.execute(so)
+        return lambda: out
+
+
+def _run(stepper: EngineStepper, max_steps: int = 200) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not stepper.has_work():
+            return outs
+        for o in stepper.step()[1]:
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError("requests not finished")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_fails_ends_with_an_error_and_the_others_finish(async_scheduling):
+    engine = make_engine(async_scheduling=async_scheduling, enable_prefix_caching=True, block_size=4)
+    clock = itertools.count()
+    executor = FailsOnMarkedRequests()
+    stepper = EngineStepper(engine, executor, lambda: float(next(clock)), async_scheduling)
+    for rid in ("a", "b"):
+        assert engine.add_request(make_request(rid, 8, max_tokens=5), 0.0) is None
+    assert engine.add_request(make_request("bad", tokens=MARK + [9] * 8, max_tokens=5), 0.0) is None
+    outs = _run(stepper)
+    bad = outs["bad"][-1]
+    assert bad.finished and bad.finish_reason == "error" and "inf, nan" in bad.stop_reason
+    assert sum(len(o.new_token_ids) for o in outs["bad"]) == 0
+    for rid in ("a", "b"):
+        assert [t for o in outs[rid] for t in o.new_token_ids] == [FIXED_TOKEN] * 5
+        assert outs[rid][-1].finish_reason == "length"
+    assert [len(s) for s in executor.steps[:4]] == [3, 1, 1, 1]  # the failed step, then each request alone
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0
+    assert bm.get_computed_blocks(make_request("again", tokens=MARK + [9] * 8))[1] == 0  # its blocks left the cache
+    assert bm.get_computed_blocks(make_request("a", 8))[1] == 4
+    rec = {r[0]: r for r in zip(*engine.records.request_columns().values())}
+    assert rec["bad"][-1] == "error"
+    # the engine goes on: a later request is served
+    assert engine.add_request(make_request("c", 8, max_tokens=2), 99.0) is None
+    assert [t for o in _run(stepper)["c"] for t in o.new_token_ids] == [FIXED_TOKEN] * 2
+
+
+def test_a_request_alone_in_a_failing_step_fails_without_a_rerun():
+    engine = make_engine()
+    executor = FailsOnMarkedRequests()
+    stepper = EngineStepper(engine, executor, lambda: 0.0)
+    engine.add_request(make_request("bad", tokens=MARK, max_tokens=3), 0.0)
+    assert _run(stepper)["bad"][-1].finish_reason == "error"
+    assert executor.steps == [["bad"]]
+
+
+def test_an_executor_failure_stops_the_engine():
+    engine = make_engine()
+    stepper = EngineStepper(engine, FailsOnMarkedRequests(ExecutorFailure), lambda: 0.0)
+    engine.add_request(make_request("ok", 8), 0.0)
+    engine.add_request(make_request("bad", tokens=MARK), 0.0)
+    with pytest.raises(ExecutorFailure):
+        stepper.step()
