@@ -414,6 +414,22 @@ def test_400_non_finite_temperature(http, literal):
     assert_serving(http)
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt[1]"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 2, "stop": "\\ud800"}', "stop"),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 2, "model": "\\ud800"}', "model"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a", "name": "\\udc00"}]}',
+     "messages[0].name"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+])
+def test_400_lone_surrogates(http, path, body, param):
+    err = _error(http, path, body, 400, param, headers={"content-type": "application/json"})
+    assert "lone surrogate" in err["message"]
+    assert_serving(http)
+
+
 def test_extreme_but_valid_sampling_values_are_greedy(client, http):
     """Temperatures below 1e-5 are greedy, and a top_p below float32's range keeps the most likely token."""
     greedy, _ = _completion_text(client, prompt=PROMPT, max_tokens=4, temperature=0)

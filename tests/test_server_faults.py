@@ -1,6 +1,8 @@
-"""Faults of `testbed serve`: the waiting bound (503), SIGTERM with requests in flight (drain, exit 0),
-an engine-core crash (every in-flight request ends with an error, never a hang; /health 503), and
-an exception inside the engine core (reported to the API server before the process dies).
+"""Faults of `testbed serve`: the waiting bound (503), SIGTERM with requests in flight (drain, exit 0;
+past --shutdown-timeout, OpenAI errors), an engine-core crash (every in-flight request ends with an
+error, never a hang; the server exits 1, or answers 503 with --keep-alive-on-engine-death), a request
+the executor fails on (it alone ends with an error), and an exception that breaks the executor
+(reported to the API server before the engine-core process dies).
 
 Real servers on 127.0.0.1 with the bundled SmolLM2 on the CPU; every wait is bounded.
 """
@@ -94,8 +96,33 @@ def test_waiting_bound_503_then_sigterm_drains_in_flight(tmp_path):
         srv.kill()
 
 
+def test_shutdown_timeout_ends_in_flight_requests_with_openai_errors(tmp_path):
+    """When --shutdown-timeout expires, a request still running or waiting gets a 503 JSON body and a
+    stream an error event then [DONE] (uvicorn's own cancellation gave a plain-text 500 and a cut stream)."""
+    srv = ServerProcess("--max-num-seqs", "1", "--shutdown-timeout", "1", log_dir=tmp_path).wait_ready()
+    url = srv.url
+
+    async def scenario() -> int:
+        async with httpx.AsyncClient(timeout=60) as h:
+            stream = await open_stream(h, url, 240)
+            body = {"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True}
+            waiting = asyncio.ensure_future(h.post(f"{url}/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            srv.proc.send_signal(signal.SIGTERM)
+            events, r = await asyncio.wait_for(asyncio.gather(read_rest(*stream), waiting), 30)
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down", events[-3:]
+            assert "--shutdown-timeout" in events[-2]["error"]["message"] and tokens_of(events) < 240
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+            return await asyncio.to_thread(srv.proc.wait, 30)
+
+    try:
+        assert asyncio.run(scenario()) == 0, srv.log_text()
+    finally:
+        srv.kill()
+
+
 def test_engine_crash_ends_every_in_flight_request_with_an_error(tmp_path):
-    srv = ServerProcess("--served-model-name", "smol", log_dir=tmp_path).wait_ready()
+    srv = ServerProcess("--served-model-name", "smol", "--keep-alive-on-engine-death", log_dir=tmp_path).wait_ready()
     url = srv.url
 
     async def scenario() -> None:
@@ -193,7 +220,7 @@ def marked_request_fails(model, config, **kw):
     return MarkedRequestFails(model, config, **kw)
 
 
-def test_a_request_the_executor_fails_on_ends_with_an_error_and_the_engine_goes_on(tmp_path, tests_on_path):
+def test_a_failing_request_leaves_the_engine_up_and_engine_death_stops_the_server(tmp_path, tests_on_path):
     srv = ServerProcess("--executor-factory", f"{Path(__file__).stem}:marked_request_fails",
                         log_dir=tmp_path).wait_ready()
     url = srv.url
@@ -221,10 +248,20 @@ def test_a_request_the_executor_fails_on_ends_with_an_error_and_the_engine_goes_
             assert metric(page, "testbed:request_success_total", finished_reason="error") == 2
             assert metric(page, "testbed:num_requests_running") == 0
 
+    async def engine_death() -> None:
+        """By default the server exits 1 once the engine core dies, after ending what was in flight."""
+        async with httpx.AsyncClient(timeout=60) as h:
+            stream = await open_stream(h, url, 200)
+            os.kill(engine, signal.SIGKILL)
+            events = await asyncio.wait_for(read_rest(*stream), 30)
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead"
+
     try:
         asyncio.run(scenario())
         assert srv.engine_pid() == engine  # the same engine core served on
-        assert srv.terminate() == 0, srv.log_text()
+        asyncio.run(engine_death())
+        assert srv.proc.wait(15) == 1, srv.log_text()
+        assert "engine core died" in srv.log_text()
     finally:
         srv.kill()
 

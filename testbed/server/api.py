@@ -6,7 +6,9 @@ middleware checks the API key (every route but /health and /metrics) and bounds 
 """
 from __future__ import annotations
 
+import json
 import secrets
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from testbed.engine.request import InvalidParam
 from testbed.server.chat import create_chat_completion, render_chat
 from testbed.server.completions import create_completion
 from testbed.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -24,8 +27,15 @@ from testbed.server.state import ServerState
 OPEN_PATHS = ("/health", "/metrics")
 
 
+class ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote any text the client sent."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return ASCIIJSONResponse(e.body(), status_code=e.status)
 
 
 class GuardMiddleware:
@@ -82,6 +92,9 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
+        own = next((x for err in errs if isinstance(x := (err.get("ctx") or {}).get("error"), InvalidParam)), None)
+        if own is not None:  # our own check inside the schema: its message and parameter as they are
+            return error_response(bad_request(own.reason, own.param))
         msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in errs[:5])
         param = next((err["loc"][1] for err in errs if len(err["loc"]) > 1 and isinstance(err["loc"][1], str)), None)
         return error_response(bad_request(f"invalid request: {msg}", param))
@@ -120,9 +133,9 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         state.check_model(req.model)
         if req.messages is not None:
-            ids = render_chat(state, req.messages, req.add_generation_prompt)
+            ids = await state.run_blocking(render_chat, state, req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
-            ids = state.tokenize(req.prompt, req.add_special_tokens)
+            ids = await state.run_blocking(state.tokenize, req.prompt, req.add_special_tokens)
         else:
             raise bad_request("give either prompt (text) or messages (chat)", "prompt")
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
@@ -133,6 +146,6 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
         if state.tokenizer is None:
             raise bad_request("this model has no tokenizer (dummy weights)", "tokens")
         state.check_token_ids(req.tokens, "tokens")
-        return JSONResponse({"prompt": state.detokenize(req.tokens)})
+        return JSONResponse({"prompt": await state.run_blocking(state.detokenize, req.tokens)})
 
     return app

@@ -61,10 +61,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
                               "top_logprobs")
-    prompt = render_chat(state, req.messages, req.add_generation_prompt)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     sp = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop)
+    prompt = await state.run_blocking(render_chat, state, req.messages, req.add_generation_prompt)
     run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.include_stop_str_in_output,
                         req.skip_special_tokens, req.priority)
     run.start()

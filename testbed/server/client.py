@@ -2,8 +2,10 @@
 
 It starts the process, routes each CoreOutput to the asyncio queue of its request, keeps the
 latest SchedulerStats, and watches the process: when it dies (or reports EngineError) every
-in-flight request gets an EngineDeadError at once and later adds fail fast, so nothing hangs.
-Invariant: a request id is in `queues` from `add` until its finished output, an abort, or death.
+in-flight request gets an EngineDeadError at once, later adds fail fast, and `on_death` is called,
+so nothing hangs. `fail_all` ends every in-flight request the same way while the engine lives (a
+shutdown whose grace period expired).
+Invariant: a request id is in `streams` from `add` until its finished output, an abort, or a failure.
 """
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ class EngineClient:
                  | None = None) -> None:
         self.cfg = cfg
         self.on_stats = on_stats
+        self.on_death: Callable[[str], None] | None = None  # called once when the engine core dies unasked
+        self.refusal: EngineDeadError | None = None  # set by fail_all: the error every later add gets
         self.streams: dict[str, RequestStream] = {}
         self.ready: P.Ready | None = None
         self.stats = P.SchedulerStats(0, 0, 0.0, 0, 0, 0, -1)
@@ -134,12 +138,30 @@ class EngineClient:
         return self.proc.pid if self.proc is not None else None
 
     def _die(self, reason: str) -> None:
-        if self.dead_reason is None:
+        first = self.dead_reason is None
+        if first:
             self.dead_reason = reason
-        err = EngineDeadError(f"engine core is dead: {self.dead_reason}")
+        self._fail_streams(EngineDeadError(f"engine core is dead: {self.dead_reason}"))
+        if first and not self._closing and self.on_death is not None:
+            self.on_death(reason)
+
+    def _fail_streams(self, err: EngineDeadError) -> list[str]:
+        """End every in-flight request with `err`; returns their ids."""
+        ids = list(self.streams)
         for stream in self.streams.values():
             stream.queue.put_nowait(err)
         self.streams.clear()
+        return ids
+
+    def fail_all(self, reason: str, code: str) -> None:
+        """End every in-flight request with an error (`code`) and refuse later ones; the core aborts them."""
+        self.refusal = EngineDeadError(reason, code)
+        ids = self._fail_streams(self.refusal)
+        if ids and self.dead_reason is None:
+            try:
+                self.inp.send(P.encoder.encode(P.AbortRequests(ids)), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
 
     async def _watch_loop(self) -> None:
         while self.proc.poll() is None:
@@ -183,6 +205,8 @@ class EngineClient:
         one, e.g. the n choices of one HTTP request), a new one if None. `params`: AddRequest fields."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
+        if self.refusal is not None:
+            raise EngineDeadError(str(self.refusal), self.refusal.code)
         # encode first: a request that cannot be sent must leave no stream and no sequence number behind
         data = P.encoder.encode(P.AddRequest(self.sent_seq + 1, request_id, prompt_token_ids, arrival_time, **params))
         try:

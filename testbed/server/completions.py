@@ -61,17 +61,21 @@ def _choice(run: GenerationRun, req: CompletionRequest, c: Choice, text: str, id
     return d
 
 
+def echo_texts(state: ServerState, prompts: list[list[int]], texts: list[str | None]) -> list[str]:
+    return [t if t is not None else state.detokenize(p) for p, t in zip(prompts, texts)]
+
+
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
-    prompts, texts = parse_prompts(state, req.prompt)
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute; "
                           "drop one of them", "echo")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     sp = sampling_params(state, req, req.max_tokens, req.logprobs, stop)
+    prompts, texts = await state.run_blocking(parse_prompts, state, req.prompt)
     run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.include_stop_str_in_output,
                         req.skip_special_tokens, req.priority)
-    echoes = [(t if t is not None else state.detokenize(p)) if req.echo else "" for p, t in zip(prompts, texts)]
+    echoes = await state.run_blocking(echo_texts, state, prompts, texts) if req.echo else [""] * len(prompts)
     run.start()
     head = {"id": run.request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.served_model_name}

@@ -2,13 +2,36 @@
 
 Fields follow the OpenAI API plus vLLM's extra sampling parameters (top_k, min_tokens,
 ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, return_token_ids).
-Range checks live in the handlers, so each failure names its parameter.
+Every string anywhere in a body must be valid Unicode (no lone surrogate); range checks live in
+SamplingParams and the handlers, so each failure names its parameter.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from testbed.engine.request import check_text
+
+
+class _Body(BaseModel):
+    """A request body whose every string (keys, values, unknown fields included) is encodable text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        todo = [(data, "")]
+        while todo:  # iterative: a deeply nested body must not overflow the stack
+            value, path = todo.pop()
+            if isinstance(value, str):
+                check_text(value, path or "body")
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    todo.append((k, path or "body"))
+                    todo.append((v, f"{path}.{k}" if path else str(k)))
+            elif isinstance(value, list):
+                todo.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+        return data
 
 
 class APIError(Exception):
@@ -32,7 +55,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Body):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -77,7 +100,7 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -87,7 +110,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None

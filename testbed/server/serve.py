@@ -2,20 +2,25 @@
 
 Startup: resolve the model (no MODEL = the bundled SmolLM2), spawn the engine core while the
 tokenizer loads, bind only once the executor is ready. SIGTERM / SIGINT: stop accepting, let
-in-flight requests finish within --shutdown-timeout (then cancel them), stop the engine core,
-exit 0. A second SIGINT forces the exit.
+in-flight requests finish within --shutdown-timeout, then end the rest with an OpenAI error (503
+`server_shutting_down`; a stream gets an error event and [DONE]), stop the engine core, exit 0.
+A second SIGINT forces the exit. If the engine core dies, in-flight requests end with an error
+(503 `engine_dead`) and the server exits with code 1, unless --keep-alive-on-engine-death keeps it
+answering 503 (as vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout: for the error responses to go out before uvicorn cancels
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -42,7 +47,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--log-steps", default=None, metavar="DIR",
                    help="append the engine's step and request records to DIR/steps.jsonl, DIR/requests.jsonl")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM (default: %(default)s)")
+                   help="seconds in-flight requests get to finish after SIGTERM; then they end with an error "
+                        "(default: %(default)s)")
+    g.add_argument("--keep-alive-on-engine-death", action="store_true",
+                   help="keep the API server up (answering 503) when the engine core dies, instead of exiting 1")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -83,7 +91,16 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn without its signal re-raise (it would turn a clean drain into exit code -15)."""
+        """uvicorn without its signal re-raise (it would turn a clean drain into exit code -15), calling
+        `on_stop` once when it starts to stop."""
+
+        on_stop = None
+
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first and self.on_stop is not None:
+                self.on_stop()
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -159,6 +176,9 @@ async def run_server(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(sig)
 
+    if not math.isfinite(args.shutdown_timeout) or args.shutdown_timeout < 0:
+        await client.shutdown()
+        raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     state = ServerState(client, tokenizer, served, model, ServerMetrics(served), ready.max_model_len,
                         ready.vocab_size, ready.num_gpu_blocks, ready.block_size, cfg.max_num_waiting, args.api_key,
                         TokenTexts(tokenizer))
@@ -168,12 +188,28 @@ async def run_server(args: argparse.Namespace) -> int:
          f"{ready.max_model_len}; serving {served!r} on http://{args.host}:{args.port}")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log, lifespan="off",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_GRACE_S)
     freeze_startup_heap()  # FastAPI, the tokenizer, ...: alive for the process's life
     server = _server_class()(config)
+    timeout = args.shutdown_timeout
+    server.on_stop = lambda: loop.call_later(
+        timeout, client.fail_all, f"the server is shutting down and its --shutdown-timeout ({timeout:g} s) expired",
+        "server_shutting_down")
+
+    died: list[str] = []
+
+    def on_death(reason: str) -> None:
+        died.append(reason)
+        if args.keep_alive_on_engine_death:
+            _log(f"engine core died ({reason}); answering 503 (--keep-alive-on-engine-death)")
+        else:
+            _log(f"engine core died ({reason}); exiting (--keep-alive-on-engine-death keeps the server up)")
+            server.handle_exit(signal.SIGTERM, None)
+
+    client.on_death = on_death
     try:
         await server.serve()
     finally:
         await client.shutdown()
     _log("stopped")
-    return 0 if server.started else 1
+    return 0 if server.started and not (died and not args.keep_alive_on_engine_death) else 1

@@ -1,17 +1,27 @@
 """ServerState: what every route needs (engine client, tokenizer, limits, metrics) and the request
-checks that depend on the served model (name, tokenization, vocabulary)."""
+checks that depend on the served model (name, tokenization, vocabulary).
+
+Tokenization, chat templating and detokenizing a whole prompt run on one worker thread
+(`run_blocking`), never on the event loop: a prompt of megabytes takes seconds to tokenize, and
+/health and every stream must keep moving meanwhile. One thread, because a tokenizer is not safe
+to share between threads; the tokenizers release the GIL while they work.
+"""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from testbed.engine.request import InvalidParam, check_token_ids
 from testbed.server.client import EngineClient
 from testbed.detokenizer import TokenTexts
 from testbed.server.metrics import ServerMetrics
 from testbed.server.schemas import APIError, bad_request
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -30,6 +40,12 @@ class ServerState:
     token_texts: TokenTexts | None = None
     arrivals: dict[str, float] = field(default_factory=dict)  # core request id -> arrival, until scheduled
     created: int = field(default_factory=lambda: int(time.time()))
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+
+    async def run_blocking(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the tokenizer thread (an APIError it raises reaches the caller as raised)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     def on_stats(self, stats, scheduled: dict[str, float]) -> None:
         self.metrics.update_stats(stats)
