@@ -4,14 +4,21 @@
 <dir>/requests.parquet  one row per request (REQUEST_COLUMNS)
 <dir>/steps.parquet     one row per engine step (STEP_COLUMNS)
 <dir>/summary.json      headline metrics (testbed.engine.metrics.summarize); deterministic for a seed
+
+A run directory is written whole or not at all: the files go to a hidden temporary directory
+beside it, which then takes its place in one rename (an exchange with the old run when there is
+one), so an interrupted write leaves the old run or nothing, never a mix.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -49,19 +56,68 @@ def environment_info() -> dict:
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: dict) -> Path:
-    """Write the four files of a run directory (creating it); returns its path."""
+def check_output(out_dir: str | Path) -> Path:
+    """The run directory to (re)write, checked before any work: a new path, an empty folder, or an
+    existing run directory (replaced whole); anything else is RunDirError naming the path."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    req_cols = records.request_columns()
-    step_cols = records.step_columns()
-    pq.write_table(pa.table({c: pa.array(req_cols[c], type=_REQ_TYPES[c]) for c in REQUEST_COLUMNS}),
-                   out / "requests.parquet")
-    pq.write_table(pa.table({c: pa.array(step_cols[c], type=_STEP_TYPES[c]) for c in STEP_COLUMNS}),
-                   out / "steps.parquet")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--output {out}: exists and is not a directory; give the path of a new run directory")
+    if out.is_dir():
+        extra = sorted(p.name for p in out.iterdir() if p.name not in FILES)
+        if extra and not (out / "manifest.json").is_file():
+            raise RunDirError(f"--output {out}: a folder that is not a run directory (it holds {', '.join(extra[:3])}"
+                              f"{', ...' if len(extra) > 3 else ''}); give a new path, e.g. {out / 'NAME'}")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise RunDirError(f"--output {out}: {out.parent} is not a directory")
     return out
+
+
+def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: dict) -> Path:
+    """Write the four files of a run directory, replacing any run already there in one rename;
+    returns its path."""
+    out = check_output(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        req_cols = records.request_columns()
+        step_cols = records.step_columns()
+        pq.write_table(pa.table({c: pa.array(req_cols[c], type=_REQ_TYPES[c]) for c in REQUEST_COLUMNS}),
+                       tmp / "requests.parquet")
+        pq.write_table(pa.table({c: pa.array(step_cols[c], type=_STEP_TYPES[c]) for c in STEP_COLUMNS}),
+                       tmp / "steps.parquet")
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; a run directory is an ordinary folder
+        old = _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _swap_into_place(new: Path, target: Path) -> Path | None:
+    """Put directory `new` at `target` atomically; returns where the old `target` went (to delete), if any."""
+    if not target.exists():
+        os.rename(new, target)
+        return None
+    if _exchange(new, target):
+        return new
+    aside = target.with_name(f".{target.name}.{os.getpid()}.old")  # no atomic exchange on this system:
+    os.rename(target, aside)  # a moment without `target`
+    os.rename(new, target)
+    return aside
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Linux renameat2(RENAME_EXCHANGE): swap two paths in one step; False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 @dataclass
@@ -95,7 +151,26 @@ def read_run(path: str | Path) -> Run:
     return Run(p, manifest, summary)
 
 
+def check_records(path: str | Path) -> str | None:
+    """Why a run's parquet records are unusable (unreadable, truncated, lacking columns), or None.
+    Reads each file's footer and schema, not its rows."""
+    p = Path(path)
+    for name, columns in (("requests.parquet", REQUEST_COLUMNS), ("steps.parquet", STEP_COLUMNS)):
+        try:
+            have = set(pq.read_schema(p / name).names)
+        except (OSError, pa.ArrowException) as e:
+            return f"{p}: {name} is not a readable parquet file ({e})"
+        missing = [c for c in columns if c not in have]
+        if missing:
+            return f"{p}: {name} lacks the columns {', '.join(missing)}"
+    return None
+
+
 def find_runs(root: str | Path) -> list[Path]:
-    """Directories under `root` (itself included) that hold a manifest.json."""
+    """Directories under `root` (itself included) that hold a manifest.json, hidden ones (a write in
+    progress, or an old run about to be deleted) left out."""
     r = Path(root)
-    return sorted({m.parent for m in r.rglob("manifest.json")}) if r.is_dir() else []
+    if not r.is_dir():
+        return []
+    return sorted({m.parent for m in r.rglob("manifest.json")
+                   if not any(part.startswith(".") for part in m.relative_to(r).parts)})

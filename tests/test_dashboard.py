@@ -55,13 +55,18 @@ def runs_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def bad_root(tmp_path_factory, runs_root) -> Path:
-    """bad_json (manifest not JSON), no_steps (steps.parquet missing), bad_parquet (steps.parquet garbage)."""
+    """bad_json (manifest not JSON), no_steps (steps.parquet missing), bad_parquet (steps.parquet garbage),
+    truncated (requests.parquet cut in half), no_column (steps.parquet without `duration`)."""
     root = tmp_path_factory.mktemp("bad")
-    for name in ("bad_json", "no_steps", "bad_parquet"):
+    for name in ("bad_json", "no_steps", "bad_parquet", "truncated", "no_column"):
         shutil.copytree(runs_root / "sim_base", root / name)
     (root / "bad_json" / "manifest.json").write_text("{not json")
     (root / "no_steps" / "steps.parquet").unlink()
     (root / "bad_parquet" / "steps.parquet").write_bytes(b"this is not parquet")
+    cut = root / "truncated" / "requests.parquet"
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+    steps = pq.read_table(root / "no_column" / "steps.parquet")
+    pq.write_table(steps.drop_columns(["duration"]), root / "no_column" / "steps.parquet")
     return root
 
 
@@ -132,13 +137,18 @@ def test_corrupt_and_missing_runs_are_named_and_the_rest_works(monkeypatch, runs
     errors, warnings = [e.value for e in at.error], [w.value for w in at.warning]
     assert any("bad_json" in e and "corrupt JSON" in e for e in errors), errors
     assert any("no_steps" in e and "missing steps.parquet" in e for e in errors), errors
+    assert any("bad_parquet" in e and "steps.parquet is not a readable parquet file" in e for e in errors), errors
+    assert any("truncated" in e and "requests.parquet is not a readable parquet file" in e for e in errors), errors
+    assert any("no_column" in e and "steps.parquet lacks the columns duration" in e for e in errors), errors
     assert any(str(empty) in w and "no run directories" in w for w in warnings), warnings
     assert any("nope" in w and "does not exist" in w for w in warnings), warnings
-    assert len(at.dataframe[0].value) == 4  # three good runs + bad_parquet (its JSON is fine)
-    at.sidebar.multiselect(key="selected_runs").set_value(["sim_base", "bad_parquet"]).run()
-    assert not at.exception
-    assert any("bad_parquet" in e.value and "cannot read its records" in e.value for e in at.error)
-    assert len(at.image) == 5  # drawn from sim_base alone
+    table = at.dataframe[0].value.set_index("run")  # every run is listed, the broken ones flagged
+    broken = ["bad_json", "bad_parquet", "no_column", "no_steps", "truncated"]
+    assert sorted(table.index) == sorted(broken + ["real_base", "sim_base", "sim_dp2"])
+    assert all(table.loc[b, "status"].startswith("broken: ") for b in broken)
+    assert (table.loc[["real_base", "sim_base", "sim_dp2"], "status"] == "ok").all()
+    assert sorted(at.sidebar.multiselect(key="selected_runs").options) == ["real_base", "sim_base", "sim_dp2"]
+    assert len(at.image) == 5 and not at.exception
 
 
 def test_launch_simulation_adds_a_run(monkeypatch, runs_root, tmp_path):

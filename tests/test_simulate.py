@@ -3,6 +3,7 @@ prefix caching on Mooncake, rejections, and every trace format through `testbed 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -205,6 +206,32 @@ def test_cli_bad_flags_fail_with_a_clear_message(tmp_path, capsys, args, needle)
 def test_cli_missing_trace_file(tmp_path, capsys):
     rc, _, err = cli(capsys, tmp_path / "nope.jsonl", "-o", tmp_path / "x")
     assert rc != 0 and "nope.jsonl" in err
+
+
+def _consistent(run_dir) -> int:
+    """The number of requests of a run directory whose four files belong to one run."""
+    run = read_run(run_dir)
+    n = run.manifest["trace"]["num_requests"]
+    assert len(run.requests()) == n == run.summary["num_requests"], run_dir
+    return n
+
+
+def test_rewriting_a_run_leaves_the_old_one_or_the_new_one(tmp_path):
+    from testbed.engine.metrics import Recorder
+    from testbed.rundir import find_runs, write_run
+    out = tmp_path / "run"
+    simulate(tmp_path, "run", limit=20)
+    before = {f: (out / f).read_bytes() for f in FILES}
+    # a write that fails part way (after the parquet files): the old run stays whole, nothing is left over
+    with pytest.raises(TypeError):
+        write_run(out, {"mode": "sim"}, Recorder(), {"not JSON": object()})
+    assert {f: (out / f).read_bytes() for f in FILES} == before and _consistent(out) == 20
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    simulate(tmp_path, "run", limit=30)  # a successful rewrite replaces it whole
+    assert _consistent(out) == 30 and [p.name for p in tmp_path.iterdir()] == ["run"]
+    # a leftover hidden directory (an interrupted write) is never listed as a run
+    shutil.copytree(out, tmp_path / ".run.x.tmp")
+    assert find_runs(tmp_path) == [out]
 
 
 # ---- every loader format through `testbed simulate` -------------------------------------------------------------

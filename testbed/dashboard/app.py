@@ -58,7 +58,8 @@ def figure_png(kind: str, runs: tuple[tuple[str, tuple, str, str, int], ...]) ->
 
 
 def load_runs(roots: list[str]) -> tuple[list[compare.RunMeta], list[str], list[str]]:
-    """Readable runs under the roots, a warning per folder without runs and an error per unreadable run."""
+    """Every run under the roots (a broken one with its problem, listed but never compared or plotted),
+    a warning per folder without runs and an error per broken run."""
     paths, warnings = data.discover(roots)
     runs, errors = [], []
     for path, label in zip(paths, compare.unique_labels(paths)):
@@ -66,7 +67,8 @@ def load_runs(roots: list[str]) -> tuple[list[compare.RunMeta], list[str], list[
             manifest, summary = cached_meta(str(path), data.file_key(path))
             runs.append(compare.RunMeta(str(path), label, manifest, summary))
         except (RunDirError, OSError) as e:
-            errors.append(f"Run skipped: {e}")
+            runs.append(compare.RunMeta(str(path), label, {}, {}, str(e)))
+            errors.append(f"Broken run, left out of the comparison and plots: {e}")
     return runs, warnings, errors
 
 
@@ -179,8 +181,9 @@ def main() -> None:
     with st.expander("Launch a simulation"):  # filled first, so a run launched now is already in the table
         launch_form(roots)
     runs, warnings, errors = load_runs(roots)
+    usable = [r for r in runs if r.problem is None]
     with st.sidebar:
-        chosen, baseline = pick_runs(runs) if runs else ([], None)
+        chosen, baseline = pick_runs(usable) if usable else ([], None)
     st.header("Runs")
     runs_view(runs, warnings, errors)
     st.header("Comparison")

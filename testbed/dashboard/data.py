@@ -46,7 +46,7 @@ def _name(x) -> str:
 
 
 def runs_table(runs: list[RunMeta]) -> pd.DataFrame:
-    """One row per run: how it was made and its headline numbers (latencies in ms)."""
+    """One row per run: whether it is usable, how it was made and its headline numbers (latencies in ms)."""
     rows = []
     for r in runs:
         m, s = r.manifest, r.summary
@@ -64,11 +64,11 @@ def runs_table(runs: list[RunMeta]) -> pd.DataFrame:
             "requests": metric(s, "num_requests"), "req/s": metric(s, "request_throughput"),
             "output tok/s": metric(s, "output_throughput"), "TTFT p50 (ms)": scaled(s, "ttft_s.p50", 1e3),
             "TTFT p99 (ms)": scaled(s, "ttft_s.p99", 1e3), "TPOT p50 (ms)": scaled(s, "tpot_s.p50", 1e3),
-            "path": r.path,
+            "status": "ok" if r.problem is None else f"broken: {r.problem}", "path": r.path,
         })
-    return pd.DataFrame(rows, columns=["run", "mode", "model", "GPU", "req/s", "output tok/s", "TTFT p50 (ms)",
-                                       "TTFT p99 (ms)", "TPOT p50 (ms)", "trace", "policy", "DP", "TP",
-                                       "prefix caching", "requests", "date", "path"])
+    return pd.DataFrame(rows, columns=["run", "status", "mode", "model", "GPU", "req/s", "output tok/s",
+                                       "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "trace", "policy", "DP",
+                                       "TP", "prefix caching", "requests", "date", "path"])
 
 
 def filter_runs(table: pd.DataFrame, modes: list[str], models: list[str], text: str) -> pd.DataFrame:
