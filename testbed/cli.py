@@ -116,12 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; every expected failure is one line `testbed CMD: error: ...` and exit code 2."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ConfigError, ValueError, RuntimeError) as e:
         print(f"testbed {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except OSError as e:  # a file that cannot be read or written: name it
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"testbed {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"testbed {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 2
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 from testbed.engine.config import EngineConfig
-from testbed.engine.metrics import summarize
+from testbed.engine.metrics import check_slos, summarize
 from testbed.engine.request import SamplingParams
-from testbed.rundir import environment_info, write_run
+from testbed.rundir import check_output, environment_info, write_run
 from testbed.sim.trace import load_trace, synthesize_prompt
 
 RESERVED_TOKEN_IDS = 1000  # synthetic prompts avoid the low ids where tokenizers keep special tokens
@@ -38,6 +38,9 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
     import gc
 
     from testbed.llm import LLM
+    check_slos(slo_ttft, slo_tpot)
+    if output is not None:
+        check_output(output)
     trace = load_trace(trace_path, request_rate=request_rate, burstiness=burstiness, seed=config.seed,
                        limit=limit, fmt=trace_format)
     llm = LLM(model, load_format=load_format, dtype=dtype, device=device, skip_tokenizer_init=True,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pandas as pd
@@ -208,6 +210,56 @@ def test_cli_missing_trace_file(tmp_path, capsys):
     assert rc != 0 and "nope.jsonl" in err
 
 
+def _one_error_line(err: str, *needles: str) -> None:
+    """Besides warnings (e.g. no shipped cost profile), stderr is one error line holding the needles."""
+    lines = [x for x in err.strip().splitlines() if not x.startswith("testbed simulate: warning: ")]
+    assert len(lines) == 1 and lines[0].startswith("testbed simulate: error: "), err
+    assert all(n in lines[0] for n in needles), (needles, err)
+
+
+@pytest.mark.parametrize("case", ["directory", "binary", "output_file", "output_folder", "cost_model_json",
+                                  "recorded_missing", "slo_negative", "slo_nan", "slo_inf"])
+def test_cli_errors_are_one_line_naming_the_file(tmp_path, capsys, case):
+    binary, profile, a_file, folder = tmp_path / "trace.jsonl", tmp_path / "p.json", tmp_path / "f.txt", tmp_path / "d"
+    binary.write_bytes(b'{"arrival_s": 0, "input_tokens": 3, "output_tokens": 1}\n\x89PNG\r\n\x1a\n\xff\xfe')
+    profile.write_text("{not json")
+    a_file.write_text("x")
+    folder.mkdir()
+    (folder / "notes.md").write_text("mine")
+    bad_trace = tmp_path / "bad.jsonl"
+    bad_trace.write_text('{"arrival_s": -1, "input_tokens": 3, "output_tokens": 1}\n')
+    trace, args, needles = {
+        "directory": (tmp_path, [], [str(tmp_path), "missing manifest.json"]),  # a folder is read as a run
+        "binary": (binary, [], [f"{binary}:2:", "not UTF-8"]),
+        # -o is checked before anything else: the trace's own error is never reached
+        "output_file": (bad_trace, ["-o", a_file], ["--output", str(a_file), "not a directory"]),
+        "output_folder": (bad_trace, ["-o", folder], [str(folder), "not a run directory", "notes.md"]),
+        "cost_model_json": (SAMPLE, ["--cost-model", profile], [str(profile), "not a JSON profile"]),
+        "recorded_missing": (SAMPLE, ["--cost-model", f"recorded:{tmp_path / 'gone'}"],
+                             [str(tmp_path / "gone"), "missing manifest.json"]),
+        "slo_negative": (SAMPLE, ["--slo-ttft", "-1"], ["--slo-ttft", "-1"]),
+        "slo_nan": (SAMPLE, ["--slo-ttft", "nan"], ["--slo-ttft", "nan"]),
+        "slo_inf": (SAMPLE, ["--slo-tpot", "inf"], ["--slo-tpot", "inf"]),
+    }[case]
+    if "-o" not in args:
+        args = [*args, "-o", tmp_path / "out"]
+    rc, out, err = cli(capsys, trace, "--limit", 5, *args)
+    assert rc == 2 and out == ""
+    _one_error_line(err, *needles)
+    assert (folder / "notes.md").read_text() == "mine" and not (tmp_path / "out").exists()
+
+
+def test_cli_warns_when_the_configuration_rejects_requests(tmp_path, capsys):
+    rc, _, err = cli(capsys, SAMPLE, "--limit", 20, "--num-gpu-blocks", 1, "-o", tmp_path / "a")
+    assert rc == 0 and "warning: 20 of 20 requests were rejected" in err and "the cache has 1" in err
+    rc, _, err = cli(capsys, SAMPLE, "--limit", 20, "--max-model-len", 400, "-o", tmp_path / "b")
+    n = read_run(tmp_path / "b").requests()["finish_reason"].eq("rejected").sum()
+    assert rc == 0 and 0 < n < 20 and f"warning: {n} of 20 requests were rejected" in err
+    assert "exceeds max_model_len (400)" in err
+    rc, _, err = cli(capsys, SAMPLE, "--limit", 20, "-o", tmp_path / "c")
+    assert rc == 0 and "rejected" not in err
+
+
 def _consistent(run_dir) -> int:
     """The number of requests of a run directory whose four files belong to one run."""
     run = read_run(run_dir)
@@ -232,6 +284,26 @@ def test_rewriting_a_run_leaves_the_old_one_or_the_new_one(tmp_path):
     # a leftover hidden directory (an interrupted write) is never listed as a run
     shutil.copytree(out, tmp_path / ".run.x.tmp")
     assert find_runs(tmp_path) == [out]
+
+
+def test_sigint_while_rewriting_a_run_leaves_a_whole_run(tmp_path):
+    """SIGINT during `testbed simulate -o DIR` over an existing run: DIR holds one whole run (the old one
+    or the new one), no temporary directory is left, and the command exits 130 without a traceback."""
+    out = tmp_path / "run"
+    simulate(tmp_path, "run", limit=20)
+    cmd = [sys.executable, "-m", "testbed.cli", "simulate", str(SAMPLE), "--limit", "3000", "--no-progress",
+           "-o", str(out)]
+    seen = set()
+    for delay in (0.5, 2.0):
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode in (0, 130), err
+        assert "Traceback" not in err
+        seen.add(_consistent(out))
+        assert not [x for x in tmp_path.iterdir() if x.name.startswith(".")]
+    assert seen <= {20, 3000}
 
 
 # ---- every loader format through `testbed simulate` -------------------------------------------------------------

@@ -6,6 +6,7 @@ throughput = output tokens / makespan; goodput = requests meeting every SLO / ma
 """
 from __future__ import annotations
 
+import math
 
 import numpy as np
 from dataclasses import dataclass, field
@@ -64,10 +65,18 @@ def _stats(values) -> dict[str, float | None]:
     return {"mean": float(xs.mean()), **{f"p{p}": float(q) for p, q in zip(PERCENTILES, qs)}}
 
 
+def check_slos(slo_ttft: float | None, slo_tpot: float | None) -> None:
+    """SLOs are finite positive seconds (a negative or NaN one would make every request miss or meet it)."""
+    for flag, v in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot)):
+        if v is not None and not 0 < v < math.inf:
+            raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
+
+
 def summarize(requests: dict[str, list], steps: dict[str, list], itl: list[float],
               slo_ttft: float | None = None, slo_tpot: float | None = None,
               prefix_queries: int = 0, prefix_hits: int = 0) -> dict[str, Any]:
     """Headline metrics of a run from its records (columns as in REQUEST_COLUMNS / STEP_COLUMNS)."""
+    check_slos(slo_ttft, slo_tpot)
     reasons = requests["finish_reason"]
     done = [i for i, r in enumerate(reasons) if r in ("stop", "length")]
     arrival, first, finish = requests["arrival"], requests["first_token"], requests["finish"]

@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Callable
 
 from testbed.engine.config import EngineConfig
-from testbed.engine.metrics import summarize
+from testbed.engine.core import EngineCore
+from testbed.engine.metrics import check_slos, summarize
 from testbed.presets import ModelSpec, get_model_spec
-from testbed.rundir import environment_info, write_run
-from testbed.sim.cluster import simulate
+from testbed.rundir import RunDirError, check_output, check_records, environment_info, read_run, write_run
+from testbed.sim.cluster import simulate, trace_to_request
 from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel, num_gpu_blocks
 from testbed.sim.hardware import GPUSpec, get_gpu_spec
 from testbed.sim.profiled import ProfiledCostModel, shipped_profile, shipped_profiles
@@ -45,7 +46,15 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
     if spec == "roofline":
         return RooflineCostModel(model, gpu, tensor_parallel_size=tp), "roofline"
     if spec.startswith("recorded:"):
-        return RecordedCostModel.from_run_dir(spec.removeprefix("recorded:")), spec
+        run_dir = spec.removeprefix("recorded:")
+        try:
+            read_run(run_dir)
+            problem = check_records(run_dir)
+        except RunDirError as e:
+            problem = str(e)
+        if problem is not None:
+            raise ValueError(f"--cost-model {spec}: not a readable run directory: {problem}")
+        return RecordedCostModel.from_run_dir(run_dir), spec
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"--cost-model {spec!r}: not 'auto', 'roofline', 'recorded:RUN_DIR' or an existing profile "
@@ -60,13 +69,31 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
     return cm, f"profile {path.name} ({cm.gpu_name}, {cm.profile.get('created', '?')}, {cm.profile.get('git_sha') or '?'})"
 
 
+def warn_rejections(rec, trace: list, config: EngineConfig, blocks: int, max_model_len: int, vocab_size: int) -> None:
+    """Say on stderr how many requests the engine rejected and why (the first one's reason)."""
+    cols = rec.request_columns()
+    rejected = [rid for rid, why in zip(cols["request_id"], cols["finish_reason"]) if why == "rejected"]
+    if not rejected:
+        return
+    first = next(tr for tr in trace if tr.id == rejected[0])
+    reason = (EngineCore(config, blocks, max_model_len).rejection_reason(trace_to_request(first, vocab_size, config.seed))
+              or f"the waiting queue was full (--max-num-waiting {config.max_num_waiting})")
+    print(f"testbed simulate: warning: {len(rejected)} of {len(trace)} requests were rejected and not simulated "
+          f"(finish_reason 'rejected' in requests.parquet); the first, {first.id!r}: {reason}", file=sys.stderr)
+
+
 def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama-3.1-8B", gpu: str = "H100-SXM",
                    cost_model: str = "auto", request_rate: float | None = None, burstiness: float = 1.0,
                    limit: int | None = None, trace_format: str = "auto", slo_ttft: float | None = None,
                    slo_tpot: float | None = None, output: str | Path | None = None, progress: bool = True,
                    on_progress: Callable[[float, float], None] | None = None) -> tuple[Path | None, dict]:
     """Simulate a trace end to end; returns (run directory or None, summary). `progress` draws a bar
-    on stderr; `on_progress(sim_time, horizon)` is called as simulated time advances (for GUIs)."""
+    on stderr; `on_progress(sim_time, horizon)` is called as simulated time advances (for GUIs).
+    Every input is checked before the simulation starts; requests the configuration must reject
+    (too long for max_model_len or the KV cache) are counted in the run and explained on stderr."""
+    check_slos(slo_ttft, slo_tpot)
+    if output is not None:
+        check_output(output)
     spec, gpu_spec = get_model_spec(model), get_gpu_spec(gpu)
     tp = config.tensor_parallel_size
     cm, cm_desc = load_cost_model(cost_model, spec, gpu_spec, config)
@@ -100,6 +127,7 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     if bar is not None:
         bar.close()
     rec = result.records
+    warn_rejections(rec, trace, config, blocks, max_model_len, spec.vocab_size)
     summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot,
                         result.prefix_queries, result.prefix_hits)
     summary["cost_model"] = cm_desc

@@ -70,8 +70,14 @@ def load_trace(path, *, request_rate: float | None = None, burstiness: float = 1
                              f"drop fmt={fmt!r} (or --trace-format)")
         reqs = _load_run(path)
     else:
-        with open(path, encoding="utf-8-sig") as f:  # FileNotFoundError names the path
-            lines = [line.rstrip("\r") for line in f.read().split("\n")]
+        data = path.read_bytes()  # FileNotFoundError names the path
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise TraceError(path, data[:e.start].count(b"\n") + 1, f"not UTF-8 text (byte {data[e.start]:#04x} at "
+                                                                     f"offset {e.start}); is it a binary or compressed "
+                                                                     "file?") from None
+        lines = [line.rstrip("\r") for line in text.split("\n")]
         if not any(line.strip() for line in lines):
             raise TraceError(path, 1, "empty trace file (write one request per line; see traces/README.md)")
         fmt = _detect(path, lines) if fmt == "auto" else fmt
@@ -135,11 +141,13 @@ def _json_object(path, no: int, line: str) -> dict:
     return obj
 
 
-def _int(path, no: int, name: str, value, minimum: int = 1) -> int:
+def _int(path, no: int, name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceError(path, no, f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise TraceError(path, no, f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise TraceError(path, no, f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -202,7 +210,7 @@ def _load_jsonl(path, lines) -> list[TraceRequest]:
             rid, _seconds(path, no, "arrival_s", d["arrival_s"]), n_in,
             _int(path, no, "output_tokens", d["output_tokens"]), ptids,
             None if hids is None else _hash_ids(path, no, hids, n_in, block), block,
-            _int(path, no, "priority", d.get("priority", 0), minimum=-(2**63))))
+            _int(path, no, "priority", d.get("priority", 0), minimum=-(2**63), maximum=2**63 - 1)))
     return reqs
 
 
