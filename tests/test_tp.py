@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -206,6 +207,44 @@ def test_worker_dying_at_startup_is_named(tiny_folder, tmp_path_factory, monkeyp
     llm = engines(tiny_folder, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
     assert time.monotonic() - start < 30
     assert len(llm.generate(random_prompts([6], 320), GREEDY)[0].outputs[0].token_ids) == 16
+
+
+SCRIPT = """
+import sys
+from testbed import LLM
+
+def main():
+    llm = LLM({folder!r}, skip_tokenizer_init=True, tensor_parallel_size=2, max_num_batched_tokens=16, max_num_seqs=4)
+    print("tokens", len(llm.generate([[1, 2, 3]])[0].outputs[0].token_ids))
+    llm.executor.shutdown()
+
+if sys.argv[1] == "guarded":
+    if __name__ == "__main__":
+        main()
+else:
+    main()  # at import time: every spawned worker runs this again
+"""
+
+
+def test_a_script_without_a_main_guard_fails_at_once_with_an_explanation(tiny_folder, tmp_path):
+    """A TP script that builds its LLM at import time once waited for the whole rendezvous timeout, then
+    failed with `DistStoreError: ... clients joined`; now the worker explains and the script fails at once."""
+    import subprocess
+    import sys
+    script = tmp_path / "generate.py"
+    script.write_text(SCRIPT.format(folder=tiny_folder))
+    repo = str(Path(__file__).resolve().parents[1])  # this checkout's testbed, whatever is installed
+    env = {**os.environ, "TESTBED_TP_TIMEOUT_S": "600",  # the old behaviour: a 600 s wait, past the bound below
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    bad = subprocess.run([sys.executable, str(script), "unguarded"], capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert bad.returncode != 0 and "tokens" not in bad.stdout
+    assert "a tensor-parallel worker was asked to build an engine while starting up" in bad.stderr  # the worker
+    assert "worker died during startup: rank 1" in bad.stderr and 'if __name__ == \"__main__\":' in bad.stderr
+    assert "DistStoreError" not in bad.stderr
+    good = subprocess.run([sys.executable, str(script), "guarded"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert good.returncode == 0 and "tokens 16" in good.stdout, good.stderr
 
 
 @pytest.mark.smollm2

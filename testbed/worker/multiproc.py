@@ -5,6 +5,9 @@ header and one packed int64 buffer (token ids, positions, slots, block tables, l
 rank runs its shard of the model (row-parallel layers all-reduce), and rank 0 gathers the logits
 and samples. Failure handling: a rank that dies or stops answering makes `execute` raise within
 `TESTBED_TP_TIMEOUT_S` (default 60 s) with an error naming it; processes are cleaned up on exit.
+Workers are spawned, so each imports the main script again: one that builds a TP engine without an
+`if __name__ == "__main__":` guard would build another inside every worker. A worker detects that
+and exits with an explanation, and rank 0 fails as soon as a worker dies before it started.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import datetime
 import multiprocessing as mp
 import os
 import socket
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +29,9 @@ from testbed.worker.resolve import model_limits, resolve_device, resolve_dtype
 from testbed.worker.stepper import ExecutorFailure
 
 CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
+MAIN_GUARD_HINT = ("the script that creates the engine has no `if __name__ == \"__main__\":` guard, so each "
+                   "spawned tensor-parallel worker runs it again and builds an engine of its own; put the code "
+                   "that creates the LLM (and uses it) under that guard")
 HEADER = 7  # cmd, T, B, max_blocks, n_sample, is_decode, arg
 
 
@@ -71,7 +79,9 @@ def _recv_inputs(runner: ModelRunner, header: list[int]) -> StepInputs:
 
 
 def _worker_main(rank: int, world: int, port: int, model: str, config: EngineConfig, load_format: str, dtype: str,
-                 device_type: str) -> None:
+                 device_type: str, started) -> None:
+    with started.get_lock():
+        started.value += 1
     runner = _build(rank, world, port, model, config, load_format, dtype, device_type)
     header = torch.zeros(HEADER, dtype=torch.long, device=runner.device)
     try:
@@ -102,6 +112,9 @@ class MultiprocExecutor:
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
                  device: str | None = None) -> None:
+        if getattr(mp.current_process(), "_inheriting", False):  # a spawned worker importing the main script
+            raise RuntimeError(f"a tensor-parallel worker was asked to build an engine while starting up: "
+                               f"{MAIN_GUARD_HINT}")
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process; "
                                "one tensor-parallel engine per process")
@@ -112,8 +125,10 @@ class MultiprocExecutor:
         self.model_path = model
         port = _free_port()
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_worker_main, args=(r, world, port, model, config, load_format, dtype, dev.type),
-                                  name=f"testbed-tp-rank{r}", daemon=True) for r in range(1, world)]
+        started = ctx.Value("i", 0)
+        self.procs = [ctx.Process(target=_worker_main, name=f"testbed-tp-rank{r}", daemon=True,
+                                  args=(r, world, port, model, config, load_format, dtype, dev.type, started))
+                      for r in range(1, world)]
         for p in self.procs:
             p.start()
         self._closed = False
@@ -121,12 +136,13 @@ class MultiprocExecutor:
         self._failure: str | None = None  # set once a rank died or timed out; every later call fails fast
         atexit.register(self.shutdown)
         try:
+            self._wait_started(started)
             self.runner = _build(0, world, port, model, config, load_format, dtype, dev.type)
         except BaseException as e:
             dead = self._dead_ranks()
             self._failure = f"tensor-parallel worker died during startup: {', '.join(dead)}" if dead else None
             self.shutdown()
-            if dead:
+            if dead and not isinstance(e, TPWorkerError):
                 raise TPWorkerError(f"{self._failure} ({type(e).__name__}: {e})") from e
             raise
         self.device = self.runner.device
@@ -143,6 +159,19 @@ class MultiprocExecutor:
         self.runner.allocate_kv_cache(blocks)
         self.num_gpu_blocks = blocks
         self.runner.broadcast_inputs = self._broadcast_inputs  # type: ignore[attr-defined]
+
+    def _wait_started(self, started) -> None:
+        """Wait until every worker runs its main function; a worker that dies first (it could not
+        import the main script, or ran into an unguarded engine there) fails the engine at once."""
+        deadline = time.monotonic() + _timeout().total_seconds()
+        while started.value < len(self.procs) and time.monotonic() < deadline:
+            dead = self._dead_ranks()
+            if dead:
+                main = sys.modules.get("__main__")
+                hint = f"; a common cause: {MAIN_GUARD_HINT}" if getattr(main, "__file__", None) else ""
+                raise TPWorkerError(f"tensor-parallel worker died during startup: {', '.join(dead)} (its error is "
+                                    f"above){hint}")
+            time.sleep(0.05)
 
     def _dead_ranks(self) -> list[str]:
         return [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
