@@ -1,14 +1,19 @@
-"""Hostile input against one real `testbed serve` (bundled SmolLM2 on the CPU, 127.0.0.1): malformed
-bodies get OpenAI-shaped 400s, and a multi-megabyte prompt must not stall /health (tokenization runs
-off the event loop)."""
+"""Hostile input against one real `testbed serve` (bundled SmolLM2 on the CPU, 127.0.0.1): a bounded
+property-based fuzz of the OpenAI request bodies (huge and tiny numbers, NaN and Infinity, lone
+surrogates, wrong types, unknown fields) that must never give a 5xx nor kill the engine core while
+/health stays 200, and a multi-megabyte prompt that must not stall /health (tokenization runs off the
+event loop)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, sse_events
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,6 +34,126 @@ def server(tmp_path_factory):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as h:
         yield h
+
+
+# ---- strategies: a valid body (edge values included), then 0-2 of its fields poisoned ----------------------
+VOCAB = 49152
+HUGE = [2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70, 10**30, -(2**63), -(2**63) - 1, -(2**64)]
+hostile_int = st.one_of(st.sampled_from(HUGE), st.integers(-(2**80), 2**80))
+hostile_float = st.one_of(st.sampled_from([-0.0, 1e-46, 5e-324, 1e-300, 1e308, -1e308, float("inf"),
+                                           float("-inf"), float("nan")]), st.floats())
+SURROGATES = ["a\ud800b", "\udfff", "\ud83d", "ok \ud83d\ude00", "x\udc00\ud800"]
+text = st.one_of(st.text(max_size=30), st.sampled_from(["Hello", "The capital of France is", "\x00", "\u202e",
+                                                        "\ufffd", "🦊 東京", " ", "\n\n"]))
+hostile_text = st.one_of(st.sampled_from(SURROGATES), text.map(lambda t: t + "\ud800"))
+token_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8)
+hostile_ids = st.lists(st.one_of(st.integers(0, VOCAB - 1), st.sampled_from([-1, VOCAB, VOCAB + 7]), hostile_int),
+                       min_size=0, max_size=6)
+wrong_type = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.lists(st.integers(), max_size=3),
+                       st.dictionaries(st.text(max_size=5), st.integers(), max_size=2), st.floats(0, 1))
+
+# (valid values, edge cases included; hostile values of the right JSON type)
+SAMPLING = {
+    "n": (st.integers(1, 2), st.one_of(hostile_int, st.sampled_from([0, -1, 129]))),
+    "temperature": (st.one_of(st.floats(0, 2), st.sampled_from([0, 1e-46, 5e-324, 1e-5, 9.9e-6, 1e6])), hostile_float),
+    "top_p": (st.one_of(st.floats(1e-300, 1), st.sampled_from([1e-46, 5e-324, 1])), hostile_float),
+    "top_k": (st.one_of(st.integers(-1, 64), st.sampled_from([VOCAB, VOCAB - 1])), st.one_of(hostile_int, st.just(-2))),
+    "seed": (st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([2**63 - 1, -(2**63)])), hostile_int),
+    "stop": (st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=3)),
+             st.one_of(hostile_text, st.just(""), st.lists(hostile_text, min_size=1, max_size=2))),
+    "stop_token_ids": (st.lists(st.integers(0, VOCAB - 1), max_size=3), hostile_ids),
+    "ignore_eos": (st.booleans(), wrong_type),
+    "min_tokens": (st.integers(0, 2), hostile_int),
+    "stream": (st.booleans(), wrong_type),
+    "include_stop_str_in_output": (st.booleans(), wrong_type),
+    "skip_special_tokens": (st.booleans(), wrong_type),
+    "return_token_ids": (st.booleans(), wrong_type),
+    "priority": (st.integers(-(2**63), 2**63 - 1), hostile_int),
+    "model": (st.just("SmolLM2-135M-Instruct"), st.one_of(text, hostile_text)),
+    "user": (text, hostile_text),
+    "logit_bias": (wrong_type, wrong_type),  # not a field here: ignored
+    "max_tokens": (st.integers(1, 3), st.one_of(hostile_int, st.sampled_from([0, -1, 300]))),
+}
+COMPLETION = {
+    **SAMPLING,
+    "prompt": (st.one_of(text.filter(str.strip), st.lists(text.filter(str.strip), min_size=1, max_size=2), token_ids,
+                         st.lists(token_ids, min_size=1, max_size=2)),
+               st.one_of(hostile_text, st.lists(hostile_text, min_size=1, max_size=2), hostile_ids,
+                         st.lists(hostile_ids, max_size=2), st.just(""), st.just([]))),
+    "logprobs": (st.integers(0, 20), st.one_of(hostile_int, st.just(21))),
+    "echo": (st.booleans(), wrong_type),
+}
+message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                 "content": st.one_of(text, st.lists(st.fixed_dictionaries(
+                                     {"type": st.just("text"), "text": text}), max_size=2))})
+hostile_message = st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(["tool", "robot", ""]), hostile_text),
+     "content": st.one_of(hostile_text, st.none(), wrong_type,
+                          st.lists(st.dictionaries(st.sampled_from(["type", "text", "image_url"]), wrong_type,
+                                                   max_size=2), max_size=2))},
+    optional={"name": hostile_text})
+CHAT = {
+    **SAMPLING,
+    "messages": (st.lists(message, min_size=1, max_size=3),
+                 st.one_of(st.lists(st.one_of(message, hostile_message), min_size=1, max_size=3), st.just([]))),
+    "logprobs": (st.booleans(), wrong_type),
+    "top_logprobs": (st.integers(0, 20), st.one_of(hostile_int, st.just(21))),
+    "max_completion_tokens": (st.integers(1, 3), hostile_int),
+    "add_generation_prompt": (st.booleans(), wrong_type),
+}
+TOKENIZE = {"prompt": (text, hostile_text), "messages": (st.lists(message, max_size=2), st.lists(hostile_message,
+                                                                                              min_size=1, max_size=2)),
+            "add_special_tokens": (st.booleans(), wrong_type)}
+DETOKENIZE = {"tokens": (token_ids, hostile_ids)}
+ENDPOINTS = {"/v1/completions": (COMPLETION, ("prompt", "max_tokens")),
+             "/v1/chat/completions": (CHAT, ("messages", "max_tokens")),
+             "/tokenize": (TOKENIZE, ("prompt",)), "/detokenize": (DETOKENIZE, ("tokens",))}
+
+
+@st.composite
+def requests(draw) -> tuple[str, dict]:
+    """An endpoint and a body: required fields and a random subset of the others with valid values,
+    then up to two fields (present or not) given a hostile value or a wrong type."""
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"] * 3 + ["/tokenize", "/detokenize"]))
+    fields, required = ENDPOINTS[path]
+    keys = list(required) + draw(st.lists(st.sampled_from(sorted(fields)), max_size=6, unique=True))
+    body = {k: draw(fields[k][0]) for k in keys}
+    for k in draw(st.lists(st.sampled_from(sorted(fields)), max_size=2, unique=True)):
+        body[k] = draw(st.one_of(fields[k][1], wrong_type))
+    if draw(st.booleans()) and path.startswith("/v1/") and body.get("stream") is True:
+        body["stream_options"] = {"include_usage": draw(st.one_of(st.booleans(), wrong_type))}
+    if path.startswith("/v1/") and body.get("max_tokens") is None:
+        body["max_tokens"] = 2  # never the default (the whole context): keep the fuzz fast
+    return path, body
+
+
+def send(http: httpx.Client, path: str, body: dict) -> tuple[int, list]:
+    """POST a body as JSON (NaN and Infinity as the literals Python's json writes, lone surrogates
+    escaped); (status, SSE events of a 200 stream)."""
+    raw = json.dumps(body)
+    with http.stream("POST", path, content=raw, headers={"content-type": "application/json"}) as r:
+        data = r.read().decode()
+    if r.status_code == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
+        return r.status_code, sse_events(data.splitlines())
+    if r.status_code != 200:
+        err = json.loads(data)["error"]  # always OpenAI's error body
+        assert set(err) == {"message", "type", "param", "code"}, data
+    return r.status_code, []
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(requests())
+def test_fuzz_request_bodies_never_5xx_nor_kill_the_engine(server, http, request):
+    path, body = request
+    status, events = send(http, path, body)
+    event(f"{path} {status}{' stream' if events else ''}")
+    assert status < 500, (path, body, status)
+    if events:
+        assert events[-1] == "[DONE]", events[-3:]
+        errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+        assert all(e["type"] == "invalid_request_error" for e in errors), errors
+    assert http.get("/health").status_code == 200
 
 
 GENERATION = ("/v1/completions", "/v1/chat/completions")
@@ -54,6 +179,12 @@ def test_malformed_bodies_get_400(server, http, raw, paths):
         assert r.status_code == 400, (path, r.text[:300])
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert http.get("/health").status_code == 200
+
+
+def test_fuzz_left_the_same_engine_core_running(server, http):
+    engine = server.engine_pid()
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and server.engine_pid() == engine
 
 
 def test_a_huge_prompt_does_not_stall_health(server):
