@@ -138,7 +138,8 @@ class RunDirError(ValueError):
 
 
 def read_run(path: str | Path) -> Run:
-    """Open a run directory; RunDirError names the missing or corrupt file."""
+    """Open a run directory whose four files are readable (the parquet files with the expected columns);
+    RunDirError names the missing or corrupt file."""
     p = Path(path)
     for name in FILES:
         if not (p / name).is_file():
@@ -148,10 +149,13 @@ def read_run(path: str | Path) -> Run:
         summary = json.loads((p / "summary.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RunDirError(f"{p}: corrupt JSON ({e})") from e
+    problem = _records_problem(p)
+    if problem is not None:
+        raise RunDirError(problem)
     return Run(p, manifest, summary)
 
 
-def check_records(path: str | Path) -> str | None:
+def _records_problem(path: str | Path) -> str | None:
     """Why a run's parquet records are unusable (unreadable, truncated, lacking columns), or None.
     Reads each file's footer and schema, not its rows."""
     p = Path(path)

@@ -291,14 +291,17 @@ def test_sigint_while_rewriting_a_run_leaves_a_whole_run(tmp_path):
     or the new one), no temporary directory is left, and the command exits 130 without a traceback."""
     out = tmp_path / "run"
     simulate(tmp_path, "run", limit=20)
-    cmd = [sys.executable, "-m", "testbed.cli", "simulate", str(SAMPLE), "--limit", "3000", "--no-progress",
-           "-o", str(out)]
+    cmd = [sys.executable, "-m", "testbed.cli", "simulate", str(SAMPLE), "--limit", "3000", "--cost-model",
+           "roofline", "-o", str(out)]
     seen = set()
-    for delay in (0.5, 2.0):
+    for delay in (0.0, 1.0):
         p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        err, deadline = "", time.monotonic() + 60
+        while "simulating" not in err and time.monotonic() < deadline:  # the progress bar: past startup
+            err += p.stderr.read(1) or ""
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=120)
+        err += p.communicate(timeout=120)[1]
         assert p.returncode in (0, 130), err
         assert "Traceback" not in err
         seen.add(_consistent(out))

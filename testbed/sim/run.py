@@ -12,7 +12,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.metrics import check_slos, summarize
 from testbed.presets import ModelSpec, get_model_spec
-from testbed.rundir import RunDirError, check_output, check_records, environment_info, read_run, write_run
+from testbed.rundir import RunDirError, check_output, environment_info, read_run, write_run
 from testbed.sim.cluster import simulate, trace_to_request
 from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel, num_gpu_blocks
 from testbed.sim.hardware import GPUSpec, get_gpu_spec
@@ -49,11 +49,8 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
         run_dir = spec.removeprefix("recorded:")
         try:
             read_run(run_dir)
-            problem = check_records(run_dir)
         except RunDirError as e:
-            problem = str(e)
-        if problem is not None:
-            raise ValueError(f"--cost-model {spec}: not a readable run directory: {problem}")
+            raise ValueError(f"--cost-model {spec}: not a readable run directory: {e}") from None
         return RecordedCostModel.from_run_dir(run_dir), spec
     path = Path(spec)
     if not path.is_file():
