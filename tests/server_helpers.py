@@ -5,6 +5,7 @@ and stay light; every wait is bounded so a broken server fails a test instead of
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -33,14 +35,14 @@ class ServerProcess:
     """`python -m testbed.cli serve` in a subprocess; its output goes to a log file in `log_dir`
     (a pytest tmp dir, so old logs are pruned)."""
 
-    def __init__(self, *args: str, log_dir: Path, api_key: str | None = None) -> None:
+    def __init__(self, *args: str, log_dir: Path, api_key: str | None = None, env: dict | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log_path = Path(tempfile.mkstemp(prefix="serve-", suffix=".log", dir=log_dir)[1])
         cmd = [sys.executable, "-m", "testbed.cli", "serve", "--port", str(self.port), *SMALL, *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("TESTBED_API_KEY", None)
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -94,6 +96,17 @@ class ServerProcess:
                 except ProcessLookupError:
                     pass
         self.log.close()
+
+
+@contextlib.contextmanager
+def running_server(*args: str, log_dir: Path, **kwargs) -> Iterator[ServerProcess]:
+    """A ready server for the `with` block (a module fixture's body); afterwards it must stop with exit 0."""
+    srv = ServerProcess(*args, log_dir=log_dir, **kwargs)
+    try:
+        yield srv.wait_ready()
+    finally:
+        code = srv.terminate()
+        assert code == 0, srv.log_text()
 
 
 def sse_events(lines) -> list:

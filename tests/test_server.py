@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import ServerProcess, metric, sse_events
+from server_helpers import metric, running_server, sse_events
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -25,13 +25,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess("--enable-prefix-caching", "--max-request-bytes", "100000", api_key=KEY,
-                        log_dir=tmp_path_factory.mktemp("serve"))
-    try:
-        yield srv.wait_ready()
-    finally:
-        code = srv.terminate()
-        assert code == 0, srv.log_text()
+    with running_server("--enable-prefix-caching", "--max-request-bytes", "100000", api_key=KEY,
+                        log_dir=tmp_path_factory.mktemp("serve")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
