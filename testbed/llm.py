@@ -105,8 +105,8 @@ class LLM:
             params.verify(vocab)
             check_token_ids(prompt_token_ids, vocab)
         except InvalidParam as e:
-            raise ValueError(f"request {request_id!r}: {e.reason}; pass token ids from this model's tokenizer"
-                             if e.param == "prompt" else f"request {request_id!r}: {e.reason}") from None
+            raise ValueError(f"request {request_id!r}: {e}; pass token ids from this model's tokenizer"
+                             if e.param == "prompt" else f"request {request_id!r}: {e}") from None
         req = Request(request_id, prompt_token_ids, params, self.now() if arrival_time is None else arrival_time,
                       priority=priority, eos_token_id=self.eos_token_id)
         return self.engine.add_request(req, self.now())

@@ -50,8 +50,8 @@ class InvalidParam(ValueError):
     """A request parameter out of range; `param` names it (the API server answers 400 with it)."""
 
     def __init__(self, param: str, reason: str) -> None:
-        super().__init__(f"SamplingParams: {param} {reason}")
-        self.param, self.reason = param, f"{param} {reason}"
+        super().__init__(f"{param} {reason}")
+        self.param = param
 
 
 def _int_in(v, lo: int, hi: int) -> bool:
@@ -142,7 +142,9 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise InvalidParam("stop", f"strings must be non-empty, got {s!r}")
             check_text(s, "stop")
-        check_token_ids(self.stop_token_ids, INT64_MAX, "stop_token_ids")
+        for t in self.stop_token_ids:
+            if not _int_in(t, 0, INT64_MAX):
+                raise InvalidParam("stop_token_ids", f"must be token ids (integers >= 0), got {t!r}")
         if self.top_k == -1:
             self.top_k = 0
 

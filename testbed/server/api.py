@@ -94,7 +94,7 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
         errs = e.errors()
         own = next((x for err in errs if isinstance(x := (err.get("ctx") or {}).get("error"), InvalidParam)), None)
         if own is not None:  # our own check inside the schema: its message and parameter as they are
-            return error_response(bad_request(own.reason, own.param))
+            return error_response(bad_request(str(own), own.param))
         msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in errs[:5])
         param = next((err["loc"][1] for err in errs if len(err["loc"]) > 1 and isinstance(err["loc"][1], str)), None)
         return error_response(bad_request(f"invalid request: {msg}", param))

@@ -35,7 +35,7 @@ def sampling_params(state: ServerState, req, max_tokens: int | None, logprobs: i
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs).verify(state.vocab_size)
     except InvalidParam as e:
-        raise bad_request(e.reason, e.param) from None
+        raise bad_request(str(e), e.param) from None
 
 
 class Choice:

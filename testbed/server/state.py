@@ -73,7 +73,7 @@ class ServerState:
         try:
             check_token_ids(ids, self.vocab_size, param)
         except InvalidParam as e:
-            raise bad_request(e.reason.removeprefix(f"{param} "), param) from None
+            raise bad_request(str(e).removeprefix(f"{param} "), param) from None
 
 
 def new_id(prefix: str) -> str:
