@@ -317,6 +317,11 @@ def test_emulated_executor_serves_the_engine_process():
         client = _client("testbed.sim.emulator:create", {"gpu": "H200", "cost_model": "roofline"})
         ready = await asyncio.wait_for(client.start(), 60)
         assert ready.vocab_size == 49152  # no model given: the bundled SmolLM2's shape
+        # a request that cannot be encoded (a seed past uint64) leaves no stream and no count behind, so the
+        # waiting estimate stays exact (it once took a waiting slot for good)
+        with pytest.raises(OverflowError):
+            client.add("r0", [11], time.time(), max_tokens=5, seed=2**70)
+        assert "r0" not in client.streams and client.sent_seq == -1 and client.num_waiting_estimate == 0
         stream = client.add("r1", [11, 12, 13], time.time(), max_tokens=5, temperature=0.0, ignore_eos=True)
         tokens = []
         while True:
@@ -325,6 +330,10 @@ def test_emulated_executor_serves_the_engine_process():
             if out.finished:
                 break
         assert tokens == [11, 12, 13, 11, 12] and out.finish_reason == "length"
+        assert client.sent_seq == client.stats.acked_seq == 0 and client.num_waiting_estimate == 0
+        # the engine core checks what it is sent again: out-of-vocabulary ids are rejected, not run
+        out = await asyncio.wait_for(client.add("r2", [49152], time.time(), max_tokens=2).get(), 30)
+        assert out.finish_reason == "rejected" and "outside the vocabulary" in out.stop_reason
         await client.shutdown()
 
     asyncio.run(scenario())
