@@ -89,3 +89,16 @@ def test_an_executor_failure_stops_the_engine():
     engine.add_request(make_request("bad", tokens=MARK), 0.0)
     with pytest.raises(ExecutorFailure):
         stepper.step()
+
+
+def test_subset_narrows_the_rows_and_keeps_the_rest_of_the_step():
+    engine = make_engine()
+    for rid in "abc":
+        engine.add_request(make_request(rid, 8), 0.0)
+    so = engine.schedule(0.0)
+    sub = so.subset([1])
+    assert [r.request_id for r in sub.requests] == ["b"] and sub.new_req_ids == {"b"}
+    assert (sub.num_new_tokens, sub.num_computed_before, sub.block_ids) == ([8], [0], [so.block_ids[1]])
+    kept = [f for f in SchedulerOutput.__dataclass_fields__ if f not in
+            ("requests", "num_new_tokens", "num_computed_before", "block_ids", "new_req_ids", "preempted_req_ids")]
+    assert all(getattr(sub, f) == getattr(so, f) for f in kept)

@@ -1,7 +1,7 @@
 """Plain-data structs crossing the core's boundary, and the stop checks applied to each new token."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from testbed.engine.request import Request, RequestStatus
 
@@ -41,12 +41,11 @@ class SchedulerOutput:
         """The same step restricted to `rows` (to run requests on their own after a failed step);
         the aggregates stay those of the whole step."""
         ids = {self.requests[i].request_id for i in rows}
-        return SchedulerOutput(
-            [self.requests[i] for i in rows], [self.num_new_tokens[i] for i in rows],
-            [self.num_computed_before[i] for i in rows], [self.block_ids[i] for i in rows],
-            self.new_req_ids & ids, [], self.finished_req_ids, self.total_num_scheduled_tokens,
-            self.num_prefill_tokens, self.num_decode_tokens, self.sum_context_tokens, self.sum_attn_pairs,
-            self.step_state)
+        return replace(self, requests=[self.requests[i] for i in rows],
+                       num_new_tokens=[self.num_new_tokens[i] for i in rows],
+                       num_computed_before=[self.num_computed_before[i] for i in rows],
+                       block_ids=[self.block_ids[i] for i in rows], new_req_ids=self.new_req_ids & ids,
+                       preempted_req_ids=[])
 
     @property
     def is_empty(self) -> bool:
