@@ -29,6 +29,7 @@ from testbed.worker.resolve import model_limits, resolve_device, resolve_dtype
 from testbed.worker.stepper import ExecutorFailure
 
 CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
+DEATH_WAIT_S = 2.0  # after a failed collective: how long a dying rank gets to be reaped, so the error names it
 MAIN_GUARD_HINT = ("the script that creates the engine has no `if __name__ == \"__main__\":` guard, so each "
                    "spawned tensor-parallel worker runs it again and builds an engine of its own; put the code "
                    "that creates the LLM (and uses it) under that guard")
@@ -173,9 +174,16 @@ class MultiprocExecutor:
                                     f"above){hint}")
             time.sleep(0.05)
 
-    def _dead_ranks(self) -> list[str]:
-        return [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
-                if not p.is_alive()]
+    def _dead_ranks(self, wait_s: float = 0.0) -> list[str]:
+        """The ranks whose process has exited; waits up to `wait_s` for one (a peer's closed socket can
+        reach rank 0 before its process is reaped)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [f"rank {r} (pid {p.pid}, exit code {p.exitcode})" for r, p in enumerate(self.procs, 1)
+                    if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
 
     def _fail(self, msg: str) -> TPWorkerError:
         self._failure = msg
@@ -193,16 +201,18 @@ class MultiprocExecutor:
             return fn(*args, **kwargs)
         except TPWorkerError:  # raised by a nested guard (execute -> broadcast of the step's inputs)
             raise
-        except ExecutorFailure as e:
-            raise self._fail(str(e)) from e
         except Exception as e:
-            dead = self._dead_ranks()
+            collective = isinstance(e, ExecutorFailure) or fn in (dist.broadcast, dist.all_reduce)
+            dead = self._dead_ranks(wait_s=DEATH_WAIT_S if collective else 0.0)
             if dead:
                 raise self._fail(f"tensor-parallel worker died: {', '.join(dead)} ({type(e).__name__}: {e})") from e
-            if isinstance(e, dist.DistError) or "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            cause = e.__cause__ if isinstance(e, ExecutorFailure) and e.__cause__ is not None else e
+            if isinstance(cause, dist.DistError) or "timed out" in str(cause).lower() or "timeout" in str(cause).lower():
                 raise self._fail(f"tensor-parallel workers (ranks 1..{self.world - 1}) did not answer within "
-                                 f"{_timeout().total_seconds():g} s ({type(e).__name__}: {e})") from e
-            raise
+                                 f"{_timeout().total_seconds():g} s ({type(cause).__name__}: {cause})") from e
+            if collective:  # the ranks are out of step
+                raise self._fail(f"tensor-parallel step failed ({type(e).__name__}: {e})") from e
+            raise  # one request's failure on rank 0 after the collectives (e.g. in sampling): the group is fine
 
     def _send(self, cmd: int, T: int = 0, B: int = 0, mb: int = 0, ns: int = 0, is_decode: bool = False,
               arg: int = 0) -> None:
