@@ -9,7 +9,7 @@ ALL := $(VENV)/.all-installed
 
 # The real GPU run the demo simulates and compares against (a committed run directory), with the model and GPU
 # it ran on as the simulator's presets name them. These three lines are the demo's only choice of run.
-DEMO_REAL ?= benchmarks/results/real_runs/serve_h200_llama3.2-1b_azure_rate8
+DEMO_REAL ?= benchmarks/results/fidelity/2026-11-24_795c0af_h200_llama-3.2-1b/azure-80
 DEMO_MODEL ?= Llama-3.2-1B
 DEMO_GPU ?= H200
 DEMO_OUT ?= runs/demo

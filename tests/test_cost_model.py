@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from testbed.engine.outputs import SchedulerOutput
 from testbed.engine.request import Request, SamplingParams
 from testbed.presets import MODEL_PRESETS, get_model_spec
-from testbed.sim.cost_model import RooflineCostModel, num_gpu_blocks, rank_shape
+from testbed.sim.cost_model import CALIBRATED, PHYSICAL, RooflineCostModel, num_gpu_blocks, rank_shape
 from testbed.sim.hardware import GPU_PRESETS, GPUSpec, get_gpu_spec
 
 L8B, L70B = get_model_spec("Llama-3.1-8B"), get_model_spec("Llama-3.1-70B")
@@ -36,14 +36,14 @@ def step(prefill: list[tuple[int, int]] = (), decode: list[int] = ()) -> Schedul
 # --- roofline against known numbers -------------------------------------------------------------
 
 def test_batch1_decode_is_weight_bandwidth_bound():
-    t = RooflineCostModel(L8B, H100, step_overhead_s=0).step_time(step(decode=[1000]))
+    t = RooflineCostModel(L8B, H100, constants=PHYSICAL).step_time(step(decode=[1000]))
     assert 5e-3 < t < 6e-3  # ~16 GB over ~3.0 TB/s
     read = (L8B.num_params - L8B.vocab_size * L8B.hidden_size) * 2 + 1001 * L8B.kv_bytes_per_token()  # not the embedding
     assert t == pytest.approx(read / H100.mem_bandwidth, rel=1e-3)
 
 
 def test_long_prefill_is_compute_bound():
-    cm = RooflineCostModel(L8B, H100, step_overhead_s=0)
+    cm = RooflineCostModel(L8B, H100, constants=PHYSICAL)
     t = cm.step_time(step(prefill=[(0, 2048)]))
     assert 0.035 < t < 0.045  # ~2 * 8e9 * 2048 / 7.9e14
     matmul_params = L8B.num_params - 2 * L8B.vocab_size * L8B.hidden_size  # embedding lookup is no matmul
@@ -51,7 +51,7 @@ def test_long_prefill_is_compute_bound():
 
 
 def test_decode_grows_with_batch_only_through_kv_until_compute_bound():
-    cm = RooflineCostModel(L8B, H100)
+    cm = RooflineCostModel(L8B, H100, constants=PHYSICAL)
     t1 = cm.step_time(step(decode=[999]))
     kv_per_token_s = L8B.kv_bytes_per_token() / H100.mem_bandwidth
     for b in (2, 16, 64, 200):
@@ -64,19 +64,19 @@ def test_decode_grows_with_batch_only_through_kv_until_compute_bound():
 
 
 def test_tp2_halves_weight_time_and_adds_allreduce():
-    one = RooflineCostModel(L8B, H100, step_overhead_s=0).step_time(step(decode=[0]))
-    two_free = RooflineCostModel(L8B, H100, 2, step_overhead_s=0, allreduce_latency_s=0, allreduce_bandwidth=1e30)
+    one = RooflineCostModel(L8B, H100, constants=PHYSICAL).step_time(step(decode=[0]))
+    two_free = RooflineCostModel(L8B, H100, 2, allreduce_latency_s=0, allreduce_bandwidth=1e30, constants=PHYSICAL)
     assert two_free.step_time(step(decode=[0])) == pytest.approx(one / 2, rel=1e-6)
-    two = RooflineCostModel(L8B, H100, 2, step_overhead_s=0)
+    two = RooflineCostModel(L8B, H100, 2, constants=PHYSICAL)
     expected_ar = 2 * L8B.num_hidden_layers * (0.5 * 2 * L8B.hidden_size * 2 / H100.interconnect_bandwidth
                                                + H100.allreduce_latency_s)
     assert two.step_time(step(decode=[0])) == pytest.approx(one / 2 + expected_ar, rel=1e-6)
 
 
 def test_empty_step_costs_nothing_and_overhead_is_added():
-    cm = RooflineCostModel(L8B, H100, step_overhead_s=1e-3)
+    cm = RooflineCostModel(L8B, H100, step_overhead_s=1e-3, constants=PHYSICAL)
     assert cm.step_time(SchedulerOutput()) == 0.0
-    base = RooflineCostModel(L8B, H100, step_overhead_s=0).step_time(step(decode=[5]))
+    base = RooflineCostModel(L8B, H100, constants=PHYSICAL).step_time(step(decode=[5]))
     assert cm.step_time(step(decode=[5])) == pytest.approx(base + 1e-3)
 
 
@@ -162,7 +162,19 @@ def test_tp2_all_reduce_term_comes_from_the_measured_nccl_fit():
     assert (g.interconnect_bandwidth, g.allreduce_latency_s) == (MEASURED_ALLREDUCE_BW, MEASURED_ALLREDUCE_LATENCY_S)
     so = SchedulerOutput(total_num_scheduled_tokens=64, num_decode_tokens=64, sum_context_tokens=64 * 1024,
                          sum_attn_pairs=64 * 1024, requests=[None] * 64)
-    tp1 = RooflineCostModel(m, g, 1, step_overhead_s=0.0).step_time(so)
-    tp2 = RooflineCostModel(m, g, 2, step_overhead_s=0.0).step_time(so)
+    tp1 = RooflineCostModel(m, g, 1, constants=PHYSICAL).step_time(so)
+    tp2 = RooflineCostModel(m, g, 2, constants=PHYSICAL).step_time(so)
     per_ar = MEASURED_ALLREDUCE_LATENCY_S + 64 * m.hidden_size * 2 / MEASURED_ALLREDUCE_BW
     assert tp2 == pytest.approx(tp1 / 2 + 2 * m.num_hidden_layers * per_ar, rel=1e-9)
+
+
+def test_calibrated_constants_are_the_shipped_profiles_medians_and_an_eager_step_pays_its_issue_time():
+    from testbed.sim.calibrate import roofline_constants
+    got = roofline_constants()
+    for f in ("step_overhead_s", "eager_overhead_per_layer_s", "bandwidth_efficiency", "matmul_efficiency"):
+        assert getattr(CALIBRATED, f) == pytest.approx(getattr(got, f), rel=2e-3), f
+    cm = RooflineCostModel(L8B, H100)
+    tiny_prefill = cm.step_time(step(prefill=[(0, 16)]))
+    assert tiny_prefill == pytest.approx(CALIBRATED.eager_overhead_per_layer_s * L8B.num_hidden_layers
+                                         + CALIBRATED.step_overhead_s)
+    assert cm.step_time(step(decode=[16])) < tiny_prefill  # a graphed decode step issues no layers from the host

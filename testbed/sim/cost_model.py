@@ -6,7 +6,7 @@ precomputed in `__init__`, no numpy. An empty step costs 0 s.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from testbed.engine.outputs import SchedulerOutput
@@ -50,10 +50,37 @@ def rank_shape(model: ModelSpec, tensor_parallel_size: int = 1) -> RankShape:
     return RankShape(heads_r, kv_r, model.num_hidden_layers * linear, vocab_rows, weights)
 
 
+@dataclass(frozen=True)
+class RooflineConstants:
+    """What the roofline adds to physics, recalibrated from measured profiles (testbed/sim/calibrate.py):
+    a decode step's fixed cost (host preparation, launches, sampler, readback), the host time to issue one
+    decoder layer of an eager step (any step with a prefill chunk runs without a CUDA graph), and the
+    fractions of the GPU preset's bandwidth and matmul rate that attention and the linear layers reach."""
+
+    step_overhead_s: float
+    eager_overhead_per_layer_s: float
+    bandwidth_efficiency: float
+    matmul_efficiency: float
+
+    def __post_init__(self) -> None:
+        if self.step_overhead_s < 0 or self.eager_overhead_per_layer_s < 0:
+            raise ValueError(f"roofline overheads must be >= 0, got {self}")
+        if not (0 < self.bandwidth_efficiency <= 1 and 0 < self.matmul_efficiency <= 1):
+            raise ValueError(f"roofline efficiencies must be in (0, 1], got {self}")
+
+
+PHYSICAL = RooflineConstants(0.0, 0.0, 1.0, 1.0)  # the bounds alone: no overhead, every byte and FLOP at the preset
+# Medians over the profiles shipped in testbed/sim/profiles (3 models x H200/H100, 2026-11-24); a test checks that
+# calibrate.roofline_constants() over those files still gives these.
+CALIBRATED = RooflineConstants(step_overhead_s=1.436e-3, eager_overhead_per_layer_s=0.9731e-3,
+                               bandwidth_efficiency=0.9346, matmul_efficiency=0.7885)
+
+
 class RooflineCostModel:
-    """Per step: each part costs max(bytes / mem_bandwidth, flops / matmul_flops) on one TP rank
-    (ranks run in parallel on equal shares), plus 2 ring all-reduces per layer when tp > 1, plus a
-    fixed per-step overhead (launches, scheduling, sampling).
+    """Per step: each part costs max(bytes / bandwidth, flops / matmul rate) on one TP rank (ranks run in
+    parallel on equal shares), at the calibrated fractions of the GPU preset's rates, plus 2 ring
+    all-reduces per layer when tp > 1, plus a fixed per-step overhead; a step with a prefill chunk runs
+    eager and takes at least the host time to issue its layers.
 
     Parts: decoder linear layers (weights read once, 2*T*params FLOPs); LM head for the last token
     of each request only (2*B*vocab*hidden FLOPs); attention (C KV positions read per layer,
@@ -61,13 +88,16 @@ class RooflineCostModel:
     """
 
     def __init__(self, model: ModelSpec, gpu: GPUSpec, tensor_parallel_size: int = 1, dtype_bytes: int = 2,
-                 step_overhead_s: float = 3e-4, allreduce_bandwidth: float | None = None,
-                 allreduce_latency_s: float | None = None) -> None:
-        if step_overhead_s < 0 or dtype_bytes <= 0:
-            raise ValueError(f"step_overhead_s must be >= 0 and dtype_bytes > 0, got {step_overhead_s}, {dtype_bytes}")
-        self.model, self.gpu, self.tensor_parallel_size = model, gpu, tensor_parallel_size
+                 step_overhead_s: float | None = None, allreduce_bandwidth: float | None = None,
+                 allreduce_latency_s: float | None = None, constants: RooflineConstants = CALIBRATED) -> None:
+        if step_overhead_s is not None:
+            constants = replace(constants, step_overhead_s=step_overhead_s)
+        if dtype_bytes <= 0:
+            raise ValueError(f"dtype_bytes must be > 0, got {dtype_bytes}")
+        self.model, self.gpu, self.tensor_parallel_size, self.constants = model, gpu, tensor_parallel_size, constants
         r = rank_shape(model, tensor_parallel_size)
-        bw, mm, d, L = gpu.mem_bandwidth, gpu.matmul_flops, dtype_bytes, model.num_hidden_layers
+        bw, mm = gpu.mem_bandwidth * constants.bandwidth_efficiency, gpu.matmul_flops * constants.matmul_efficiency
+        d, L = dtype_bytes, model.num_hidden_layers
         self._lin_mem = r.layer_linear_params * d / bw          # s, weight read
         self._lin_flop = 2 * r.layer_linear_params / mm         # s per scheduled token
         self._head_mem = r.lm_head_params * d / bw
@@ -81,16 +111,20 @@ class RooflineCostModel:
             raise ValueError(f"allreduce_bandwidth must be > 0 and allreduce_latency_s >= 0, got {ar_bw}, {ar_lat}")
         n_ar = 2 * L if tp > 1 else 0
         self._ar_per_token = n_ar * 2 * (tp - 1) / tp * model.hidden_size * d / ar_bw
-        self._fixed = step_overhead_s + n_ar * ar_lat
+        self._fixed = constants.step_overhead_s + n_ar * ar_lat
+        self._eager = constants.eager_overhead_per_layer_s * L
 
     def step_time(self, so: SchedulerOutput) -> float:
         T = so.total_num_scheduled_tokens
         if T <= 0:
             return 0.0
         B = len(so.requests)
-        return (max(self._lin_mem, self._lin_flop * T) + max(self._head_mem, self._head_flop * B)
-                + max(self._attn_mem * so.sum_context_tokens, self._attn_flop * so.sum_attn_pairs)
-                + self._ar_per_token * T + self._fixed)
+        device = (max(self._lin_mem, self._lin_flop * T) + max(self._head_mem, self._head_flop * B)
+                  + max(self._attn_mem * so.sum_context_tokens, self._attn_flop * so.sum_attn_pairs)
+                  + self._ar_per_token * T)
+        if so.num_prefill_tokens and self._eager > device:
+            device = self._eager
+        return device + self._fixed
 
 
 class RecordedCostModel:

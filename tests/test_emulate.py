@@ -1,0 +1,41 @@
+"""`testbed serve --emulate`: the real API server and engine core on an executor that runs no model, each step
+taking the shipped profile's predicted time; requests echo their prompt (official openai client, 127.0.0.1)."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import running_server
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    with running_server("--emulate", "--model", "Llama-3.2-1B", "--load-format", "dummy", "--gpu", "H200",
+                        log_dir=tmp_path_factory.mktemp("emulate")) as srv:
+        yield srv
+
+
+def test_emulated_server_answers_with_the_profiles_timing_and_echoed_tokens(emulated):
+    client = openai.OpenAI(base_url=f"{emulated.url}/v1", api_key="none")
+    out = client.completions.create(model="Llama-3.2-1B", prompt=[1000, 1001, 1002, 1003], max_tokens=6,
+                                    extra_body={"return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and out.usage.completion_tokens == 6
+    assert choice.model_extra["token_ids"] == [1000, 1001, 1002, 1003, 1000, 1001]
+    stream = client.completions.create(model="Llama-3.2-1B", prompt=[7, 8], max_tokens=3, stream=True)
+    assert sum(1 for c in stream if c.choices) == 3
+    assert httpx.get(f"{emulated.url}/health", timeout=10).status_code == 200
+    log = emulated.log_text()
+    assert "no profile ships" not in log  # the H200 profile of Llama-3.2-1B was found
+
+
+def test_emulation_refuses_a_recorded_timeline(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "testbed.cli", "serve", "--emulate", "--model", "Llama-3.2-1B",
+                        "--load-format", "dummy", "--cost-model", "recorded:/nowhere", "--port", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "emulation predicts each step" in (r.stderr + r.stdout)
