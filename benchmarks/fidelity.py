@@ -5,6 +5,7 @@ flags, arrivals (same seed) and KV-cache size.
   python benchmarks/fidelity.py real --model Llama-3.2-1B --out DIR [--profile-out PROFILE] [--cases a,b]
   # anywhere (CPU): simulate each real run with each cost model and print the error table
   python benchmarks/fidelity.py sim DIR [DIR ...] [--profile PROFILE] [--json OUT] [--markdown OUT]
+  python benchmarks/fidelity.py --sim-only          # the same over the committed runs (benchmarks/results/fidelity)
 
 Cases: for each trace a burst (every request at once) measures the real saturation rate; the loaded cases
 then replay Poisson arrivals at a fraction of it (light 0.3, near saturation 0.8, overload 1.3). Errors
@@ -240,7 +241,10 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.set_defaults(func=sim)
-    args = ap.parse_args()
+    argv = sys.argv[1:]
+    if argv[:1] == ["--sim-only"]:  # the spelling: the CPU side only, on the committed runs by default
+        argv = ["sim", *(argv[1:] or [str(ROOT / "benchmarks/results/fidelity")])]
+    args = ap.parse_args(argv)
     args.func(args)
 
 

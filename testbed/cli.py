@@ -41,25 +41,38 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """Sweep synthetic steps through the real executor and write the measured profile."""
-    from testbed.sim.profiled import ProfiledCostModel
+    """Sweep synthetic steps through the real executor and write the measured profile(s): one model to a file,
+    or several (comma-separated) into a folder, one profile each, skipping those that do not fit the GPU."""
+    from testbed.sim.profiled import ProfiledCostModel, profile_file_name
     from testbed.worker.profiler import build_profile
+    models = [m.strip() for m in (args.model or "").split(",")] if args.model else [None]
     out = Path(args.output)
-    if out.is_dir():
-        raise ValueError(f"--output {out}: is a directory; give the profile JSON file to write")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    prof = build_profile(args.model, engine_config(args), args.load_format, args.dtype, args.device,
-                         args.enforce_eager, args.quick, progress=not args.no_progress, reps=args.reps)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(prof, indent=1) + "\n")
-    tmp.replace(out)
-    cm = ProfiledCostModel(prof, name=str(out))
-    errors = cm.validate()
-    print(f"profiled {prof['model']['name']} on {prof['device_name']} (tp={prof['tensor_parallel_size']}) in "
-          f"{prof['sweep_wall_s']:.0f} s; composition error on {errors.get('sync_steps', 0)} held-out mixed steps: "
-          + ", ".join(f"{k} {v:.1%}" for k, v in errors.items() if not k.endswith("_steps")))
-    print(f"wrote {out} (use: testbed simulate TRACE --cost-model {out})")
-    return 0
+    many = len(models) > 1 or out.is_dir()
+    if many and out.exists() and not out.is_dir():
+        raise ValueError(f"--output {out}: several models write one profile each; give a folder")
+    (out if many else out.parent).mkdir(parents=True, exist_ok=True)
+    written = []
+    for model in models:
+        try:
+            prof = build_profile(model, engine_config(args), args.load_format, args.dtype, args.device,
+                                 args.enforce_eager, args.quick, progress=not args.no_progress, reps=args.reps)
+        except (RuntimeError, ValueError) as e:
+            if not many:
+                raise
+            print(f"testbed profile: skipping {model}: {e}", file=sys.stderr)
+            continue
+        path = out / profile_file_name(prof["model"]["name"], prof["gpu"], prof["tensor_parallel_size"]) if many \
+            else out
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(prof, indent=1) + "\n")
+        tmp.replace(path)
+        errors = ProfiledCostModel(prof, name=str(path)).validate()
+        print(f"profiled {prof['model']['name']} on {prof['device_name']} (tp={prof['tensor_parallel_size']}) in "
+              f"{prof['sweep_wall_s']:.0f} s; composition error on {errors.get('sync_steps', 0)} held-out mixed "
+              "steps: " + ", ".join(f"{k} {v:.1%}" for k, v in errors.items() if not k.endswith("_steps")))
+        print(f"wrote {path} (use: testbed simulate TRACE --cost-model {path})")
+        written.append(path)
+    return 0 if written else 2
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -94,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, None)
     add_model_args(p)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (profile an eager engine)")
-    p.add_argument("--output", "-o", required=True, help="profile JSON to write")
+    p.add_argument("--output", "-o", required=True,
+                   help="profile JSON to write; a folder for several --model names (comma-separated), one file each")
     p.add_argument("--quick", action="store_true", help="a few points of each sweep (a smoke test, not a profile)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per point, median taken (default 5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

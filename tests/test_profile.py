@@ -17,9 +17,11 @@ SMALL = ["--max-model-len", "256", "--num-gpu-blocks", "96", "--max-num-seqs", "
 
 @pytest.mark.timeout(900)
 def test_quick_profile_on_cpu_loads_and_drives_simulate(tmp_path, capsys):
-    out = tmp_path / "prof.json"
+    (tmp_path / "profiles").mkdir()  # a folder: the profile takes the shipped name (model, GPU, TP)
     assert main(["profile", "--load-format", "dummy", "--model", "SmolLM2-135M", *SMALL, "--quick", "--no-progress",
-                 "-o", str(out)]) == 0
+                 "-o", str(tmp_path / "profiles")]) == 0
+    out = tmp_path / "prof.json"
+    (tmp_path / "profiles" / "SmolLM2-135M_cpu_tp1.json").rename(out)
     prof = json.loads(out.read_text())
     assert prof["format"] == "testbed-profile" and prof["model"]["name"] == "SmolLM2-135M" and prof["gpu"] == "cpu"
     assert prof["engine"]["num_gpu_blocks"] == 96 and prof["git_sha"] and prof["versions"]["torch"]
@@ -59,3 +61,20 @@ def test_profile_for_another_model_or_block_size_is_refused(tmp_path, capsys):
     code = main(["simulate", str(SAMPLE), "--limit", "5", "--cost-model", str(tmp_path / "nope.json"),
                  "--no-progress", "-o", str(tmp_path / "run")])
     assert code == 2 and "not 'auto', 'roofline', 'recorded:RUN_DIR' or an existing profile" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(900)
+def test_quick_profile_of_a_tensor_parallel_engine_times_its_broadcast_and_all_reduce(tmp_path, capsys):
+    """TP=3 over gloo (SmolLM2 has 3 KV heads): rank 0 times the whole step, so the profile includes the
+    inputs' broadcast and the row-parallel all-reduces; simulate uses it at the same TP."""
+    out = tmp_path / "tp3.json"
+    assert main(["profile", "--load-format", "dummy", "--model", "SmolLM2-135M", *SMALL, "--quick", "--no-progress",
+                 "-tp", "3", "-o", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["tensor_parallel_size"] == 3
+    assert all(v is None for row in prof["decode"]["async_cycle_s"] for v in row)  # TP ranks step in lockstep: sync only
+    capsys.readouterr()
+    assert main(["simulate", str(SAMPLE), "--limit", "4", "--model", "SmolLM2-135M", "--gpu", "H200", *SMALL, "-tp", "3",
+                 "--cost-model", str(out), "--format", "json", "--no-progress", "-o", str(tmp_path / "run")]) == 0
+    summary = json.loads(capsys.readouterr().out)  # the sample's long prompts do not fit max_model_len 256
+    assert summary["num_finished"] >= 1 and summary["num_finished"] + summary["num_rejected"] == 4

@@ -428,6 +428,11 @@ def build_profile(model: str | None, config: EngineConfig, load_format: str = "a
         prof = profile_executor(executor, model, config, load_format, enforce_eager, quick, progress, reps)
     finally:
         executor.shutdown()
+        del executor  # the next model's executor sizes its KV cache from the memory this one leaves
+        if torch.cuda.is_available():
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
     prof["setup_s"] = time.perf_counter() - t0 - prof["sweep_wall_s"]
     return prof
 
