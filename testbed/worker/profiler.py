@@ -187,36 +187,23 @@ def _table(rows: list[int], cols: list[int]) -> list[list[float | None]]:
     return [[None] * len(cols) for _ in rows]
 
 
-def sweep_decode(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, tick: Callable[[], None]) -> dict:
-    out = {"batch": grid.decode_batches, "context": grid.contexts,
-           **{k: _table(grid.decode_batches, grid.contexts) for k in (*TIMING_FIELDS, "async_cycle_s")}}
-    for i, b in enumerate(grid.decode_batches):
-        for j, c in enumerate(grid.contexts):
+def sweep_grid(m: StepMeasurer, f: StepFactory, rows: Callable[[int, int], list[Row]], axes: dict[str, list[int]],
+               extra: dict, capacity: int, max_model_len: int, tick: Callable[[], None], timed: str) -> dict:
+    """Measure the step `rows(a, b)` at every point of the two `axes`; `timed` adds the async cycle
+    ("async_cycle_s") or the attention share ("attention_s") to the sync timings. A point whose rows need more
+    KV than the cache holds, or a row past max_model_len, stays None (it cannot happen in serving)."""
+    (n0, xs), (n1, ys) = axes.items()
+    out = {n0: xs, n1: ys, **extra, **{k: _table(xs, ys) for k in (*TIMING_FIELDS, timed)}}
+    for i, a in enumerate(xs):
+        for j, b in enumerate(ys):
             tick()
-            if b * (c + 1) > capacity:
+            step = rows(a, b)
+            if sum(c + n for c, n, _ in step) > capacity or max(c + n for c, n, _ in step) > max_model_len:
                 continue
-            so = f.step(decode_rows(b, c))
+            so = f.step(step)
             for k, v in m.sync(so).items():
                 out[k][i][j] = v
-            out["async_cycle_s"][i][j] = m.async_cycle(so)
-    return out
-
-
-def sweep_tail(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, tick: Callable[[], None]) -> dict:
-    """Decode steps whose contexts are uneven: every row at TAIL_BASE but one at TAIL_BASE + delta. The
-    longest row bounds how soon attention can finish, which a mean context does not show."""
-    base = grid.tail_base
-    out = {"batch": grid.tail_batches, "delta": grid.tail_deltas, "base": base,
-           **{k: _table(grid.tail_batches, grid.tail_deltas) for k in (*TIMING_FIELDS, "async_cycle_s")}}
-    for i, b in enumerate(grid.tail_batches):
-        for j, d in enumerate(grid.tail_deltas):
-            tick()
-            if b * (base + 1) + d > capacity:
-                continue
-            so = f.step(decode_rows(b - 1, base) + decode_rows(1, base + d))
-            for k, v in m.sync(so).items():
-                out[k][i][j] = v
-            out["async_cycle_s"][i][j] = m.async_cycle(so)
+            out[timed][i][j] = m.async_cycle(so) if timed == "async_cycle_s" else m.attention_s(so)
     return out
 
 
@@ -240,38 +227,6 @@ def sweep_rows_tail(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, 
                     m.executor.execute(so)
             out["attention_s"][i][j] = m.attention_s(uneven)
             out["even_attention_s"][i][j] = m.attention_s(even)
-    return out
-
-
-def sweep_chunks(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, max_model_len: int,
-                 tick: Callable[[], None]) -> dict:
-    out = {"tokens": grid.chunk_tokens, "context": grid.chunk_contexts,
-           **{k: _table(grid.chunk_tokens, grid.chunk_contexts) for k in (*TIMING_FIELDS, "attention_s")}}
-    for i, n in enumerate(grid.chunk_tokens):
-        for j, c in enumerate(grid.chunk_contexts):
-            tick()
-            if n + c > min(max_model_len, capacity):
-                continue
-            so = f.step([(c, n, False)])
-            for k, v in m.sync(so).items():
-                out[k][i][j] = v
-            out["attention_s"][i][j] = m.attention_s(so)
-    return out
-
-
-def sweep_decode_rows(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, tick: Callable[[], None]) -> dict:
-    """Decode rows in an eager step: `batch` decodes at `context` plus one ROW_CHUNK-token chunk at context 0."""
-    out = {"batch": grid.row_batches, "context": grid.contexts, "chunk": ROW_CHUNK,
-           **{k: _table(grid.row_batches, grid.contexts) for k in (*TIMING_FIELDS, "attention_s")}}
-    for i, b in enumerate(grid.row_batches):
-        for j, c in enumerate(grid.contexts):
-            tick()
-            if b * (c + 1) + ROW_CHUNK > capacity:
-                continue
-            so = f.step(decode_rows(b, c) + [(0, ROW_CHUNK, False)])
-            for k, v in m.sync(so).items():
-                out[k][i][j] = v
-            out["attention_s"][i][j] = m.attention_s(so)
     return out
 
 
@@ -382,11 +337,24 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
     tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
     t0 = time.perf_counter()
     try:
+        run = lambda rows, axes, extra, timed: sweep_grid(m, f, rows, axes, extra, capacity,  # noqa: E731
+                                                         max_model_len, tick, timed)
+        base, chunk = grid.tail_base, [(0, ROW_CHUNK, False)]
         result = {
-            "decode": sweep_decode(m, f, grid, capacity, tick),
-            "decode_tail": sweep_tail(m, f, grid, capacity, tick),
-            "chunk": sweep_chunks(m, f, grid, capacity, max_model_len, tick),
-            "decode_rows": sweep_decode_rows(m, f, grid, capacity, tick),
+            # decode-only steps: batch x context per request
+            "decode": run(lambda b, c: decode_rows(b, c), {"batch": grid.decode_batches, "context": grid.contexts},
+                          {}, "async_cycle_s"),
+            # uneven decode steps: every row at `base` but one at base + delta (the longest row bounds attention)
+            "decode_tail": run(lambda b, d: decode_rows(b - 1, base) + decode_rows(1, base + d),
+                               {"batch": grid.tail_batches, "delta": grid.tail_deltas}, {"base": base},
+                               "async_cycle_s"),
+            # one prefill/extend chunk of `tokens` new after `context` cached ones
+            "chunk": run(lambda n, c: [(c, n, False)], {"tokens": grid.chunk_tokens, "context": grid.chunk_contexts},
+                         {}, "attention_s"),
+            # decode rows in an eager step (with a ROW_CHUNK-token chunk at context 0)
+            "decode_rows": run(lambda b, c: decode_rows(b, c) + chunk, {"batch": grid.row_batches,
+                                                                        "context": grid.contexts},
+                               {"chunk": ROW_CHUNK}, "attention_s"),
             "rows_tail": sweep_rows_tail(m, f, grid, capacity, tick),
             "validation": validation_steps(m, f, grid, config, max_model_len, capacity, tick),
             "engine_host": engine_host_costs(config, max_model_len, grid),
