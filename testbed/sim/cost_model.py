@@ -5,7 +5,6 @@ precomputed in `__init__`, no numpy. An empty step costs 0 s.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Protocol
 

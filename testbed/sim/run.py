@@ -1,7 +1,6 @@
 """`testbed simulate`: load a trace, size the cache, run the SimPy cluster, write the run directory."""
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict

@@ -18,22 +18,18 @@ Sweeps (each point: warm-up runs, then the median of `reps` timed runs):
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
 
 from testbed.engine.config import EngineConfig
-from testbed.engine.core import EngineCore
-from testbed.engine.outputs import ModelRunnerOutput
-from testbed.engine.request import Request, SamplingParams
 from testbed.sim.synthetic import Row, StepFactory, decode_rows
-from testbed.worker.timing import StepTiming
+from testbed.worker.host_costs import engine_host_costs
+from testbed.worker.step_measure import TIMING_FIELDS, StepMeasurer
 
 FORMAT = "testbed-profile"
 VERSION = 1
@@ -45,7 +41,6 @@ ROW_CHUNK = 16  # the small chunk that makes a step of decode rows eager
 TAIL_BASE = 256  # decode tail steps: every row at this context but one, which has `delta` more
 TAIL_DELTAS = (1024, 4096, 16384, 65536, 131072)
 TAIL_BATCHES = (1, 2, 4, 8, 16, 33, 64, 128, 256)
-TIMING_FIELDS = tuple(StepTiming.__dataclass_fields__)
 
 
 @dataclass
@@ -96,92 +91,6 @@ def default_grid(config: EngineConfig, max_model_len: int, graph_sizes: list[int
                 tail_deltas=sorted({d for d in TAIL_DELTAS if d < top} | {top}))
 
 
-# ---- measuring one step -------------------------------------------------------------------------
-class AttentionTimer:
-    """Forward hooks on the model's attention modules (rope + KV store + attention) that time them on the
-    device; used only on eager steps (a graph replay runs no hooks)."""
-
-    def __init__(self, model, device: torch.device) -> None:
-        self.layers = model.attention_layers()
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def _stamp(self, *_):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    @contextmanager
-    def installed(self) -> Iterator["AttentionTimer"]:
-        handles = [h for a in self.layers for h in (a.register_forward_pre_hook(self._stamp),
-                                                    a.register_forward_hook(self._stamp))]
-        try:
-            yield self
-        finally:
-            for h in handles:
-                h.remove()
-
-    def take(self) -> float:
-        """Seconds inside attention since the last take (the step must have been waited for)."""
-        m, self.marks = self.marks, []
-        pairs = zip(m[0::2], m[1::2])
-        return sum(a.elapsed_time(b) / 1e3 for a, b in pairs) if self.cuda else sum(b - a for a, b in pairs)
-
-
-def _median_timing(timings: list[StepTiming]) -> dict[str, float]:
-    return {f: statistics.median(getattr(t, f) for t in timings) for f in TIMING_FIELDS}
-
-
-class StepMeasurer:
-    """Runs synthetic steps on an executor (anything with `execute`, and `runner` for timing) and times them."""
-
-    def __init__(self, executor, grid: Grid) -> None:
-        self.executor = executor
-        self.runner = executor.runner
-        self.runner.record_timing = True
-        self.grid = grid
-        self.attention = AttentionTimer(self.runner.model, self.runner.device)
-        self.can_async = hasattr(executor, "execute_async")
-
-    def sync(self, so) -> dict[str, float]:
-        for _ in range(self.grid.warmup):
-            self.executor.execute(so)
-        return _median_timing([self.executor.execute(so).timing for _ in range(self.grid.reps)])
-
-    def attention_s(self, so) -> float:
-        """Median device time inside the attention modules over `reps` eager runs."""
-        with self.attention.installed():
-            times = []
-            for _ in range(self.grid.reps):
-                self.attention.take()
-                self.executor.execute(so)
-                times.append(self.attention.take())
-        return statistics.median(times)
-
-    def async_cycle(self, so) -> float | None:
-        """Seconds per step when the same step is launched back to back with one in flight (async scheduling)."""
-        if not self.can_async:
-            return None
-        ex = self.executor
-        self.runner.record_timing = False
-        try:
-            n = max(4, 2 * self.grid.reps)
-            ex.execute_async(so)()
-            t0 = time.perf_counter()
-            pending = ex.execute_async(so)
-            for _ in range(n - 1):
-                nxt = ex.execute_async(so)
-                pending()
-                pending = nxt
-            pending()
-            return (time.perf_counter() - t0) / n
-        finally:
-            self.runner.record_timing = True
-
-
 # ---- the sweeps -----------------------------------------------------------------------------------
 def _table(rows: list[int], cols: list[int]) -> list[list[float | None]]:
     return [[None] * len(cols) for _ in rows]
@@ -223,7 +132,7 @@ def sweep_rows_tail(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, 
             uneven = f.step(decode_rows(b - 1, base) + decode_rows(1, base + d) + chunk)
             even = f.step(decode_rows(b, base + d // b) + chunk)
             for so in (uneven, even):
-                for _ in range(m.grid.warmup):
+                for _ in range(m.warmup):
                     m.executor.execute(so)
             out["attention_s"][i][j] = m.attention_s(uneven)
             out["even_attention_s"][i][j] = m.attention_s(even)
@@ -265,53 +174,6 @@ def validation_steps(m: StepMeasurer, f: StepFactory, grid: Grid, config: Engine
     return out
 
 
-def engine_host_costs(config: EngineConfig, max_model_len: int, grid: Grid) -> dict:
-    """Seconds of the EngineCore's own work per step on this host (no model): schedule + update of a decode
-    batch, and of a step admitting one prompt (with and without prefix caching)."""
-    def timed_steps(core: EngineCore, n: int) -> float:
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            so = core.schedule(0.0)
-            core.update(so, ModelRunnerOutput([7 if r.num_computed_tokens >= r.num_tokens else -1
-                                               for r in so.requests]), 0.0)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    bs = config.block_size
-
-    def admitted(core: EngineCore, req: Request) -> Request:
-        if core.add_request(req, 0.0) is not None:
-            raise RuntimeError(f"engine host sweep: request {req.request_id} was rejected ({req.stop_reason})")
-        return req
-
-    decode = []
-    for b in grid.host_batches:
-        core = EngineCore(EngineConfig(**{**config.to_dict(), "max_num_seqs": max(b, config.max_num_seqs),
-                                          "max_num_batched_tokens": max(config.max_num_batched_tokens, 16 * b)}),
-                          num_gpu_blocks=b * -(-(16 + 64) // bs) + 8, max_model_len=max_model_len)
-        for i in range(b):
-            admitted(core, Request(f"h{i}", rng.integers(1000, 30000, 16, dtype=np.int32), params, 0.0))
-        timed_steps(core, 1)  # the prefills
-        decode.append(timed_steps(core, 30))
-    admit = {}
-    for caching in (False, True):
-        cfg = EngineConfig(**{**config.to_dict(), "enable_prefix_caching": caching})
-        times = []
-        for n in grid.host_admit_tokens:
-            samples = []
-            for k in range(5):
-                core = EngineCore(cfg, num_gpu_blocks=-(-(n + 64) // bs) + 8, max_model_len=max(max_model_len, n + 65))
-                admitted(core, Request(f"a{k}", rng.integers(1000, 30000, n, dtype=np.int32), params, 0.0))
-                samples.append(timed_steps(core, 1))
-            times.append(statistics.median(samples))
-        admit["prefix_caching" if caching else "plain"] = times
-    return {"decode_batch": grid.host_batches, "decode_step_s": decode,
-            "admit_tokens": grid.host_admit_tokens, "admit_step_s": admit}
-
-
 def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick: bool = False,
                 progress: bool = True, reps: int | None = None) -> dict:
     """Every sweep on `executor` (built for `config`); returns the profile's measured grid (no metadata)."""
@@ -325,7 +187,7 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
         grid.reps = reps
     capacity = executor.num_gpu_blocks * config.block_size
     f = StepFactory(executor.num_gpu_blocks, config.block_size, executor.vocab_size, config.seed)
-    m = StepMeasurer(executor, grid)
+    m = StepMeasurer(executor, grid.reps, grid.warmup)
     total = (len(grid.decode_batches) + len(grid.row_batches)) * len(grid.contexts) \
         + len(grid.chunk_tokens) * len(grid.chunk_contexts) \
         + (len(grid.tail_batches) + len(grid.row_batches)) * len(grid.tail_deltas) \
@@ -357,7 +219,7 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
                                {"chunk": ROW_CHUNK}, "attention_s"),
             "rows_tail": sweep_rows_tail(m, f, grid, capacity, tick),
             "validation": validation_steps(m, f, grid, config, max_model_len, capacity, tick),
-            "engine_host": engine_host_costs(config, max_model_len, grid),
+            "engine_host": engine_host_costs(config, max_model_len, grid.host_batches, grid.host_admit_tokens),
         }
     finally:
         runner.record_timing = False

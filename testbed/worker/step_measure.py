@@ -1,0 +1,100 @@
+"""Timing one synthetic step on a real executor: StepTiming medians (sync), the pipelined cycle (async
+scheduling), and the device time inside the attention modules (forward hooks, eager steps only)."""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from testbed.worker.timing import StepTiming
+
+TIMING_FIELDS = tuple(StepTiming.__dataclass_fields__)
+
+
+class AttentionTimer:
+    """Forward hooks on the model's attention modules (rope + KV store + attention) that time them on the
+    device; used only on eager steps (a graph replay runs no hooks)."""
+
+    def __init__(self, model, device: torch.device) -> None:
+        self.layers = model.attention_layers()
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def _stamp(self, *_):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    @contextmanager
+    def installed(self) -> Iterator["AttentionTimer"]:
+        handles = [h for a in self.layers for h in (a.register_forward_pre_hook(self._stamp),
+                                                    a.register_forward_hook(self._stamp))]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def take(self) -> float:
+        """Seconds inside attention since the last take (the step must have been waited for)."""
+        m, self.marks = self.marks, []
+        pairs = zip(m[0::2], m[1::2])
+        return sum(a.elapsed_time(b) / 1e3 for a, b in pairs) if self.cuda else sum(b - a for a, b in pairs)
+
+
+def _median_timing(timings: list[StepTiming]) -> dict[str, float]:
+    return {f: statistics.median(getattr(t, f) for t in timings) for f in TIMING_FIELDS}
+
+
+class StepMeasurer:
+    """Runs synthetic steps on an executor (anything with `execute`, and `runner` for timing) and times them:
+    `warmup` untimed runs, then the median of `reps` timed ones."""
+
+    def __init__(self, executor, reps: int, warmup: int) -> None:
+        self.executor = executor
+        self.runner = executor.runner
+        self.runner.record_timing = True
+        self.reps, self.warmup = reps, warmup
+        self.attention = AttentionTimer(self.runner.model, self.runner.device)
+        self.can_async = hasattr(executor, "execute_async")
+
+    def sync(self, so) -> dict[str, float]:
+        for _ in range(self.warmup):
+            self.executor.execute(so)
+        return _median_timing([self.executor.execute(so).timing for _ in range(self.reps)])
+
+    def attention_s(self, so) -> float:
+        """Median device time inside the attention modules over `reps` eager runs."""
+        with self.attention.installed():
+            times = []
+            for _ in range(self.reps):
+                self.attention.take()
+                self.executor.execute(so)
+                times.append(self.attention.take())
+        return statistics.median(times)
+
+    def async_cycle(self, so) -> float | None:
+        """Seconds per step when the same step is launched back to back with one in flight (async scheduling)."""
+        if not self.can_async:
+            return None
+        ex = self.executor
+        self.runner.record_timing = False
+        try:
+            n = max(4, 2 * self.reps)
+            ex.execute_async(so)()
+            t0 = time.perf_counter()
+            pending = ex.execute_async(so)
+            for _ in range(n - 1):
+                nxt = ex.execute_async(so)
+                pending()
+                pending = nxt
+            pending()
+            return (time.perf_counter() - t0) / n
+        finally:
+            self.runner.record_timing = True
