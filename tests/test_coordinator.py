@@ -107,3 +107,61 @@ def test_bad_arguments():
         DPCoordinator(0)
     with pytest.raises(ValueError, match="--dp-policy"):
         DPCoordinator(2, "random")
+
+
+def test_a_report_keeps_the_requests_it_does_not_include_pending():
+    """num_added says which routed requests a report already counts; the rest stay pending, so a
+    request in flight while the replica sampled its stats is counted exactly once."""
+    c = DPCoordinator(2, "least_loaded", block_size=16)
+    assert [c.route(32) for _ in range(4)] == [0, 1, 0, 1]
+    c.update_stats(0, ReplicaStats(1, 0, 0.0, 100, 100, 32, num_added=1))  # saw the first of its two
+    assert c.pending == [1, 2] and c.pending_tokens == [32, 64]
+    assert c._load(0) == 4 * (1 + 1)
+    c.update_stats(0, ReplicaStats(0, 2, 0.0, 96, 100, 0, num_added=2))
+    assert c.pending == [0, 2] and c.pending_tokens[0] == 0
+    c.update_stats(1, ReplicaStats(0, 0, 0.0, 100, 100, 0, num_added=0))   # an old report: both pending
+    assert c.pending == [0, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=30), st.data())
+def test_admitted_or_pending_a_request_weighs_the_same(prompts, data):
+    """Whether a report shows a request waiting or it is still pending, every policy sees the same
+    load and KV projection (so sim and real route alike whatever the admission timing)."""
+    admitted = data.draw(st.integers(0, len(prompts)))
+    a, b = DPCoordinator(1, "kv_aware", block_size=16), DPCoordinator(1, "kv_aware", block_size=16)
+    for n in prompts:
+        a.route(n)
+        b.route(n)
+    seen = prompts[:admitted]
+    a.update_stats(0, ReplicaStats(len(seen), 0, 0.0, 100, 100, sum(seen), num_added=admitted))
+    b.update_stats(0, ReplicaStats(0, 0, 0.0, 100, 100, 0, num_added=0))
+    assert a._load(0) == b._load(0) and a._kv(0) == b._kv(0)
+
+
+def test_dead_replicas_get_nothing():
+    for policy in ("round_robin", "least_loaded", "kv_aware", "prefix_affinity"):
+        c = DPCoordinator(3, policy)
+        c.set_alive(1, False)
+        assert 1 not in [c.route(16, [5]) for _ in range(6)]
+        c.set_alive(0, False)
+        c.set_alive(2, False)
+        with pytest.raises(ValueError, match="no live"):
+            c.route(16)
+
+
+def test_stats_publisher_reports_changes_at_most_once_per_interval():
+    from testbed.engine.coordinator import StatsPublisher
+    p = StatsPublisher(0.1)
+    assert p.after_update(0.0, changed=True, idle=False)
+    assert not p.after_update(0.05, changed=True, idle=False)   # too soon: kept for later
+    assert not p.after_update(0.08, changed=False, idle=False)
+    assert p.after_update(0.11, changed=False, idle=False)      # the kept change, once due
+    assert not p.after_update(0.3, changed=False, idle=False)   # nothing new
+    assert not p.after_update(0.31, changed=False, idle=True)   # idle, but nothing to tell
+    assert p.after_update(0.32, changed=True, idle=False)
+    q = StatsPublisher(10.0)
+    q.after_update(0.0, True, False)
+    assert q.after_update(0.5, changed=True, idle=True), "becoming idle is reported at once"
+    every = StatsPublisher(0.0)
+    assert [every.after_update(t, c, False) for t, c in ((0, True), (0, False), (0, True))] == [True, False, True]

@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DP_POLICIES = ("round_robin", "least_loaded", "kv_aware", "prefix_affinity")
+DEFAULT_DP_ROUTING_DELAY = 3e-4  # s, arrival -> admission at a replica; see the README's data-parallel section
 
 
 class ConfigError(ValueError):
@@ -20,6 +21,13 @@ class EngineConfig:
 
     `num_gpu_blocks` None means "size from memory": the executor decides it (profiling on a GPU,
     the cost model's capacity in simulation) before the BlockManager is built.
+
+    Data parallelism (`data_parallel_size` > 1): `dp_stats_interval` is the least time between two
+    stats publications of a replica to the DP coordinator (0 = after every step that changed its
+    queues; real and sim). `dp_routing_delay` is the simulator's time from a request's arrival to its
+    admission by the replica (API server -> coordinator -> replica; the default was measured, see
+    the README); half of it passes before the coordinator decides, and a stats publication takes
+    the other half (one hop) to reach the coordinator.
     """
 
     max_num_seqs: int = 256
@@ -34,6 +42,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     dp_policy: str = "least_loaded"
+    dp_stats_interval: float = 0.0
+    dp_routing_delay: float = DEFAULT_DP_ROUTING_DELAY
     max_num_waiting: int | None = None
     async_scheduling: bool = False
     seed: int = 0
@@ -63,6 +73,10 @@ class EngineConfig:
              "sequence can decode in one step; raise it or lower --max-num-seqs")
         need(self.policy in SCHEDULING_POLICIES, "policy", f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         need(self.dp_policy in DP_POLICIES, "dp_policy", f"must be one of {DP_POLICIES}, got {self.dp_policy!r}")
+        for name in ("dp_stats_interval", "dp_routing_delay"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and 0 <= v < float("inf"), name,
+                 f"must be a number of seconds >= 0, got {v!r}")
         need(self.max_num_waiting is None or self.max_num_waiting >= 1, "max_num_waiting",
              f"must be a positive integer, got {self.max_num_waiting!r}")
         need(not self.async_scheduling or self.tensor_parallel_size == 1, "async_scheduling",

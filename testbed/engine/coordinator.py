@@ -4,12 +4,17 @@ Policies: `round_robin`; `least_loaded` (vLLM's score: 4 x waiting + running); `
 projected KV usage: used blocks plus the blocks its waiting prompts will need); `prefix_affinity`
 (the replica most likely to hold the longest prefix of the prompt, by the coordinator's own record
 of which block hashes it sent where; least-loaded breaks ties). Stats go stale between reports, so
-the coordinator counts each request it routes as waiting there until the next report (as vLLM's
-front-end does), which stops a burst from piling onto one replica.
+the coordinator counts each request it routed that a replica's latest report does not include yet
+as waiting there (as vLLM's front-end does), which stops a burst from piling onto one replica.
+A request counts the same whether a report shows it waiting or it is still pending, so routing does
+not depend on when exactly a replica admitted it.
+
+StatsPublisher is the replicas' side: when a replica sends a report. Real replicas and simulated
+ones run the same rule, so both modes route on equally stale stats.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Sequence
 
 from testbed.engine.config import DP_POLICIES
@@ -27,46 +32,69 @@ class DPCoordinator:
         self.policy = policy
         self.block_size = block_size
         self.stats = [ReplicaStats(0, 0, 0.0, 1, 1) for _ in range(num_replicas)]
-        self.pending = [0] * num_replicas          # routed since the replica's last report
-        self.pending_blocks = [0] * num_replicas
+        self.routed = [0] * num_replicas           # requests routed to each replica so far
+        self.unreported: list[deque[int]] = [deque() for _ in range(num_replicas)]  # their prompt tokens
+        self.pending_tokens = [0] * num_replicas
+        self.alive = [True] * num_replicas
         self.capacity = affinity_capacity_blocks
         self.seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._next = 0
 
+    @property
+    def pending(self) -> list[int]:
+        """Per replica: requests routed there that its latest report does not include."""
+        return [len(q) for q in self.unreported]
+
     def update_stats(self, replica: int, stats: ReplicaStats) -> None:
+        """Take a replica's report. With `num_added` set, the requests routed there beyond that count
+        stay pending (they were in flight when the replica sampled its stats); without it the report
+        is taken to include every request routed so far."""
         self.stats[replica] = stats
-        self.pending[replica] = 0
-        self.pending_blocks[replica] = 0
+        q = self.unreported[replica]
+        keep = 0 if stats.num_added is None else self.routed[replica] - stats.num_added
+        keep = max(0, min(len(q), keep))
+        while len(q) > keep:
+            self.pending_tokens[replica] -= q.popleft()
+
+    def set_alive(self, replica: int, alive: bool) -> None:
+        """A dead replica gets no more requests (round robin skips it too)."""
+        self.alive[replica] = alive
 
     def _load(self, r: int) -> int:
         s = self.stats[r]
-        return 4 * (s.num_waiting + self.pending[r]) + s.num_running
+        return 4 * (s.num_waiting + len(self.unreported[r])) + s.num_running
 
     def _kv(self, r: int) -> float:
         s = self.stats[r]
-        waiting_blocks = -(-s.num_waiting_tokens // self.block_size) + self.pending_blocks[r]
+        waiting_blocks = -(-(s.num_waiting_tokens + self.pending_tokens[r]) // self.block_size)
         return (s.num_blocks - s.num_free_blocks + waiting_blocks) / s.num_blocks
 
     def route(self, num_prompt_tokens: int, block_hashes: Sequence[int] = ()) -> int:
-        """Replica index for a new request (deterministic for a given history of calls)."""
-        n = self.num_replicas
+        """Replica index for a new request (deterministic for a given history of calls). ValueError
+        when every replica is dead."""
+        live = [i for i in range(self.num_replicas) if self.alive[i]]
+        if not live:
+            raise ValueError("no live data-parallel replica to route to (all of them died)")
         if self.policy == "round_robin":
             r = self._next
-            self._next = (r + 1) % n
+            while not self.alive[r]:
+                r = (r + 1) % self.num_replicas
+            self._next = (r + 1) % self.num_replicas
         elif self.policy == "least_loaded":
-            r = min(range(n), key=lambda i: (self._load(i), i))
+            r = min(live, key=lambda i: (self._load(i), i))
         elif self.policy == "kv_aware":
-            r = min(range(n), key=lambda i: (self._kv(i), self._load(i), i))
+            r = min(live, key=lambda i: (self._kv(i), self._load(i), i))
         else:
-            r = min(range(n), key=lambda i: (-self._prefix_hits(i, block_hashes), self._load(i), i))
+            r = min(live, key=lambda i: (-self._prefix_hits(i, block_hashes), self._load(i), i))
             seen = self.seen[r]
             for h in block_hashes:
                 seen[h] = None
                 seen.move_to_end(h)
             while len(seen) > self.capacity:
                 seen.popitem(last=False)
-        self.pending[r] += 1
-        self.pending_blocks[r] += -(-num_prompt_tokens // self.block_size)
+        self.routed[r] += 1
+        self.unreported[r].append(num_prompt_tokens)
+        self.pending_tokens[r] += num_prompt_tokens
         return r
 
     def _prefix_hits(self, r: int, block_hashes: Sequence[int]) -> int:
@@ -77,3 +105,24 @@ class DPCoordinator:
                 break
             k += 1
         return k
+
+
+class StatsPublisher:
+    """When a replica reports its stats: after a step whose update changed its queues (a request
+    started, finished or was preempted), once at least `interval` seconds passed since its previous
+    report, and at once when the replica has just become idle (so an idle replica never looks busy).
+    A change not reported yet is reported after a later step. Staleness of a report the coordinator
+    holds: at most `interval` + one step + the message's transit."""
+
+    def __init__(self, interval: float = 0.0) -> None:
+        self.interval = interval
+        self.last = float("-inf")
+        self.dirty = False
+
+    def after_update(self, now: float, changed: bool, idle: bool) -> bool:
+        """Called after each step's update at `now`; True = report now."""
+        self.dirty = self.dirty or changed
+        if self.dirty and (idle or now - self.last >= self.interval):
+            self.last, self.dirty = now, False
+            return True
+        return False

@@ -24,7 +24,9 @@ class Executor(Protocol):
 
 @dataclass(slots=True)
 class ReplicaStats:
-    """What a replica reports to the DP coordinator."""
+    """What a replica reports to the DP coordinator. `num_added` counts every request the replica
+    was given since it started (admitted or rejected), so the coordinator knows which of the requests
+    it routed there a report already includes; None = all of them."""
 
     num_waiting: int
     num_running: int
@@ -32,6 +34,7 @@ class ReplicaStats:
     num_free_blocks: int
     num_blocks: int
     num_waiting_tokens: int = 0
+    num_added: int | None = None
 
 
 class EngineCore:
@@ -56,6 +59,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.records = Recorder()
         self.num_waiting_tokens = 0
+        self.num_added = 0  # add_request calls, rejections included (ReplicaStats.num_added)
         self._last_update = float("-inf")
 
     # ---- admission -----------------------------------------------------------------------------
@@ -86,6 +90,7 @@ class EngineCore:
 
     def add_request(self, req: Request, now: float) -> RequestOutput | None:
         """Queue a request; returns a finished 'rejected' output instead when it cannot be served."""
+        self.num_added += 1
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}; ids must be unique among live requests")
         req.replica = self.replica
@@ -205,4 +210,4 @@ class EngineCore:
     def stats(self) -> ReplicaStats:
         bm = self.block_manager
         return ReplicaStats(self.scheduler.num_waiting, self.scheduler.num_running, bm.usage,
-                            bm.num_free_blocks, bm.num_blocks, self.num_waiting_tokens)
+                            bm.num_free_blocks, bm.num_blocks, self.num_waiting_tokens, self.num_added)
