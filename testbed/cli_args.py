@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from testbed.engine.config import DP_POLICIES, SCHEDULING_POLICIES, EngineConfig
+from testbed.engine.config import DEFAULT_DP_ROUTING_DELAY, DP_POLICIES, SCHEDULING_POLICIES, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     g.add_argument("--dp-policy", choices=DP_POLICIES, default="least_loaded", help="DP routing policy")
+    g.add_argument("--dp-stats-interval", type=float, default=0.0, metavar="SECONDS",
+                   help="least time between two stats reports of a DP replica to the coordinator "
+                        "(default 0: after every step that changed its queues)")
+    g.add_argument("--dp-routing-delay", type=float, default=DEFAULT_DP_ROUTING_DELAY, metavar="SECONDS",
+                   help="simulator: arrival -> admission at a DP replica through the coordinator "
+                        "(default: %(default)s, measured; real runs record theirs in routes.parquet)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
@@ -44,7 +50,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-        dp_policy=args.dp_policy, max_num_waiting=args.max_num_waiting, async_scheduling=args.async_scheduling,
+        dp_policy=args.dp_policy, dp_stats_interval=args.dp_stats_interval, dp_routing_delay=args.dp_routing_delay,
+        max_num_waiting=args.max_num_waiting, async_scheduling=args.async_scheduling,
         seed=args.seed)
 
 

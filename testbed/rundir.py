@@ -4,6 +4,9 @@
 <dir>/requests.parquet  one row per request (REQUEST_COLUMNS)
 <dir>/steps.parquet     one row per engine step (STEP_COLUMNS)
 <dir>/summary.json      headline metrics (testbed.engine.metrics.summarize); deterministic for a seed
+Data-parallel runs add the coordinator's record (what `--cost-model recorded:` replays):
+<dir>/routes.parquet        one row per routed request (ROUTE_COLUMNS)
+<dir>/publications.parquet  one row per stats report a replica sent the coordinator (PUBLICATION_COLUMNS)
 
 A run directory is written whole or not at all: the files go to a hidden temporary directory
 beside it, which then takes its place in one rename (an exchange with the old run when there is
@@ -27,7 +30,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from testbed.engine.metrics import REQUEST_COLUMNS, STEP_COLUMNS, Recorder
+from testbed.engine.metrics import PUBLICATION_COLUMNS, REQUEST_COLUMNS, ROUTE_COLUMNS, STEP_COLUMNS, Recorder
 
 FILES = ("manifest.json", "requests.parquet", "steps.parquet", "summary.json")
 _REQ_TYPES = {"request_id": pa.string(), "replica": pa.int32(), "priority": pa.int64(), "arrival": pa.float64(),
@@ -35,6 +38,10 @@ _REQ_TYPES = {"request_id": pa.string(), "replica": pa.int32(), "priority": pa.i
               "input_tokens": pa.int64(), "output_tokens": pa.int64(), "cached_tokens": pa.int64(),
               "preemptions": pa.int32(), "finish_reason": pa.string()}
 _STEP_TYPES = {c: (pa.float64() if c in ("start", "duration") else pa.int64()) for c in STEP_COLUMNS}
+_DP_TABLES = {  # file -> (Recorder attribute, columns, float columns)
+    "routes.parquet": ("routes", ROUTE_COLUMNS, ("arrival", "sent", "routed", "added")),
+    "publications.parquet": ("publications", PUBLICATION_COLUMNS, ("sampled", "received", "kv_usage")),
+}
 
 
 def environment_info() -> dict:
@@ -85,6 +92,13 @@ def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: d
                        tmp / "requests.parquet")
         pq.write_table(pa.table({c: pa.array(step_cols[c], type=_STEP_TYPES[c]) for c in STEP_COLUMNS}),
                        tmp / "steps.parquet")
+        for name, (attr, columns, floats) in _DP_TABLES.items():
+            rows = getattr(records, attr)
+            if rows:
+                typ = {c: pa.float64() if c in floats else pa.string() if c == "request_id" else pa.int64()
+                       for c in columns}
+                pq.write_table(pa.table({c: pa.array(col, type=typ[c]) for c, col in zip(columns, zip(*rows))}),
+                               tmp / name)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; a run directory is an ordinary folder
@@ -132,6 +146,11 @@ class Run:
     def steps(self, columns: list[str] | None = None) -> pd.DataFrame:
         return pd.read_parquet(self.path / "steps.parquet", columns=columns)
 
+    def dp_table(self, name: str) -> pd.DataFrame | None:
+        """'routes' or 'publications' of a data-parallel run; None when the run has none."""
+        path = self.path / f"{name}.parquet"
+        return pd.read_parquet(path) if path.is_file() else None
+
 
 class RunDirError(ValueError):
     """A run directory is missing a file or holds one that does not parse."""
@@ -157,9 +176,11 @@ def read_run(path: str | Path) -> Run:
 
 def _records_problem(path: str | Path) -> str | None:
     """Why a run's parquet records are unusable (unreadable, truncated, lacking columns), or None.
-    Reads each file's footer and schema, not its rows."""
+    Reads each file's footer and schema, not its rows (a data-parallel run's tables too, when present)."""
     p = Path(path)
-    for name, columns in (("requests.parquet", REQUEST_COLUMNS), ("steps.parquet", STEP_COLUMNS)):
+    tables = [("requests.parquet", REQUEST_COLUMNS), ("steps.parquet", STEP_COLUMNS)]
+    tables += [(name, columns) for name, (_, columns, _) in _DP_TABLES.items() if (p / name).exists()]
+    for name, columns in tables:
         try:
             have = set(pq.read_schema(p / name).names)
         except (OSError, pa.ArrowException) as e:

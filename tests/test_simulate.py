@@ -131,6 +131,41 @@ def test_data_parallel_policies_finish_every_request(tmp_path, dp, policy):
         assert len(counts) >= 2, f"{policy} sent everything to one replica"
 
 
+def test_data_parallel_runs_record_the_coordinators_routes_and_reports(tmp_path):
+    """The sim mirrors real DP: a request reaches the coordinator one hop (half the routing delay)
+    after it arrives and its replica one hop later; reports follow the stats interval and take one hop."""
+    delay, interval = 0.004, 0.05
+    run_dir, s = simulate(tmp_path, limit=120, request_rate=20.0, data_parallel_size=2, dp_policy="least_loaded",
+                          dp_routing_delay=delay, dp_stats_interval=interval, max_num_seqs=8)
+    run = read_run(run_dir)
+    assert run.manifest["config"]["dp_routing_delay"] == delay
+    assert run.manifest["config"]["dp_stats_interval"] == interval
+    routes, pubs, req = run.dp_table("routes"), run.dp_table("publications"), run.requests()
+    assert sorted(routes.request_id) == sorted(req.request_id)
+    merged = routes.merge(req[["request_id", "replica", "arrival"]], on="request_id", suffixes=("", "_req"))
+    assert (merged.replica == merged.replica_req).all() and np.allclose(merged.arrival, merged.arrival_req)
+    assert np.allclose(routes.routed - routes.arrival, delay / 2) and np.allclose(routes.added - routes.routed, delay / 2)
+    assert np.allclose(pubs.received - pubs.sampled, np.where(pubs.sampled > 0, delay / 2, 0.0))
+    assert sorted(pubs.seq.tolist() + routes.seq.tolist()) == list(range(len(pubs) + len(routes)))
+    for _, p in pubs[pubs.sampled > 0].groupby("replica"):
+        gaps = np.diff(p.sampled.to_numpy())
+        idle = (p.num_waiting + p.num_running).to_numpy()[1:] == 0
+        assert (gaps[~idle] >= interval - 1e-12).all(), "a busy replica reported before its interval passed"
+    steps = run.steps()
+    for r, p in pubs.groupby("replica"):  # each report tells the state after that many of its steps
+        assert p.steps.max() <= (steps.replica == r).sum()
+
+
+def test_stale_stats_change_least_loaded_routing(tmp_path):
+    kw = dict(limit=150, request_rate=30.0, data_parallel_size=3, dp_policy="least_loaded", max_num_seqs=8)
+    _, fresh = simulate(tmp_path, "fresh", dp_stats_interval=0.0, **kw)
+    stale_dir, stale = simulate(tmp_path, "stale", dp_stats_interval=5.0, **kw)
+    fresh_dir = tmp_path / "fresh"
+    a = read_run(fresh_dir).requests().sort_values("request_id").replica.tolist()
+    b = read_run(stale_dir).requests().sort_values("request_id").replica.tolist()
+    assert a != b and fresh["num_finished"] == stale["num_finished"] == 150
+
+
 def test_prefix_caching_hits_on_the_mooncake_slice(tmp_path):
     path = FORMATS / "mooncake_synthetic_head300.jsonl"
     run_dir, s = simulate(tmp_path, "on", path, limit=200, model="Llama-3.2-1B", enable_prefix_caching=True)

@@ -19,6 +19,11 @@ REQUEST_COLUMNS = ("request_id", "replica", "priority", "arrival", "first_schedu
 STEP_COLUMNS = ("replica", "start", "duration", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
                 "sum_context_tokens", "sum_attn_pairs", "kv_blocks_used", "kv_blocks_total", "num_waiting",
                 "num_running", "num_preempted")
+# Data-parallel runs only: the coordinator's decisions and the stats they used. `seq` numbers the
+# coordinator's events (routes and stats receipts share it), so the two tables replay its order.
+ROUTE_COLUMNS = ("seq", "request_id", "replica", "arrival", "sent", "routed", "added")
+PUBLICATION_COLUMNS = ("seq", "replica", "steps", "sampled", "received", "num_waiting", "num_running", "kv_usage",
+                       "num_free_blocks", "num_blocks", "num_waiting_tokens", "num_added")
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -29,6 +34,8 @@ class Recorder:
     requests: list[tuple] = field(default_factory=list)  # rows in REQUEST_COLUMNS order
     steps: list[tuple] = field(default_factory=list)     # rows in STEP_COLUMNS order
     itl: list[float] = field(default_factory=list)
+    routes: list[tuple] = field(default_factory=list)        # ROUTE_COLUMNS rows (DP runs)
+    publications: list[tuple] = field(default_factory=list)  # PUBLICATION_COLUMNS rows (DP runs)
 
     def record_request(self, req: Request) -> None:
         self.requests.append((
@@ -40,6 +47,8 @@ class Recorder:
         self.requests.extend(other.requests)
         self.steps.extend(other.steps)
         self.itl.extend(other.itl)
+        self.routes.extend(other.routes)
+        self.publications.extend(other.publications)
 
     def request_columns(self) -> dict[str, list]:
         return _columns(self.requests, REQUEST_COLUMNS)

@@ -3,6 +3,12 @@
 Each replica loops schedule -> cost model -> `yield env.timeout(duration)` -> update, and sleeps
 on an event while it has no requests. The simulation ends when every trace request has arrived
 and every replica is idle. Deterministic: no wall clock reaches the core or the records.
+
+With data parallelism the cluster mirrors real DP serving: a request reaches the coordinator one
+hop (half of `dp_routing_delay`) after its arrival and its replica one hop later; replicas report
+their stats by the same StatsPublisher rule as real replicas, and a report reaches the coordinator
+one hop after it was sampled. Routes and reports are recorded (routes / publications tables).
+`--cost-model recorded:RUN_DIR` of a DP run replays that run's own timings instead (recorded_dp.py).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import simpy
 
 from testbed.engine.block_manager import prompt_block_hashes
 from testbed.engine.config import EngineConfig
-from testbed.engine.coordinator import DPCoordinator
+from testbed.engine.coordinator import DPCoordinator, StatsPublisher
 from testbed.engine.core import EngineCore
 from testbed.engine.metrics import Recorder
 from testbed.engine.request import Request, SamplingParams
@@ -65,6 +71,9 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
              max_model_len: int, vocab_size: int = 32000,
              on_progress: Callable[[float, int], None] | None = None, progress_interval_s: float = 5.0) -> SimResult:
     """Replay a trace through `config.data_parallel_size` EngineCore replicas in simulated time."""
+    from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
+    if isinstance(cost_model, RecordedDPRun):
+        return simulate_recorded_dp(trace, config, cost_model, num_gpu_blocks, max_model_len, vocab_size)
     env = simpy.Environment()
     dp = config.data_parallel_size
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False) for r in range(dp)]
@@ -72,16 +81,54 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
     executor = SimExecutor(cost_model)
     wake = [env.event() for _ in range(dp)]
     done = env.event()
-    state = {"arrived": 0, "idle": set(range(dp))}
+    state = {"admitted": 0, "idle": set(range(dp)), "seq": 0}
     need_hashes = config.dp_policy == "prefix_affinity"
+    hop = config.dp_routing_delay / 2 if dp > 1 else 0.0  # one ZMQ hop; dp 1 has no coordinator
+    publishers = [StatsPublisher(config.dp_stats_interval) for _ in range(dp)]
+    steps_done = [0] * dp
+    routes: list[list] = []        # ROUTE_COLUMNS rows
+    publications: list[list] = []  # PUBLICATION_COLUMNS rows
+
+    def after_hop(fn, *args) -> None:
+        if hop:
+            env.timeout(hop).callbacks.append(lambda _: fn(*args))
+        else:
+            fn(*args)
 
     def finish_if_done() -> None:
-        if state["arrived"] == len(trace) and len(state["idle"]) == dp and not done.triggered:
+        if state["admitted"] == len(trace) and len(state["idle"]) == dp and not done.triggered:
             done.succeed()
+
+    def admit(r: int, req: Request, route: list | None) -> None:
+        if route is not None:
+            route[-1] = env.now
+        state["admitted"] += 1
+        if engines[r].add_request(req, env.now) is None:  # accepted; a rejection is recorded at once
+            state["idle"].discard(r)  # busy from now on, so the end check cannot fire before it wakes
+            if not wake[r].triggered:
+                wake[r].succeed()
+        else:
+            finish_if_done()
+
+    def publish(r: int, transit: bool = True) -> None:
+        """Replica r samples its stats now; the coordinator takes them one hop later."""
+        stats = engines[r].stats()
+        row = [None, r, steps_done[r], env.now, None, stats.num_waiting, stats.num_running, stats.kv_usage,
+               stats.num_free_blocks, stats.num_blocks, stats.num_waiting_tokens, stats.num_added]
+        publications.append(row)
+
+        def receive() -> None:
+            row[0], row[4] = state["seq"], env.now
+            state["seq"] += 1
+            coord.update_stats(r, stats)
+        if transit:
+            after_hop(receive)
+        else:
+            receive()
 
     def arrivals():
         for tr in trace:
-            delay = tr.arrival_s - env.now
+            delay = tr.arrival_s + hop - env.now  # the coordinator sees it one hop after its arrival
             if delay > 0:
                 yield env.timeout(delay)
             req = trace_to_request(tr, vocab_size, config.seed)
@@ -89,12 +136,12 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             if need_hashes:
                 hashes = req.block_hashes = prompt_block_hashes(req.prompt_token_ids, config.block_size)
             r = coord.route(req.num_prompt_tokens, hashes)
-            state["arrived"] += 1
-            if engines[r].add_request(req, env.now) is None:  # accepted; a rejection is recorded at once
-                state["idle"].discard(r)  # busy from now on, so the end check cannot fire before it wakes
-                if not wake[r].triggered:
-                    wake[r].succeed()
-        finish_if_done()
+            route = None
+            if dp > 1:  # seq, request, replica, arrival, sent, routed, added (set on admission)
+                route = [state["seq"], req.request_id, r, tr.arrival_s, tr.arrival_s, env.now, None]
+                routes.append(route)
+                state["seq"] += 1
+            after_hop(admit, r, req, route)
 
     def replica(r: int):
         """The replica's step loop. With async scheduling it keeps one step in flight like the real
@@ -106,7 +153,6 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         while True:
             if not eng.requests and in_flight is None:
                 state["idle"].add(r)
-                coord.update_stats(r, eng.stats())
                 finish_if_done()
                 wake[r] = env.event()
                 yield wake[r]
@@ -126,8 +172,11 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 step_so, step_out, end = in_flight
                 yield env.timeout(end - env.now)
                 finished = eng.update(step_so, step_out, env.now)
-                if dp > 1 and (finished or step_so.new_req_ids or step_so.preempted_req_ids):
-                    coord.update_stats(r, eng.stats())  # report when the queues changed
+                steps_done[r] += 1
+                if dp > 1 and publishers[r].after_update(
+                        env.now, bool(finished or step_so.new_req_ids or step_so.preempted_req_ids),
+                        idle=not eng.requests and launched is None):
+                    publish(r)
             in_flight = launched
 
     def progress():
@@ -135,6 +184,9 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             yield env.timeout(progress_interval_s)
             on_progress(env.now, sum(len(e.records.requests) for e in engines))
 
+    if dp > 1:
+        for r in range(dp):  # the report each replica sends once it is up, long before the first request
+            publish(r, transit=False)
     env.process(arrivals())
     for r in range(dp):
         env.process(replica(r))
@@ -142,7 +194,9 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         env.process(progress())
     if trace:
         env.run(until=done)
-    records = Recorder()
+    # reports still on their way when the run ended never reached the coordinator: not recorded
+    records = Recorder(routes=[tuple(row) for row in routes],
+                       publications=[tuple(row) for row in publications if row[0] is not None])
     for e in engines:
         records.extend(e.records)
     return SimResult(engines, records, env.now,
