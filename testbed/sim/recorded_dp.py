@@ -1,3 +1,193 @@
-"""placeholder"""
-class RecordedDPRun: pass
-def simulate_recorded_dp(*a): raise NotImplementedError
+"""Decision parity for data parallelism: replay a real DP run's timings, recompute its decisions.
+
+A real DP run directory records when each replica scheduled and updated every step (steps.parquet),
+when the coordinator routed each request and when its replica admitted it (routes.parquet), and when
+each replica sampled a stats report and the coordinator took it (publications.parquet), with the
+coordinator's event order (`seq`). Here the same EngineCores and the same DPCoordinator run on
+exactly those times: the coordinator takes reports and routes requests in the recorded order, each
+request is admitted at its recorded time (or by a step starting at that very instant), and each
+replica schedules every step at its recorded start. Only timing is replayed; every decision (the
+replica of a request, each batch, the stats each report carries) is computed again, and the first
+one that differs from the record stops the run with a RuntimeError that names it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import simpy
+
+from testbed.engine.block_manager import prompt_block_hashes
+from testbed.engine.config import EngineConfig
+from testbed.engine.coordinator import DPCoordinator
+from testbed.engine.core import EngineCore
+from testbed.engine.metrics import Recorder
+from testbed.engine.outputs import SchedulerOutput
+from testbed.sim.executor import SimExecutor
+from testbed.sim.trace import TraceRequest
+
+# report fields a replica's state determines exactly (kv_usage follows from the block counts)
+CHECKED_STATS = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_waiting_tokens", "num_added")
+
+
+class _Durations:
+    """One replica's recorded step durations, in order (its cost model in this replay)."""
+
+    def __init__(self, durations: list[float]) -> None:
+        self.durations, self.k = durations, 0
+
+    def step_time(self, so: SchedulerOutput) -> float:
+        d = self.durations[self.k]
+        self.k += 1
+        return d
+
+
+@dataclass
+class RecordedDPRun:
+    """The timings of a real data-parallel run (see the module docstring)."""
+
+    path: str
+    policy: str
+    starts: list[list[float]]       # per replica, step k's schedule time
+    durations: list[list[float]]    # per replica, schedule -> update of step k
+    routes: list[dict]              # ROUTE_COLUMNS rows in seq order
+    publications: list[dict]        # PUBLICATION_COLUMNS rows in seq order
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.starts)
+
+    @classmethod
+    def from_run_dir(cls, path) -> "RecordedDPRun":
+        from testbed.rundir import read_run
+        run = read_run(path)
+        routes, pubs = run.dp_table("routes"), run.dp_table("publications")
+        if routes is None or pubs is None:
+            raise ValueError(f"{path}: a data-parallel run without routes.parquet / publications.parquet; record it "
+                             "with `testbed replay --data-parallel-size N` (which writes the coordinator's record)")
+        cfg = run.manifest.get("config", {})
+        if cfg.get("async_scheduling"):
+            raise ValueError(f"{path}: this run used --async-scheduling, whose recorded steps overlap their "
+                             "scheduling; recorded timelines replay runs without it")
+        dp = int(cfg.get("data_parallel_size", 0))
+        steps = run.steps(columns=["replica", "start", "duration"])
+        if dp < 2 or not steps["replica"].between(0, dp - 1).all():
+            raise ValueError(f"{path}: manifest says data_parallel_size={dp} but steps name replicas "
+                             f"{sorted(steps['replica'].unique())}")
+        by = [steps[steps["replica"] == r] for r in range(dp)]
+        return cls(str(path), cfg.get("dp_policy", ""), [s["start"].tolist() for s in by],
+                   [s["duration"].tolist() for s in by], routes.sort_values("seq").to_dict("records"),
+                   pubs.sort_values("seq").to_dict("records"))
+
+    def step_time(self, so: SchedulerOutput) -> float:
+        raise RuntimeError("a recorded data-parallel run is replayed by simulate_recorded_dp, not step by step")
+
+
+def _diverged(msg: str) -> RuntimeError:
+    return RuntimeError(f"the simulation diverged from the recorded data-parallel run: {msg} (different trace, "
+                        "flags or cache size? or a decision that depends on something the record does not hold)")
+
+
+def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: RecordedDPRun, num_gpu_blocks: int,
+                         max_model_len: int, vocab_size: int):
+    """Run `trace` through DP replicas on the recorded timings (SimResult, as cluster.simulate)."""
+    from testbed.sim.cluster import SimResult, trace_to_request
+    dp = config.data_parallel_size
+    if dp != rec.num_replicas:
+        raise ValueError(f"--data-parallel-size {dp}, but {rec.path} recorded {rec.num_replicas} replicas; use "
+                         f"{rec.num_replicas}")
+    if rec.policy and config.dp_policy != rec.policy:
+        raise ValueError(f"--dp-policy {config.dp_policy}, but {rec.path} routed with {rec.policy}; use {rec.policy}")
+    by_id = {tr.id: tr for tr in trace}
+    missing = [r["request_id"] for r in rec.routes if r["request_id"] not in by_id]
+    if missing or len(rec.routes) != len(trace):
+        raise ValueError(f"{rec.path} routed {len(rec.routes)} requests, the trace has {len(trace)}"
+                         + (f" (e.g. {missing[0]!r} is not in it)" if missing else "") + "; replay the same trace")
+    env = simpy.Environment()
+    engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False) for r in range(dp)]
+    executors = [SimExecutor(_Durations(d)) for d in rec.durations]
+    coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks)
+    inbox: list[list] = [[] for _ in range(dp)]   # (added, request) routed to each replica, in order
+    reports: list[list] = [[] for _ in range(dp)]  # stats each replica reported, in order
+    taken = [0] * dp
+    pub_points = [[p for p in rec.publications if p["replica"] == r] for r in range(dp)]
+    records = Recorder()
+    need_hashes = config.dp_policy == "prefix_affinity"
+
+    def report(r: int, steps_done: int) -> None:
+        """Every report replica r sampled after `steps_done` steps, checked against the record."""
+        while len(reports[r]) < len(pub_points[r]) and pub_points[r][len(reports[r])]["steps"] == steps_done:
+            p = pub_points[r][len(reports[r])]
+            stats = engines[r].stats()
+            for f in CHECKED_STATS:
+                if getattr(stats, f) != p[f]:
+                    raise _diverged(f"replica {r}'s report after {steps_done} steps has {f}={getattr(stats, f)}, "
+                                    f"the real one {p[f]}")
+            reports[r].append(stats)
+            records.publications.append((p["seq"], r, steps_done, env.now, p["received"], stats.num_waiting,
+                                         stats.num_running, stats.kv_usage, stats.num_free_blocks, stats.num_blocks,
+                                         stats.num_waiting_tokens, stats.num_added))
+
+    def admit(r: int, until: float) -> None:
+        box = inbox[r]
+        while box and box[0][0] <= until:
+            added, req = box.pop(0)
+            engines[r].add_request(req, added)
+
+    def coordinator():
+        events = sorted([(p["seq"], p["received"], "report", p) for p in rec.publications]
+                        + [(x["seq"], x["routed"], "route", x) for x in rec.routes], key=lambda e: e[0])
+        for _, t, kind, x in events:
+            if t > env.now:
+                yield env.timeout(t - env.now)
+            r = int(x["replica"])
+            if kind == "report":
+                if taken[r] >= len(reports[r]):
+                    raise _diverged(f"the coordinator took replica {r}'s report #{taken[r]} at {t:.6f} s, which the "
+                                    "simulated replica had not sent by then")
+                coord.update_stats(r, reports[r][taken[r]])
+                taken[r] += 1
+                continue
+            req = trace_to_request(by_id[x["request_id"]], vocab_size, config.seed)
+            hashes = ()
+            if need_hashes:
+                hashes = req.block_hashes = prompt_block_hashes(req.prompt_token_ids, config.block_size)
+            chosen = coord.route(req.num_prompt_tokens, hashes)
+            if chosen != r:
+                raise _diverged(f"request {req.request_id!r} (event {x['seq']}) went to replica {r}, the simulated "
+                                f"coordinator ({config.dp_policy}) picks {chosen}")
+            inbox[r].append((x["added"], req))
+            env.timeout(max(0.0, x["added"] - env.now)).callbacks.append(lambda _, r=r: admit(r, env.now))
+            records.routes.append((x["seq"], req.request_id, r, x["arrival"], x["sent"], env.now, x["added"]))
+
+    def replica(r: int):
+        eng, ex = engines[r], executors[r]
+        for k, (start, duration) in enumerate(zip(rec.starts[r], rec.durations[r])):
+            if start > env.now:
+                yield env.timeout(start - env.now)
+            admit(r, start)  # one admitted at this very instant counts as before the step, as in the real loop
+            so = eng.schedule(env.now)
+            if so.is_empty:
+                raise _diverged(f"replica {r} ran step {k} at {start:.6f} s; the simulated one has nothing to "
+                                f"schedule ({len(eng.requests)} requests live)")
+            out = ex.execute(so)
+            yield env.timeout(duration)
+            eng.update(so, out, env.now)
+            report(r, k + 1)
+
+    for r in range(dp):
+        report(r, 0)  # the reports the replicas sent when they came up
+    env.process(coordinator())
+    for r in range(dp):
+        env.process(replica(r))
+    env.run()
+    for r in range(dp):
+        admit(r, float("inf"))  # what reached a replica after its last step (rejections finish at once)
+        if engines[r].requests:
+            raise _diverged(f"replica {r} still holds {len(engines[r].requests)} requests after the real run's "
+                            f"last step")
+        if taken[r] != len(reports[r]) or len(reports[r]) != len(pub_points[r]):
+            raise _diverged(f"replica {r} sent {len(reports[r])} reports, the real one {len(pub_points[r])}")
+    for e in engines:
+        records.extend(e.records)
+    return SimResult(engines, records, env.now, sum(e.block_manager.prefix_queries for e in engines),
+                     sum(e.block_manager.prefix_hits for e in engines))
