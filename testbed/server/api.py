@@ -105,9 +105,13 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while a replica serves (with the dead ones listed when some died), 503 once none does."""
         if state.client.is_dead:
             return error_response(APIError(503, f"engine core is dead: {state.client.dead_reason}", None,
                                            "engine_dead"))
+        dead = state.client.dead_engines
+        if dead:
+            return JSONResponse({"status": "degraded", "dead_engines": {str(r): why for r, why in sorted(dead.items())}})
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -41,6 +41,7 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.engines: dict[str, int] = {}  # core request id -> the DP replica serving it, once known
 
     async def get(self) -> P.CoreOutput:
         item = await self.queue.get()
@@ -137,6 +138,11 @@ class EngineClient:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def dead_engines(self) -> dict[int, str]:
+        """Dead replicas and why (one replica here: it, once dead)."""
+        return {0: self.dead_reason} if self.dead_reason is not None else {}
+
     def _die(self, reason: str) -> None:
         first = self.dead_reason is None
         if first:
@@ -217,6 +223,7 @@ class EngineClient:
         self.sent_seq += 1
         stream = stream if stream is not None else RequestStream(request_id)
         self.streams[request_id] = stream
+        stream.engines[request_id] = 0
         return stream
 
     def abort(self, request_ids: list[str]) -> None:

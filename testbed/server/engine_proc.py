@@ -48,26 +48,62 @@ class EngineProcConfig(msgspec.Struct):
 
 
 class StepLog:
-    """Appends the core's step and request records (STEP_COLUMNS / REQUEST_COLUMNS rows) as JSON lines."""
+    """Appends the core's step and request records (STEP_COLUMNS / REQUEST_COLUMNS rows) as JSON lines
+    to DIR/steps{suffix}.jsonl and DIR/requests{suffix}.jsonl, and rows of any other `kinds` to
+    DIR/{kind}{suffix}.jsonl (a data-parallel replica logs under its own suffix)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, suffix: str = "", kinds: tuple[str, ...] = ("steps", "requests")) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        self.steps = open(d / "steps.jsonl", "ab")
-        self.requests = open(d / "requests.jsonl", "ab")
+        self.files = {k: open(d / f"{k}{suffix}.jsonl", "ab") for k in kinds}
 
     def write(self, steps: list[tuple], requests: list[tuple]) -> None:
-        for f, rows in ((self.steps, steps), (self.requests, requests)):
-            if rows:
-                f.write(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
-                f.flush()
+        self.append("steps", steps)
+        self.append("requests", requests)
+
+    def append(self, kind: str, rows: list) -> None:
+        if rows:
+            f = self.files[kind]
+            f.write(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
+            f.flush()
 
     def close(self) -> None:
-        self.steps.close()
-        self.requests.close()
+        for f in self.files.values():
+            f.close()
 
 
-def _to_wire(o: RequestOutput) -> P.CoreOutput:
+def add_to_core(core: EngineCore, m: P.AddRequest, eos: int | None, vocab_size: int,
+                now: float) -> RequestOutput | None:
+    """Queue one request; a bad one is rejected (with the reason) rather than killing the engine. The API
+    server validated it already; it is checked again so that no input can reach a step unchecked."""
+    try:
+        sp = SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, seed=m.seed,
+                            max_tokens=m.max_tokens, min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids,
+                            ignore_eos=m.ignore_eos, logprobs=m.logprobs).verify(vocab_size)
+        check_token_ids(m.prompt_token_ids, vocab_size)
+        req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, eos)
+        return core.add_request(req, now)
+    except (ValueError, TypeError) as e:
+        return RequestOutput(m.request_id, [], True, "rejected", str(e))
+
+
+def first_scheduled(core: EngineCore, so, start: float) -> dict[str, float]:
+    """Requests this step scheduled for the first time (not resumed preemptions) -> `start`."""
+    out = {}
+    for rid in so.new_req_ids:
+        req = core.requests.get(rid)
+        if req is not None and req.first_scheduled_time == start:
+            out[rid] = start
+    return out
+
+
+def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
+    bm, sched = core.block_manager, core.scheduler
+    return P.SchedulerStats(sched.num_running, sched.num_waiting, bm.usage, sched.num_preemptions,
+                            bm.prefix_queries, bm.prefix_hits, acked_seq)
+
+
+def to_wire(o: RequestOutput) -> P.CoreOutput:
     return P.CoreOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
                         o.num_cached_tokens, o.new_logprobs)
 
@@ -117,15 +153,12 @@ class EngineProc:
                     start = time.time()
                     so, step_outputs = stepper.step(start)
                     outputs.extend(step_outputs)
-                    for rid in so.new_req_ids:
-                        req = core.requests.get(rid)
-                        if req is not None and req.first_scheduled_time == start:  # not a resumed preemption
-                            scheduled[rid] = start
+                    scheduled = first_scheduled(core, so, start)
                     stepped = not so.is_empty or bool(step_outputs)
                     if not stepped:  # nothing schedulable until an input changes things: wait for one, don't spin
                         self.inp.poll(10)
                 if outputs or stepped:
-                    self.send(P.Outputs([_to_wire(o) for o in outputs], self.stats(), scheduled))
+                    self.send(P.Outputs([to_wire(o) for o in outputs], self.stats(), scheduled))
                 rec = core.records
                 if log is not None:
                     log.write(rec.steps, rec.requests)
@@ -164,24 +197,11 @@ class EngineProc:
         return outputs
 
     def add(self, m: P.AddRequest) -> RequestOutput | None:
-        """Queue one request; a bad one is rejected (with the reason) rather than killing the engine."""
         self.acked_seq = m.seq
-        now = time.time()
-        try:  # the API server validated it already; checked again so that no input can reach a step unchecked
-            sp = SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, seed=m.seed,
-                                max_tokens=m.max_tokens, min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids,
-                                ignore_eos=m.ignore_eos, logprobs=m.logprobs).verify(self.vocab_size)
-            check_token_ids(m.prompt_token_ids, self.vocab_size)
-            req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, self.eos)
-            return self.core.add_request(req, now)
-        except (ValueError, TypeError) as e:
-            return RequestOutput(m.request_id, [], True, "rejected", str(e))
+        return add_to_core(self.core, m, self.eos, self.vocab_size, time.time())
 
     def stats(self) -> P.SchedulerStats:
-        core = self.core
-        bm, sched = core.block_manager, core.scheduler
-        return P.SchedulerStats(sched.num_running, sched.num_waiting, bm.usage, sched.num_preemptions,
-                                bm.prefix_queries, bm.prefix_hits, self.acked_seq)
+        return scheduler_stats(self.core, self.acked_seq)
 
     def close(self) -> None:
         self.out.close(linger=2000)  # deliver what is queued (an EngineError above all)

@@ -1,8 +1,10 @@
-"""Prometheus metrics of `testbed serve`: vLLM's metric names under the `testbed:` prefix.
+"""Prometheus metrics of `testbed serve`: vLLM's metric names under the `testbed:` prefix, labelled
+by `model_name` and, as vLLM's, by `engine` (the data-parallel replica; "0" with one replica, and
+"unrouted" for requests that failed before any replica took them).
 
-Gauges and the preemption / prefix-cache counters follow the engine core's stats snapshots
-(counters advance by the growth of the core's cumulative totals); token counters and latency
-histograms are observed here, in the API server, as outputs reach it (as vLLM's front-end does).
+Gauges and the preemption / prefix-cache counters follow each replica's stats snapshots
+(counters advance by the growth of its cumulative totals); token counters and latency histograms
+are observed here, in the API server, as outputs reach it (as vLLM's front-end does).
 """
 from __future__ import annotations
 
@@ -11,45 +13,34 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from testbed.server.protocol import SchedulerStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+UNROUTED = "unrouted"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
-
+_GAUGES = {"num_requests_running": "Requests in the running batch.",
+           "num_requests_waiting": "Requests waiting to be scheduled.",
+           "kv_cache_usage_perc": "KV-cache usage: 1 means 100 percent."}
+_COUNTERS = {"prompt_tokens": "Prefill tokens processed.", "generation_tokens": "Generation tokens processed.",
+             "num_preemptions": "Cumulative preemptions in the engine.",
+             "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+             "prefix_cache_hits": "Prompt tokens found in the prefix cache."}
+_HISTOGRAMS = {"ttft": ("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS),
+               "itl": ("inter_token_latency_seconds", "Time between successive tokens.", _ITL_BUCKETS),
+               "e2e": ("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS),
+               "queue_time": ("request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY_BUCKETS)}
 
 disable_created_metrics()  # no *_created series: they only add noise to every scrape
 
 
-class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
-        self.registry = r = CollectorRegistry()
-        lab = ["model_name"]
+class EngineMetrics:
+    """The metrics of one replica: attributes named as the metrics (ttft, prompt_tokens, ...)."""
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"testbed:{name}", doc, lab, registry=r).labels(model_name)
-
-        def counter(name: str, doc: str):
-            return Counter(f"testbed:{name}", doc, lab, registry=r).labels(model_name)
-
-        def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"testbed:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
-
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.")
-        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
-        self.num_preemptions = counter("num_preemptions", "Cumulative preemptions in the engine.")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        success = Counter("testbed:request_success", "Finished requests by finish reason.",
-                          lab + ["finished_reason"], registry=r)
-        self.request_success = {f: success.labels(model_name, f) for f in FINISH_REASONS}
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Time between successive tokens.", _ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
-        self.queue_time = hist("request_queue_time_seconds", "Time waiting before first scheduled.",
-                               _LATENCY_BUCKETS)
+    def __init__(self, families: dict, model_name: str, engine: str) -> None:
+        for attr, fam in families.items():
+            if attr != "request_success":
+                setattr(self, attr, fam.labels(model_name, engine))
+        self.request_success = {f: families["request_success"].labels(model_name, engine, f) for f in FINISH_REASONS}
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0, -1)
 
     def update_stats(self, s: SchedulerStats) -> None:
@@ -63,6 +54,29 @@ class ServerMetrics:
             if new > old:
                 counter.inc(new - old)
         self._last = s
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        lab = ["model_name", "engine"]
+        fams: dict = {name: Gauge(f"testbed:{name}", doc, lab, registry=r) for name, doc in _GAUGES.items()}
+        fams |= {name: Counter(f"testbed:{name}", doc, lab, registry=r) for name, doc in _COUNTERS.items()}
+        fams |= {attr: Histogram(f"testbed:{name}", doc, lab, buckets=b, registry=r)
+                 for attr, (name, doc, b) in _HISTOGRAMS.items()}
+        fams["request_success"] = Counter("testbed:request_success", "Finished requests by finish reason.",
+                                          lab + ["finished_reason"], registry=r)
+        self._families = fams
+        self.engines: dict[int | None, EngineMetrics] = {
+            e: EngineMetrics(fams, model_name, str(e)) for e in range(num_engines)}
+
+    def engine(self, e: int | None) -> EngineMetrics:
+        """The metrics of replica `e` (None: a request no replica took)."""
+        m = self.engines.get(e)
+        if m is None:
+            m = self.engines[e] = EngineMetrics(self._families, self.model_name, UNROUTED if e is None else str(e))
+        return m
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

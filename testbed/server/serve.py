@@ -4,9 +4,16 @@ Startup: resolve the model (no MODEL = the bundled SmolLM2), spawn the engine co
 tokenizer loads, bind only once the executor is ready. SIGTERM / SIGINT: stop accepting, let
 in-flight requests finish within --shutdown-timeout, then end the rest with an OpenAI error (503
 `server_shutting_down`; a stream gets an error event and [DONE]), stop the engine core, exit 0.
-A second SIGINT forces the exit. If the engine core dies, in-flight requests end with an error
-(503 `engine_dead`) and the server exits with code 1, unless --keep-alive-on-engine-death keeps it
-answering 503 (as vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).
+A second SIGINT forces the exit.
+
+With --data-parallel-size N > 1 the engine core becomes a DP coordinator process and N replica
+processes (dp_client.py); `--headless` runs only replicas, for the node that holds the API server.
+
+Engine death: the in-flight requests of a dead engine core (or DP replica) end with an error (503
+`engine_dead`). While another replica serves, the server keeps serving and /health reports the dead
+ones (degraded). When the engine is gone as a whole (the one engine core, every replica, or the DP
+coordinator), the server exits with code 1, unless --keep-alive-on-engine-death keeps it answering
+503 (as vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH).
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import signal
 import sys
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout: for the error responses to go out before uvicorn cancels
 
@@ -50,10 +58,26 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish after SIGTERM; then they end with an error "
                         "(default: %(default)s)")
     g.add_argument("--keep-alive-on-engine-death", action="store_true",
-                   help="keep the API server up (answering 503) when the engine core dies, instead of exiting 1")
+                   help="keep the API server up (answering 503) when the engine core dies, instead of exiting 1 "
+                        "(with data parallelism: when every replica or the coordinator died; while one "
+                        "replica serves, the server always stays up)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    d = p.add_argument_group("data parallel (vLLM's flags)")
+    d.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="replicas on this node (default: all of them)")
+    d.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0,
+                   help="rank of this node's first replica (a headless node's)")
+    d.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1",
+                   help="address of the API server's node, where the DP coordinator listens (default: %(default)s)")
+    d.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None,
+                   help=f"the coordinator's port for replicas (default: {DEFAULT_RPC_PORT} with replicas on other "
+                        "nodes, else any free port)")
+    d.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
+                   help="mp: replica processes on each node; ray: replicas as actors on a running Ray cluster")
+    d.add_argument("--headless", action="store_true",
+                   help="run only this node's replicas (no API server); they connect to --data-parallel-address")
     g.add_argument("--executor-factory", default=None, metavar="MODULE:FUNCTION",
                    help="build the engine core's executor with this function instead of the model runner "
                         "(research hook; --emulate is this with testbed.sim.emulator:create)")
@@ -71,7 +95,69 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from testbed.server import run_event_loop
+    if args.headless:
+        return run_headless_node(args)
     return run_event_loop(run_server(args))
+
+
+def dp_topology(args: argparse.Namespace, dp: int):
+    """The data-parallel layout the flags ask for (ConfigError naming the flag when it cannot be)."""
+    from testbed.engine.config import ConfigError
+    from testbed.server.dp_client import DPTopology
+    local, start, port = args.data_parallel_size_local, args.data_parallel_start_rank, args.data_parallel_rpc_port
+    if dp == 1:
+        if args.headless or args.data_parallel_backend != "mp" or local not in (None, 1) or start:
+            raise ConfigError("--headless, --data-parallel-backend, --data-parallel-size-local and "
+                              "--data-parallel-start-rank need --data-parallel-size > 1")
+        return None
+    if args.data_parallel_backend == "ray":
+        if args.headless or local is not None or start:
+            raise ConfigError("--data-parallel-backend ray places every replica on the Ray cluster: drop --headless, "
+                              "--data-parallel-size-local and --data-parallel-start-rank")
+        return DPTopology(dp, args.data_parallel_address, port or 0, "ray")
+    local = dp if local is None and not args.headless else local
+    if local is None or not 1 <= local <= dp:
+        raise ConfigError(f"--data-parallel-size-local: give 1..{dp} replicas for this node"
+                          + (" (a headless node needs it)" if local is None else f", got {local}"))
+    if args.headless and not 1 <= start <= dp - local:
+        raise ConfigError(f"--data-parallel-start-rank {start}: a headless node's replicas are ranks 1..{dp - 1} "
+                          f"(rank 0 is on the API server's node); with {local} here it must be in 1..{dp - local}")
+    if not args.headless and start:
+        raise ConfigError("--data-parallel-start-rank: the API server's node holds ranks 0.."
+                          f"{local - 1}; only a --headless node starts elsewhere")
+    if port is None:
+        port = DEFAULT_RPC_PORT if (local < dp or args.headless) else 0
+    return DPTopology(local, args.data_parallel_address, port, "mp")
+
+
+def engine_proc_config(args: argparse.Namespace, cfg, model: str):
+    from testbed.engine.config import ConfigError
+    from testbed.server.engine_proc import EngineProcConfig
+    factory = args.executor_factory
+    if factory is not None and (factory.count(":") != 1 or not all(factory.split(":"))):
+        raise ConfigError(f"--executor-factory {factory!r}: give MODULE:FUNCTION, e.g. "
+                          "testbed.sim.emulator:create (the module must be importable)")
+    executor_args = {}
+    if args.emulate:
+        if factory is not None:
+            raise ConfigError("--emulate: give either --emulate or --executor-factory, not both")
+        factory, executor_args = "testbed.sim.emulator:create", {"gpu": args.gpu, "cost_model": args.cost_model}
+    return EngineProcConfig(engine=cfg.to_dict(), model=model, load_format=args.load_format, dtype=args.dtype,
+                            device=args.device, enforce_eager=args.enforce_eager, log_steps=args.log_steps,
+                            executor_args=executor_args, **({"executor_factory": factory} if factory else {}))
+
+
+def run_headless_node(args: argparse.Namespace) -> int:
+    """`testbed serve --headless`: this node's replicas only, until the coordinator stops them."""
+    from testbed.cli import engine_config
+    from testbed.server.dp_launch import run_headless
+    from testbed.worker.executor import resolve_model
+    cfg = engine_config(args)
+    topo = dp_topology(args, cfg.data_parallel_size)  # ConfigError unless data-parallel
+    model = resolve_model(args.model_tag or args.model, args.load_format)
+    addr = f"tcp://{topo.address}:{topo.rpc_port}"
+    return run_headless(args.data_parallel_start_rank, topo.size_local, addr, engine_proc_config(args, cfg, model),
+                        cfg.tensor_parallel_size, args.device, _log)
 
 
 def _log(msg: str) -> None:
@@ -125,37 +211,27 @@ async def run_server(args: argparse.Namespace) -> int:
     from testbed.server.api import build_app
     from testbed.server.client import EngineClient
     from testbed.detokenizer import TokenTexts
-    from testbed.server.engine_proc import EngineProcConfig
     from testbed.server.metrics import ServerMetrics
     from testbed.server.state import ServerState
     from testbed.worker.executor import resolve_model
 
     cfg = engine_config(args)
-    if cfg.data_parallel_size != 1:
-        raise ConfigError("--data-parallel-size: `testbed serve` runs one engine replica; use 1")
+    topology = dp_topology(args, cfg.data_parallel_size)
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ConfigError(f"--model: given both as MODEL ({args.model_tag}) and --model ({args.model}); give one")
-    factory = args.executor_factory
-    if factory is not None and (factory.count(":") != 1 or not all(factory.split(":"))):
-        raise ConfigError(f"--executor-factory {factory!r}: give MODULE:FUNCTION, e.g. "
-                          "testbed.sim.emulator:create (the module must be importable)")
-    executor_args = {}
-    if args.emulate:
-        if factory is not None:
-            raise ConfigError("--emulate: give either --emulate or --executor-factory, not both")
-        factory, executor_args = "testbed.sim.emulator:create", {"gpu": args.gpu, "cost_model": args.cost_model}
     model = resolve_model(args.model_tag or args.model, args.load_format)
+    proc_cfg = engine_proc_config(args, cfg, model)
     served = args.served_model_name or os.path.basename(os.path.normpath(model))
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    client = EngineClient(EngineProcConfig(engine=cfg.to_dict(), model=model, load_format=args.load_format,
-                                           dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager,
-                                           log_steps=args.log_steps,
-                                           executor_args=executor_args,
-                                           **({"executor_factory": factory} if factory else {})))
+    if topology is None:
+        client = EngineClient(proc_cfg)
+    else:
+        from testbed.server.dp_client import DPEngineClient
+        client = DPEngineClient(proc_cfg, topology)
     tokenizer_path = args.tokenizer or model
     tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path))
     start = asyncio.ensure_future(client.start())
@@ -179,12 +255,14 @@ async def run_server(args: argparse.Namespace) -> int:
     if not math.isfinite(args.shutdown_timeout) or args.shutdown_timeout < 0:
         await client.shutdown()
         raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
-    state = ServerState(client, tokenizer, served, model, ServerMetrics(served), ready.max_model_len,
-                        ready.vocab_size, ready.num_gpu_blocks, ready.block_size, cfg.max_num_waiting, args.api_key,
-                        TokenTexts(tokenizer))
+    state = ServerState(client, tokenizer, served, model, ServerMetrics(served, cfg.data_parallel_size),
+                        ready.max_model_len, ready.vocab_size, ready.num_gpu_blocks, ready.block_size,
+                        cfg.max_num_waiting, args.api_key, TokenTexts(tokenizer))
     client.on_stats = state.on_stats
     app = build_app(state, args.max_request_bytes)
-    _log(f"engine core pid {ready.pid}: {ready.num_gpu_blocks} KV blocks of {ready.block_size}, max_model_len "
+    what = (f"engine core pid {ready.pid}" if topology is None else
+            f"{cfg.data_parallel_size} data-parallel replicas ({cfg.dp_policy}), coordinator pid {ready.pid}")
+    _log(f"{what}: {ready.num_gpu_blocks} KV blocks of {ready.block_size}, max_model_len "
          f"{ready.max_model_len}; serving {served!r} on http://{args.host}:{args.port}")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             access_log=not args.disable_uvicorn_access_log, lifespan="off",

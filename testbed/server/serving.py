@@ -131,6 +131,10 @@ class GenerationRun:
                               stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, logprobs=sp.logprobs,
                               priority=self.priority)
 
+    def metrics(self, c: Choice):
+        """The metrics of the replica serving choice `c` (unrouted while none took it)."""
+        return self.state.metrics.engine(self.stream.engines.get(c.request_id))
+
     @property
     def done(self) -> bool:
         return self.num_unfinished == 0
@@ -157,7 +161,7 @@ class GenerationRun:
         return list(changed.values())
 
     def _apply(self, c: Choice, out) -> None:
-        st, m, now = self.state, self.state.metrics, time.time()
+        st, m, now = self.state, self.metrics(c), time.time()
         if out.finish_reason == "rejected":
             self._finish(c, "error", None, now)
             raise APIError(503 if "waiting" in str(out.stop_reason) else 400, f"request rejected: {out.stop_reason}")
@@ -197,7 +201,7 @@ class GenerationRun:
         c.finish_reason, c.stop_reason = reason, stop_reason
         self.num_unfinished -= 1
         self.state.arrivals.pop(c.request_id, None)
-        m = self.state.metrics
+        m = self.metrics(c)
         m.request_success[reason if reason in m.request_success else "error"].inc()
         if reason in ("stop", "length"):
             m.e2e.observe(now - self.arrival)

@@ -13,7 +13,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from testbed.engine.request import InvalidParam, check_token_ids
 from testbed.server.client import EngineClient
@@ -23,10 +23,13 @@ from testbed.server.schemas import APIError, bad_request
 
 T = TypeVar("T")
 
+if TYPE_CHECKING:
+    from testbed.server.dp_client import DPEngineClient
+
 
 @dataclass
 class ServerState:
-    client: EngineClient
+    client: EngineClient | DPEngineClient
     tokenizer: Any | None
     served_model_name: str
     model_path: str
@@ -47,12 +50,14 @@ class ServerState:
         """fn(*args) on the tokenizer thread (an APIError it raises reaches the caller as raised)."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
-    def on_stats(self, stats, scheduled: dict[str, float]) -> None:
-        self.metrics.update_stats(stats)
+    def on_stats(self, stats, scheduled: dict[str, float], engine: int = 0) -> None:
+        """A stats snapshot of replica `engine`, with the requests it scheduled for the first time."""
+        m = self.metrics.engine(engine)
+        m.update_stats(stats)
         for rid, t in scheduled.items():
             arrival = self.arrivals.pop(rid, None)
             if arrival is not None:
-                self.metrics.queue_time.observe(max(t - arrival, 0.0))
+                m.queue_time.observe(max(t - arrival, 0.0))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.served_model_name, self.model_path):

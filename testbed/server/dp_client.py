@@ -1,0 +1,297 @@
+"""The API server's side of data-parallel serving: DPEngineClient, a drop-in for EngineClient.
+
+It starts the DP coordinator process and this node's replicas (the `mp` backend: dp_launch; `ray`:
+dp_ray), waits until every replica (those of headless nodes too) is up, then sends each request to
+the coordinator, which routes it. Outputs come straight from the replicas (EngineOutputs, tagged
+with their replica); the coordinator says where each request went (Routed), so aborts go to the
+right replica (an abort that comes before the Routed notice waits for it).
+
+Failure policy: when a replica dies (ReplicaDead from the coordinator, which hears of it from the
+replica, a launcher, a failed send or a missed heartbeat), its in-flight requests end at once with
+EngineDeadError (the API answers 503 / an error event) and the coordinator routes nothing more
+there; the others keep serving, and /health reports the dead replicas. Only when every replica, or
+the coordinator, is dead does the client as a whole count as dead.
+Invariant: a request id is in `streams` from `add` until its finished output, an abort, or death.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from typing import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from testbed.engine.config import EngineConfig
+from testbed.server import dp_protocol as D
+from testbed.server import protocol as P
+from testbed.server.client import WATCH_INTERVAL_S, EngineDeadError, RequestStream
+from testbed.server.dp_coordinator import CoordinatorConfig
+from testbed.server.dp_launch import LocalReplicas
+from testbed.server.engine_proc import EngineProcConfig
+
+BACKENDS = ("mp", "ray")
+
+
+class DPTopology(msgspec.Struct):
+    """Where the replicas run (vLLM's --data-parallel-* flags). `rpc_port` 0: any free port (one
+    node only); replicas of other nodes need a fixed one."""
+
+    size_local: int
+    address: str = "127.0.0.1"
+    rpc_port: int = 0
+    backend: str = "mp"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class DPEngineClient:
+    def __init__(self, cfg: EngineProcConfig, topology: DPTopology,
+                 on_stats: Callable[[P.SchedulerStats, dict[str, float], int], None] | None = None) -> None:
+        self.cfg, self.topology, self.on_stats = cfg, topology, on_stats
+        self.config = EngineConfig(**cfg.engine)
+        self.size = self.config.data_parallel_size
+        self.streams: dict[str, RequestStream] = {}
+        self.engine_by_id: dict[str, int] = {}
+        self.pending_aborts: set[str] = set()
+        self.readies: dict[int, P.Ready] = {}
+        self.dead: dict[int, str] = {}
+        self.stats: dict[int, P.SchedulerStats] = {}
+        self.applied: dict[int, int] = {}  # adds each replica has applied
+        self.sent = 0
+        self.dead_reason: str | None = None
+        self.ready: P.Ready | None = None
+        self.coordinator: subprocess.Popen | None = None
+        self.replicas = None
+        self._closing = False
+        self._tasks: list[asyncio.Task] = []
+        self._tmp = tempfile.mkdtemp(prefix="testbed-dp-")
+        self._sync_ctx = zmq.Context()
+        self._ctx = zmq.asyncio.Context()
+        self.inp = self._sync_ctx.socket(zmq.PUSH)
+        self.inp.setsockopt(zmq.SNDHWM, 0)
+        self.out = self._ctx.socket(zmq.PULL)
+        self.out.setsockopt(zmq.RCVHWM, 0)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> P.Ready:
+        """Start the coordinator and this node's replicas; return once all replicas are up
+        (RuntimeError naming the cause if one fails first)."""
+        t = self.topology
+        port = self.out.bind_to_random_port(f"tcp://{t.address}")
+        output_addr = f"tcp://{t.address}:{port}"
+        rpc_addr = f"tcp://{t.address}:{t.rpc_port or free_port(t.address)}"
+        front_addr = f"ipc://{self._tmp}/coordinator"
+        ccfg = CoordinatorConfig(self.cfg.engine, front_addr, rpc_addr, output_addr, os.getpid(), self.cfg.log_steps)
+        self.coordinator = subprocess.Popen([sys.executable, "-m", "testbed.server.dp_coordinator",
+                                             msgspec.json.encode(ccfg).decode()], start_new_session=True)
+        self.inp.connect(front_addr)
+        tp = self.config.tensor_parallel_size
+        if t.backend == "ray":
+            from testbed.server.dp_ray import RayReplicas
+            from testbed.worker.executor import resolve_device
+            cuda = resolve_device(self.cfg.device).type == "cuda"
+            self.replicas = await asyncio.to_thread(RayReplicas, self.size, rpc_addr, self.cfg, tp, cuda,
+                                                    self.config.gpu_memory_utilization)
+        else:
+            self.replicas = LocalReplicas(0, t.size_local, rpc_addr, self.cfg, tp, self.cfg.device)
+        self.replicas.start()
+        try:
+            while len(self.readies) + len(self.dead) < self.size:
+                if await self.out.poll(200):
+                    self._handle(D.to_front_end_decoder.decode(await self.out.recv()))
+                if self.dead:
+                    r, why = next(iter(self.dead.items()))
+                    raise RuntimeError(f"data-parallel replica {r} failed during startup: {why} (its error is above)")
+                for r, why in self.replicas.poll():
+                    raise RuntimeError(f"data-parallel replica {r} failed during startup: {why} (its error is above)")
+                if self.coordinator.poll() is not None:
+                    raise RuntimeError(f"the DP coordinator exited with code {self.coordinator.returncode} during "
+                                       "startup (its error is above)")
+        except BaseException:
+            await self.shutdown()
+            raise
+        self.ready = self._merge_ready()
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_loop())]
+        return self.ready
+
+    def _merge_ready(self) -> P.Ready:
+        """One Ready for the API server: every replica must agree on what validates a request."""
+        rs = [self.readies[r] for r in range(self.size)]
+        for field in ("block_size", "max_model_len", "eos_token_id", "vocab_size"):
+            values = {getattr(x, field) for x in rs}
+            if len(values) > 1:
+                raise RuntimeError(f"data-parallel replicas disagree on {field}: {sorted(values, key=str)}; serve the "
+                                   "same model with the same flags on every node")
+        first = rs[0]
+        return P.Ready(min(x.num_gpu_blocks for x in rs), first.block_size, first.max_model_len, first.eos_token_id,
+                       first.vocab_size, self.coordinator.pid)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the coordinator (it stops every replica), then this node's replicas; release the sockets."""
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            try:
+                self.inp.send(P.encoder.encode(P.Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while self.coordinator.poll() is None and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if self.coordinator.poll() is None:
+                self.coordinator.kill()
+                self.coordinator.wait()
+        if self.replicas is not None:
+            await asyncio.to_thread(self.replicas.stop, timeout)
+        self._die_all("the server is shutting down")
+        self.inp.close(linger=0)
+        self.out.close(linger=0)
+        self._sync_ctx.term()
+        self._ctx.term()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    @property
+    def dead_engines(self) -> dict[int, str]:
+        return dict(self.dead)
+
+    @property
+    def pid(self) -> int | None:
+        return self.coordinator.pid if self.coordinator is not None else None
+
+    def replica_pids(self) -> dict[int, int]:
+        """Pids of this node's replica processes (empty with the ray backend)."""
+        return self.replicas.pids() if self.replicas is not None else {}
+
+    def _fail(self, rids: list[str], err: EngineDeadError) -> None:
+        for rid in rids:
+            stream = self.streams.pop(rid, None)
+            self.engine_by_id.pop(rid, None)
+            if stream is not None:
+                stream.queue.put_nowait(err)
+
+    def _die_all(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        self._fail(list(self.streams), EngineDeadError(f"engine core is dead: {self.dead_reason}"))
+
+    def _replica_dead(self, r: int, reason: str) -> None:
+        if r in self.dead:
+            return
+        self.dead[r] = reason
+        self._fail([rid for rid, e in self.engine_by_id.items() if e == r],
+                   EngineDeadError(f"data-parallel replica {r} died: {reason}"))
+        if len(self.dead) == self.size:
+            self._die_all(f"every data-parallel replica died (replica {r}: {reason})")
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, D.EngineOutputs):
+            streams, e = self.streams, msg.engine
+            for o in msg.outputs:
+                stream = streams.get(o.request_id)
+                if stream is not None:
+                    stream.engines[o.request_id] = e
+                    self.engine_by_id[o.request_id] = e
+                    stream.queue.put_nowait(o)
+                    if o.finished:
+                        del streams[o.request_id]
+                        del self.engine_by_id[o.request_id]
+            self.stats[e] = msg.stats
+            self.applied[e] = msg.num_added
+            if self.on_stats is not None:
+                self.on_stats(msg.stats, msg.scheduled, e)
+        elif isinstance(msg, D.Routed):
+            stream = self.streams.get(msg.request_id)
+            if stream is not None:
+                stream.engines[msg.request_id] = msg.engine
+                self.engine_by_id[msg.request_id] = msg.engine
+                if msg.engine in self.dead:
+                    self._fail([msg.request_id], EngineDeadError(f"data-parallel replica {msg.engine} died: "
+                                                                 f"{self.dead[msg.engine]}"))
+            elif msg.request_id in self.pending_aborts:
+                self.pending_aborts.discard(msg.request_id)
+                self._send(D.DPAbort(msg.engine, [msg.request_id]))
+        elif isinstance(msg, D.Unroutable):
+            self.sent -= 1
+            self.pending_aborts.discard(msg.request_id)
+            self._fail([msg.request_id], EngineDeadError(f"no data-parallel replica can take it: {msg.reason}"))
+        elif isinstance(msg, D.ReplicaUp):
+            self.readies[msg.engine] = msg.ready
+            self.replicas.on_up(msg.engine)
+        elif isinstance(msg, D.ReplicaDead):
+            self._replica_dead(msg.engine, msg.reason)
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                self._handle(D.to_front_end_decoder.decode(await self.out.recv()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a garbled message means the replicas cannot be trusted
+            self._die_all(f"bad message from a data-parallel replica or the coordinator: {e!r}")
+
+    async def _watch_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if self.coordinator.poll() is not None:
+                self._die_all(f"the DP coordinator (pid {self.coordinator.pid}) exited with code "
+                              f"{self.coordinator.returncode}")
+                return
+            for r, reason in await asyncio.to_thread(self.replicas.poll):
+                self._send(D.ReplicaGone(r, reason))  # the coordinator stops routing there and tells us back
+
+    def _send(self, msg) -> None:
+        try:
+            self.inp.send(D.encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self._die_all(f"cannot reach the DP coordinator ({e})")
+
+    # ---- requests ------------------------------------------------------------------------------
+    @property
+    def num_waiting_estimate(self) -> int:
+        """Upper bound on the replicas' waiting requests: their last reports plus adds not applied yet."""
+        return sum(s.num_waiting for s in self.stats.values()) + self.sent - sum(self.applied.values())
+
+    def add(self, request_id: str, prompt_token_ids: list[int], arrival_time: float,
+            stream: RequestStream | None = None, **params) -> RequestStream:
+        """Send one request to the coordinator; its outputs arrive on `stream` (see EngineClient.add)."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
+        stream = stream if stream is not None else RequestStream(request_id)
+        self.streams[request_id] = stream
+        self.sent += 1
+        self._send(P.AddRequest(self.sent, request_id, prompt_token_ids, arrival_time, **params))
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests on their replicas; their streams get nothing more."""
+        by_engine: dict[int, list[str]] = defaultdict(list)
+        for rid in request_ids:
+            if self.streams.pop(rid, None) is None:
+                continue
+            e = self.engine_by_id.pop(rid, None)
+            if e is None:
+                self.pending_aborts.add(rid)  # not routed yet: sent on once the Routed notice arrives
+            elif e not in self.dead:
+                by_engine[e].append(rid)
+        for e, rids in by_engine.items():
+            self._send(D.DPAbort(e, rids))

@@ -1,0 +1,278 @@
+"""The DP coordinator process: the sans-I/O DPCoordinator of testbed/engine/ behind ZMQ.
+
+It routes every request: the API server pushes each AddRequest here, DPCoordinator.route picks a
+replica from the stats reports the replicas sent (StatsPublisher rule, see --dp-stats-interval),
+the request goes on to that replica and the API server learns where it went (Routed). Replicas on
+any host connect to one TCP port (--data-parallel-rpc-port): Hello, then ReplicaReady once their
+executor is built; the coordinator sends them adds and aborts. It tracks each replica's liveness
+(a ReplicaFailed message, a launcher's ReplicaGone, a peer that vanished when a request was sent
+to it, or no message for HEARTBEAT_TIMEOUT_S), stops routing to a dead one, re-routes the request
+that found it gone, and tells the API server (ReplicaDead). Exits on Shutdown (passing it on to
+every replica and node launcher) or when the API server is gone.
+
+With `log_dir` it appends its record: routes.jsonl (seq, request id, replica, arrival, routed) and
+receipts.jsonl (seq, replica, report number, received); `seq` orders routes and report receipts.
+Started as `python -m testbed.server.dp_coordinator CONFIG_JSON`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from testbed.engine.block_manager import prompt_block_hashes
+from testbed.engine.config import EngineConfig
+from testbed.engine.coordinator import DPCoordinator
+from testbed.engine.core import ReplicaStats
+from testbed.server import dp_protocol as D
+from testbed.server import protocol as P
+
+HEARTBEAT_TIMEOUT_S = 30.0
+PING_INTERVAL_S = 2.0
+PARENT_CHECK_S = 1.0
+
+
+class CoordinatorConfig(msgspec.Struct):
+    engine: dict          # EngineConfig fields; every replica's must be equal
+    front_addr: str       # bound here (PULL): the API server's adds and aborts
+    rpc_addr: str         # bound here (ROUTER): replicas and node launchers connect
+    output_addr: str      # the API server's PULL: Routed / ReplicaUp / ReplicaDead go there, and replicas push outputs
+    parent_pid: int = 0
+    log_dir: str | None = None
+
+
+def report_stats(m: D.Report) -> ReplicaStats:
+    return ReplicaStats(m.num_waiting, m.num_running, m.kv_usage, m.num_free_blocks, m.num_blocks,
+                        m.num_waiting_tokens, m.num_added)
+
+
+class CoordinatorProc:
+    def __init__(self, cfg: CoordinatorConfig) -> None:
+        self.cfg = cfg
+        self.config = EngineConfig(**cfg.engine)
+        n = self.config.data_parallel_size
+        self.coord = DPCoordinator(n, self.config.dp_policy, self.config.block_size)
+        self.coord.alive = [False] * n  # a replica gets requests once it is up
+        self.dead: dict[int, str] = {}
+        self.inputs: dict[int, bytes] = {}     # rank -> the identity of its input thread's DEALER
+        self.nodes: set[bytes] = set()
+        self.last_seen = [0.0] * n
+        self.seq = 0
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.PULL)
+        self.front.setsockopt(zmq.RCVHWM, 0)
+        self.front.bind(cfg.front_addr)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished replica raises
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.bind(cfg.rpc_addr)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.SNDHWM, 0)
+        self.out.connect(cfg.output_addr)
+        self.log = None
+        if cfg.log_dir:
+            d = Path(cfg.log_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            self.log = {k: open(d / f"{k}.jsonl", "ab") for k in ("routes", "receipts")}
+        self.running = True
+
+    def _write(self, kind: str, row: tuple) -> None:
+        if self.log is not None:
+            self.log[kind].write(msgspec.json.encode(row) + b"\n")
+
+    def _to_front(self, msg) -> None:
+        self.out.send(D.encoder.encode(msg))
+
+    def _to_nodes(self, msg) -> None:
+        data = D.encoder.encode(msg)
+        for ident in list(self.nodes):
+            try:
+                self.router.send_multipart([ident, data])
+            except zmq.ZMQError:
+                self.nodes.discard(ident)  # that node launcher is gone
+
+    def _to_replica(self, r: int, data: bytes) -> bool:
+        """Send to replica r's input thread; False (and r marked dead) when it is gone."""
+        ident = self.inputs.get(r)
+        if ident is None or r in self.dead:
+            return False
+        try:
+            self.router.send_multipart([ident, data])
+            return True
+        except zmq.ZMQError as e:
+            self.mark_dead(r, f"its connection to the coordinator is gone ({e})")
+            return False
+
+    def mark_dead(self, r: int, reason: str) -> None:
+        if r in self.dead:
+            return
+        self.dead[r] = reason
+        self.coord.set_alive(r, False)
+        self._to_front(D.ReplicaDead(r, reason))
+        self._to_nodes(D.ReplicaDead(r, reason))
+        ident = self.inputs.get(r)
+        if ident is not None:  # if it still runs, it must stop: its requests were failed
+            try:
+                self.router.send_multipart([ident, P.encoder.encode(P.Shutdown())])
+            except zmq.ZMQError:
+                pass
+        print(f"testbed dp coordinator: replica {r} is dead: {reason}", file=sys.stderr, flush=True)
+
+    # ---- API server side -----------------------------------------------------------------------
+    def on_front(self, raw: bytes) -> None:
+        msg = D.to_coordinator_decoder.decode(raw)
+        if isinstance(msg, P.AddRequest):
+            self.route(msg, raw)
+        elif isinstance(msg, D.DPAbort):
+            self._to_replica(msg.engine, P.encoder.encode(P.AbortRequests(msg.request_ids)))
+        elif isinstance(msg, D.ReplicaGone):
+            self.mark_dead(msg.engine, msg.reason)
+        elif isinstance(msg, P.Shutdown):
+            self.running = False
+
+    def route(self, msg: P.AddRequest, raw: bytes) -> None:
+        hashes = ()
+        if self.config.dp_policy == "prefix_affinity":
+            hashes = prompt_block_hashes(msg.prompt_token_ids, self.config.block_size)
+        while True:
+            try:
+                r = self.coord.route(len(msg.prompt_token_ids), hashes)
+            except ValueError as e:
+                self._to_front(D.Unroutable(msg.request_id, str(e)))
+                return
+            if self._to_replica(r, raw):
+                break  # else r was just found dead: route again among the others
+        now = time.time()
+        self._to_front(D.Routed(msg.request_id, r))
+        self._write("routes", (self.seq, msg.request_id, r, msg.arrival_time, now))
+        self.seq += 1
+
+    # ---- replica side --------------------------------------------------------------------------
+    def on_replica(self, ident: bytes, raw: bytes) -> None:
+        msg = D.from_replica_side_decoder.decode(raw)
+        n = self.coord.num_replicas
+        if isinstance(msg, D.Hello):
+            self.hello(ident, msg)
+            return
+        if not 0 <= msg.engine < n:
+            return
+        self.last_seen[msg.engine] = time.monotonic()
+        if isinstance(msg, D.Report):
+            self.coord.update_stats(msg.engine, report_stats(msg))
+            self._write("receipts", (self.seq, msg.engine, msg.n, time.time()))
+            self.seq += 1
+        elif isinstance(msg, D.ReplicaReady):
+            if msg.engine in self.dead:
+                return
+            self.coord.update_stats(msg.engine, report_stats(msg.report))
+            self._write("receipts", (self.seq, msg.engine, msg.report.n, time.time()))
+            self.seq += 1
+            self.coord.capacity = min(self.coord.capacity, msg.ready.num_gpu_blocks)
+            self.coord.set_alive(msg.engine, True)
+            self._to_front(D.ReplicaUp(msg.engine, msg.ready))
+            self._to_nodes(D.ReplicaUp(msg.engine, msg.ready))
+        elif isinstance(msg, D.ReplicaFailed):
+            self.mark_dead(msg.engine, msg.message)
+        elif isinstance(msg, D.ReplicaGone):
+            self.mark_dead(msg.engine, msg.reason)
+
+    def hello(self, ident: bytes, msg: D.Hello) -> None:
+        n = self.coord.num_replicas
+        if msg.role == "node":
+            self.nodes.add(ident)
+            return
+        if msg.role != "input":
+            return
+        problem = None
+        if not 0 <= msg.engine < n:
+            problem = f"data-parallel rank {msg.engine} is outside 0..{n - 1} (--data-parallel-size {n})"
+        elif msg.engine in self.inputs:
+            problem = f"data-parallel rank {msg.engine} is already taken; check --data-parallel-start-rank"
+        elif msg.engine_config != self.cfg.engine:
+            diff = sorted(k for k in set(msg.engine_config) | set(self.cfg.engine)
+                          if msg.engine_config.get(k) != self.cfg.engine.get(k))
+            problem = ("engine flags differ from the API server's node: "
+                       + ", ".join(f"{k} {msg.engine_config.get(k)!r} here vs {self.cfg.engine.get(k)!r}" for k in diff)
+                       + "; give every node the same engine flags")
+        if problem is not None:
+            self.router.send_multipart([ident, D.encoder.encode(D.Refused(problem))])
+            return
+        self.inputs[msg.engine] = ident
+        self.last_seen[msg.engine] = time.monotonic()
+        self.router.send_multipart([ident, D.encoder.encode(D.Welcome(self.cfg.output_addr))])
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.router, zmq.POLLIN)
+        last_ping = last_check = time.monotonic()
+        while self.running:
+            for sock, _ in poller.poll(int(PARENT_CHECK_S * 1000)):
+                while self.running:
+                    try:
+                        if sock is self.front:
+                            self.on_front(self.front.recv(zmq.NOBLOCK))
+                        else:
+                            self.on_replica(*self.router.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+            if self.log is not None:
+                for f in self.log.values():
+                    f.flush()
+            now = time.monotonic()
+            if now - last_ping >= PING_INTERVAL_S:
+                last_ping = now
+                self._to_nodes(D.Ping())
+            if now - last_check >= PARENT_CHECK_S:
+                last_check = now
+                for r in range(self.coord.num_replicas):
+                    if self.coord.alive[r] and now - self.last_seen[r] > HEARTBEAT_TIMEOUT_S:
+                        self.mark_dead(r, f"no message from it for {HEARTBEAT_TIMEOUT_S:g} s")
+                if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+                    break  # the API server is gone
+
+    def close(self) -> None:
+        """Tell every replica and node launcher to stop, then release the sockets."""
+        stop = P.encoder.encode(P.Shutdown())
+        for r in list(self.inputs):
+            if r not in self.dead:
+                try:
+                    self.router.send_multipart([self.inputs[r], stop])
+                except zmq.ZMQError:
+                    pass
+        self._to_nodes(P.Shutdown())
+        if self.log is not None:
+            for f in self.log.values():
+                f.close()
+        self.router.close(linger=2000)
+        self.front.close(linger=0)
+        self.out.close(linger=1000)
+        self.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m testbed.server.dp_coordinator CONFIG_JSON (started by `testbed serve -dp N`)",
+              file=sys.stderr)
+        return 2
+    proc = CoordinatorProc(msgspec.json.decode(argv[0], type=CoordinatorConfig))
+    try:
+        proc.run()
+    except BaseException as e:  # noqa: BLE001 - report anything, then die
+        print(f"testbed dp coordinator: fatal error: {e!r}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        proc.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""A data-parallel replica (vLLM's DPEngineCoreProc): EngineCore + executor (TP workers inside) in a
+main-thread busy loop, with an input thread and an output thread doing the socket work.
+
+Input thread: receives the coordinator's AddRequest / AbortRequests / Shutdown (ROUTER -> DEALER),
+decodes them and queues them for the main thread. Output thread: encodes and sends the main
+thread's EngineOutputs to the API server and its stats reports to the coordinator, and sends the
+coordinator a Heartbeat whenever it had nothing to send for HEARTBEAT_INTERVAL_S (a long step
+does not look like a dead replica). Main thread: apply queued inputs, step once, queue the step's
+outputs, report stats when StatsPublisher says so. On any exception it sends ReplicaFailed, then
+exits 1; on Shutdown, or when its launcher is gone, it exits 0.
+
+With a log directory it appends DIR/{steps,requests,itl,adds,reports}.R.jsonl (R = its rank).
+Started as `python -m testbed.server.dp_engine_proc CONFIG_JSON`, or run in a Ray actor.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from testbed.engine.config import EngineConfig
+from testbed.engine.coordinator import StatsPublisher
+from testbed.engine.core import EngineCore
+from testbed.server import dp_protocol as D
+from testbed.server import freeze_startup_heap
+from testbed.server import protocol as P
+from testbed.server.engine_proc import EngineProcConfig, StepLog, add_to_core, first_scheduled, scheduler_stats, to_wire
+from testbed.worker.stepper import EngineStepper
+
+HEARTBEAT_INTERVAL_S = 1.0
+PARENT_CHECK_S = 1.0
+LOG_KINDS = ("steps", "requests", "itl", "adds", "reports")
+
+
+class DPEngineProcConfig(msgspec.Struct):
+    """A replica's launch settings: its global DP rank, where the coordinator listens, and the
+    single-engine settings (`proc`: model, load format, executor factory, log directory ...)."""
+
+    rank: int
+    coordinator_addr: str
+    proc: EngineProcConfig
+    parent_pid: int = 0      # exit when this process is no longer the parent (0: never, e.g. a Ray actor)
+    torch_threads: int = 0   # CPU replicas sharing a host split its cores (0: torch's default)
+
+
+class DPEngineProc:
+    def __init__(self, cfg: DPEngineProcConfig) -> None:
+        self.cfg = cfg
+        self.rank = cfg.rank
+        self.ctx = zmq.Context()
+        self.inq: queue.Queue = queue.Queue()
+        self.outq: queue.Queue = queue.Queue()
+        self.running = True
+        self.num_added = 0
+        self.num_reports = 0
+        self._held = None  # an input taken off the queue by wait_input, not applied yet
+        self.core: EngineCore | None = None
+        self.output_thread: threading.Thread | None = None
+        self.input_thread: threading.Thread | None = None
+
+    # ---- sockets and threads -------------------------------------------------------------------
+    def handshake(self) -> zmq.Socket:
+        """Connect to the coordinator and wait for its Welcome (RuntimeError if it refuses us)."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"i%d" % self.rank)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.cfg.coordinator_addr)
+        sock.send(D.encoder.encode(D.Hello(self.rank, "input", os.getpid(), socket.gethostname(),
+                                           self.cfg.proc.engine)))
+        while not sock.poll(int(PARENT_CHECK_S * 1000)):
+            self.check_parent()
+        msg = D.to_replica_decoder.decode(sock.recv())
+        if isinstance(msg, D.Refused):
+            raise RuntimeError(f"the DP coordinator refused replica {self.rank}: {msg.reason}")
+        if not isinstance(msg, D.Welcome):
+            raise RuntimeError(f"the DP coordinator answered {type(msg).__name__} instead of Welcome")
+        self.output_addr = msg.output_addr
+        return sock
+
+    def _input_loop(self, sock: zmq.Socket) -> None:
+        while self.running:
+            if sock.poll(100):
+                self.inq.put(D.to_replica_decoder.decode(sock.recv()))
+        sock.close(linger=0)
+
+    def _output_loop(self) -> None:
+        front = self.ctx.socket(zmq.PUSH)
+        front.setsockopt(zmq.SNDHWM, 0)
+        front.connect(self.output_addr)
+        coord = self.ctx.socket(zmq.DEALER)
+        coord.setsockopt(zmq.IDENTITY, b"o%d" % self.rank)
+        coord.setsockopt(zmq.SNDHWM, 0)
+        coord.connect(self.cfg.coordinator_addr)
+        beat = D.encoder.encode(D.Heartbeat(self.rank))
+        while True:
+            try:
+                to_front, msg = self.outq.get(timeout=HEARTBEAT_INTERVAL_S)
+            except queue.Empty:
+                coord.send(beat)
+                continue
+            if msg is None:
+                break
+            (front if to_front else coord).send(D.encoder.encode(msg))
+        front.close(linger=2000)  # deliver what is queued (a ReplicaFailed above all)
+        coord.close(linger=2000)
+
+    def check_parent(self) -> None:
+        if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
+            raise SystemExit(0)  # the launcher is gone: nobody to serve
+
+    # ---- the replica ---------------------------------------------------------------------------
+    def run(self) -> None:
+        pc = self.cfg.proc
+        if self.cfg.torch_threads:
+            import torch
+            torch.set_num_threads(self.cfg.torch_threads)
+        sock = self.handshake()
+        self.output_thread = threading.Thread(target=self._output_loop, name="dp-output", daemon=True)
+        self.output_thread.start()
+        self.input_thread = threading.Thread(target=self._input_loop, args=(sock,), name="dp-input", daemon=True)
+        self.input_thread.start()
+        module, name = pc.executor_factory.split(":")
+        factory = getattr(importlib.import_module(module), name)
+        config = EngineConfig(**pc.engine)
+        executor = factory(pc.model, config, load_format=pc.load_format, dtype=pc.dtype, device=pc.device,
+                           enforce_eager=pc.enforce_eager, **pc.executor_args)
+        self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len, replica=self.rank)
+        self.eos, self.vocab_size = executor.eos_token_id, executor.vocab_size
+        stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
+        publisher = StatsPublisher(config.dp_stats_interval)
+        self.log = StepLog(pc.log_steps, f".{self.rank}", LOG_KINDS) if pc.log_steps else None
+        freeze_startup_heap()
+        ready = P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
+                        executor.vocab_size, os.getpid())
+        self.steps_done = 0
+        self.outq.put((False, D.ReplicaReady(self.rank, ready, self.report())))
+        last_parent_check = time.monotonic()
+        try:
+            while self.running:
+                outputs, aborted = self.apply_inputs(block=not stepper.has_work())
+                if not self.running:
+                    break
+                if aborted and publisher.after_update(time.time(), True, not stepper.has_work()):
+                    self.outq.put((False, self.report()))
+                scheduled: dict[str, float] = {}
+                stepped = False
+                if stepper.has_work():
+                    prev = stepper.in_flight[0] if stepper.in_flight is not None else None
+                    start = time.time()
+                    so, step_outputs = stepper.step(start)
+                    outputs.extend(step_outputs)
+                    scheduled = first_scheduled(core, so, start)
+                    updated = prev if config.async_scheduling else (None if so.is_empty else so)
+                    stepped = not so.is_empty or bool(step_outputs)
+                    if updated is not None:
+                        self.steps_done += 1
+                        changed = (any(o.finished for o in step_outputs) or bool(updated.new_req_ids)
+                                   or bool(updated.preempted_req_ids))
+                        if publisher.after_update(time.time(), changed, not stepper.has_work()):
+                            self.outq.put((False, self.report()))
+                    if not stepped:  # nothing schedulable until an input changes things: wait for one
+                        self.wait_input(0.01)
+                if outputs or stepped:
+                    self.outq.put((True, D.EngineOutputs(self.rank, [to_wire(o) for o in outputs],
+                                                         scheduler_stats(core, -1), self.num_added, scheduled)))
+                rec = core.records
+                if self.log is not None:
+                    self.log.write(rec.steps, rec.requests)
+                    self.log.append("itl", [[x] for x in rec.itl])
+                for rows in (rec.steps, rec.requests, rec.itl):  # a server runs for days: keep no history
+                    rows.clear()
+                now = time.monotonic()
+                if now - last_parent_check > PARENT_CHECK_S:
+                    last_parent_check = now
+                    self.check_parent()
+        finally:
+            executor.shutdown()
+            if self.log is not None:
+                self.log.close()
+
+    def report(self) -> D.Report:
+        s = self.core.stats()
+        msg = D.Report(self.rank, self.num_reports, self.steps_done, time.time(), s.num_waiting, s.num_running,
+                       s.kv_usage, s.num_free_blocks, s.num_blocks, s.num_waiting_tokens, self.num_added)
+        self.num_reports += 1
+        if self.log is not None:
+            self.log.append("reports", [msgspec.structs.astuple(msg)[1:]])
+        return msg
+
+    def wait_input(self, timeout: float) -> None:
+        """Block until an input arrives (or `timeout`); it is applied first by the next apply_inputs."""
+        if self._held is None:
+            try:
+                self._held = self.inq.get(timeout=timeout)
+            except queue.Empty:
+                pass
+
+    def apply_inputs(self, block: bool) -> tuple[list, bool]:
+        """Apply every queued input (waiting up to PARENT_CHECK_S for the first one when `block`);
+        returns the outputs they produced and whether an abort ended a live request."""
+        outputs, aborted, adds = [], False, []
+        timeout = PARENT_CHECK_S if block else None
+        while True:
+            msg, self._held = self._held, None
+            if msg is None:
+                try:
+                    msg = self.inq.get(timeout=timeout) if timeout else self.inq.get_nowait()
+                except queue.Empty:
+                    break
+            timeout = None
+            if isinstance(msg, P.AddRequest):
+                now = time.time()
+                self.num_added += 1
+                out = add_to_core(self.core, msg, self.eos, self.vocab_size, now)
+                adds.append((msg.request_id, now))
+                if out is not None:
+                    outputs.append(out)
+            elif isinstance(msg, P.AbortRequests):
+                now = time.time()
+                for rid in msg.request_ids:
+                    out = self.core.abort(rid, now)
+                    if out is not None:
+                        outputs.append(out)
+                        aborted = True
+            elif isinstance(msg, P.Shutdown):
+                self.running = False
+                break
+        if self.log is not None:
+            self.log.append("adds", adds)
+        return outputs, aborted
+
+    def fail(self, e: BaseException) -> None:
+        self.outq.put((False, D.ReplicaFailed(self.rank, f"{type(e).__name__}: {e}", traceback.format_exc())))
+
+    def close(self) -> None:
+        self.running = False
+        if self.output_thread is not None:
+            self.outq.put((False, None))
+            self.output_thread.join(timeout=5)
+        if self.input_thread is not None:
+            self.input_thread.join(timeout=2)
+        self.ctx.term()
+
+
+def run_replica(cfg: DPEngineProcConfig) -> int:
+    """Run one replica to its end; the exit code (0: shut down, 1: failed)."""
+    proc = DPEngineProc(cfg)
+    code = 0
+    try:
+        proc.run()
+    except SystemExit as e:
+        code = int(e.code or 0)
+    except BaseException as e:  # noqa: BLE001 - report anything, then die
+        print(f"dp replica {cfg.rank}: fatal error: {e!r}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        proc.fail(e)
+        code = 1
+    finally:
+        proc.close()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m testbed.server.dp_engine_proc CONFIG_JSON (started by `testbed serve -dp N`)",
+              file=sys.stderr)
+        return 2
+    return run_replica(msgspec.json.decode(argv[0], type=DPEngineProcConfig))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

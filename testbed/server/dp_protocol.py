@@ -1,0 +1,137 @@
+"""Messages of data-parallel serving: msgspec structs on ZMQ (never pickle), tagged so one decoder
+per socket reads its whole union. The single-engine structs of protocol.py are reused as they are.
+
+  API server  --PUSH/PULL (ipc)-->  coordinator:  AddRequest, DPAbort, ReplicaGone, Shutdown
+  coordinator --ROUTER/DEALER (tcp, --data-parallel-rpc-port)--> replica input thread:
+                 Welcome | Refused, then AddRequest, AbortRequests, Shutdown
+  replica output thread --DEALER--> coordinator:  Hello, ReplicaReady, Report, Heartbeat, ReplicaFailed
+  headless node launcher <--DEALER--> coordinator:  Hello, ReplicaGone / Ping, ReplicaUp, Shutdown
+  replica output thread --PUSH (tcp)--> API server:  EngineOutputs
+  coordinator --PUSH (tcp)--> API server:  Routed, Unroutable, ReplicaUp, ReplicaDead
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from testbed.server.protocol import AbortRequests, AddRequest, CoreOutput, Ready, SchedulerStats, Shutdown
+
+ROLES = ("input", "output", "node")
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    """First message on a connection to the coordinator. `engine` is the DP rank (a node launcher
+    gives its first rank); `engine_config` must equal the coordinator's (same flags on every node)."""
+
+    engine: int
+    role: str
+    pid: int
+    host: str
+    engine_config: dict = {}
+
+
+class Welcome(msgspec.Struct, tag="welcome", array_like=True):
+    output_addr: str  # where the replica pushes its outputs (the API server)
+
+
+class Refused(msgspec.Struct, tag="refused", array_like=True):
+    reason: str
+
+
+class Report(msgspec.Struct, tag="report", array_like=True):
+    """Replica `engine`'s n-th stats report (ReplicaStats), sampled at `sampled` (its time.time())
+    after it had updated `steps` steps. `num_added` counts the adds it had applied."""
+
+    engine: int
+    n: int
+    steps: int
+    sampled: float
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    num_waiting_tokens: int
+    num_added: int
+
+
+class ReplicaReady(msgspec.Struct, tag="replica_ready", array_like=True):
+    """The replica's executor is built; `report` is its first stats report."""
+
+    engine: int
+    ready: Ready
+    report: Report
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
+    engine: int
+
+
+class ReplicaFailed(msgspec.Struct, tag="failed", array_like=True):
+    """Sent just before a replica process dies of an exception."""
+
+    engine: int
+    message: str
+    traceback: str = ""
+
+
+class ReplicaGone(msgspec.Struct, tag="gone", array_like=True):
+    """A launcher saw replica `engine`'s process exit (or its Ray actor die)."""
+
+    engine: int
+    reason: str
+
+
+class DPAbort(msgspec.Struct, tag="dp_abort", array_like=True):
+    engine: int
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True):
+    """The coordinator is alive (to headless node launchers, every PING_INTERVAL_S)."""
+
+
+class EngineOutputs(msgspec.Struct, tag="engine_outputs", array_like=True):
+    """protocol.Outputs of replica `engine`, plus how many adds it has applied (for the API server's
+    waiting-queue bound)."""
+
+    engine: int
+    outputs: list[CoreOutput]
+    stats: SchedulerStats
+    num_added: int
+    scheduled: dict[str, float] = {}
+
+
+class Routed(msgspec.Struct, tag="routed", array_like=True):
+    request_id: str
+    engine: int
+
+
+class Unroutable(msgspec.Struct, tag="unroutable", array_like=True):
+    request_id: str
+    reason: str
+
+
+class ReplicaUp(msgspec.Struct, tag="replica_up", array_like=True):
+    engine: int
+    ready: Ready
+
+
+class ReplicaDead(msgspec.Struct, tag="replica_dead", array_like=True):
+    engine: int
+    reason: str
+
+
+ToCoordinator = Union[AddRequest, DPAbort, ReplicaGone, Shutdown]
+FromReplicaSide = Union[Hello, ReplicaReady, Report, Heartbeat, ReplicaFailed, ReplicaGone]
+ToReplica = Union[Welcome, Refused, AddRequest, AbortRequests, Shutdown]
+ToNode = Union[Ping, ReplicaUp, ReplicaDead, Shutdown]
+ToFrontEnd = Union[EngineOutputs, Routed, Unroutable, ReplicaUp, ReplicaDead]
+
+to_coordinator_decoder = msgspec.msgpack.Decoder(ToCoordinator)
+from_replica_side_decoder = msgspec.msgpack.Decoder(FromReplicaSide)
+to_replica_decoder = msgspec.msgpack.Decoder(ToReplica)
+to_node_decoder = msgspec.msgpack.Decoder(ToNode)
+to_front_end_decoder = msgspec.msgpack.Decoder(ToFrontEnd)
+encoder = msgspec.msgpack.Encoder()
