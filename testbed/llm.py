@@ -1,7 +1,9 @@
 """Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`.
 
 One EngineCore and one real executor in this process; `step()` is the real-mode driver of the
-sans-I/O core: schedule at the wall clock, run the model, update at the wall clock.
+sans-I/O core: schedule at the wall clock, run the model, update at the wall clock. With
+`data_parallel_size=N` > 1 the engine is N replica processes behind the DP coordinator process
+(dp_llm.DPEngine, the stack of `testbed serve -dp N`); `step()` then waits for their outputs.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from testbed.detokenizer import IncrementalDetokenizer
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
-from testbed.engine.request import InvalidParam, Request, SamplingParams, check_token_ids, child_seed
+from testbed.engine.request import (InvalidParam, Request, SamplingParams, check_priority, check_token_ids,
+                                    child_seed)
 from testbed.worker.stepper import EngineStepper
 
 
@@ -50,63 +53,104 @@ class LLM:
                  enforce_eager: bool = False, executor=None, **engine_args: Any) -> None:
         """`executor`: reuse one built earlier for the same model (a fresh engine over its KV cache, whose
         stale contents are never read: every block is written before it is attended over). Its block size
-        and tensor-parallel size must match these engine arguments."""
-        from testbed.worker.executor import create_executor
+        and tensor-parallel size must match these engine arguments. `data_parallel_size` > 1 starts the
+        replica processes (no executor to reuse)."""
         self.config = EngineConfig(**engine_args)
-        if executor is None:
-            executor = create_executor(model, self.config, load_format, dtype, device, enforce_eager)
+        self.dp = None
+        self.engine = self.executor = self.stepper = None
+        if self.config.data_parallel_size > 1:
+            if executor is not None:
+                raise ValueError("executor: data-parallel replicas build their own; pass none with data_parallel_size > 1")
+            from testbed.dp_llm import DPEngine
+            self.dp = DPEngine(model, self.config, load_format, dtype, device, enforce_eager)
+            model_path, ready = self.dp.model_path, self.dp.ready
+            self.eos_token_id, self.vocab_size = ready.eos_token_id, ready.vocab_size
         else:
-            runner = executor.runner
-            if (runner.block_size, runner.config.tensor_parallel_size) != (self.config.block_size,
-                                                                           self.config.tensor_parallel_size):
-                raise ValueError(f"executor was built for block_size {runner.block_size} and tensor_parallel_size "
-                                 f"{runner.config.tensor_parallel_size}; these engine arguments ask for "
-                                 f"{self.config.block_size} and {self.config.tensor_parallel_size}")
-        self.executor = executor
+            if executor is None:
+                from testbed.worker.executor import create_executor
+                executor = create_executor(model, self.config, load_format, dtype, device, enforce_eager)
+            else:
+                runner = executor.runner
+                if (runner.block_size, runner.config.tensor_parallel_size) != (self.config.block_size,
+                                                                               self.config.tensor_parallel_size):
+                    raise ValueError(f"executor was built for block_size {runner.block_size} and tensor_parallel_size "
+                                     f"{runner.config.tensor_parallel_size}; these engine arguments ask for "
+                                     f"{self.config.block_size} and {self.config.tensor_parallel_size}")
+            self.executor = executor
+            self.engine = EngineCore(self.config, executor.num_gpu_blocks, executor.max_model_len)
+            self.stepper = EngineStepper(self.engine, executor, self.now, self.config.async_scheduling)
+            model_path, self.eos_token_id, self.vocab_size = (executor.model_path, executor.eos_token_id,
+                                                              executor.vocab_size)
         self.tokenizer = None
         if not skip_tokenizer_init and load_format != "dummy":
             from testbed.worker.loader import load_tokenizer
-            self.tokenizer = load_tokenizer(tokenizer or self.executor.model_path)
-        self.engine = EngineCore(self.config, self.executor.num_gpu_blocks, self.executor.max_model_len)
-        self.stepper = EngineStepper(self.engine, self.executor, self.now, self.config.async_scheduling)
-        self.eos_token_id = self.executor.eos_token_id
+            self.tokenizer = load_tokenizer(tokenizer or model_path)
         self._t0 = time.perf_counter()
         self._next_id = 0
 
     def now(self) -> float:
         """Seconds since this engine's clock was (re)started: the `now` the core is fed."""
-        return time.perf_counter() - self._t0
+        return self.dp.now() if self.dp is not None else time.perf_counter() - self._t0
 
     def reset_clock(self) -> None:
         """Make this moment time 0 (a replay's timeline starts at its first arrival)."""
+        if self.dp is not None:
+            self.dp.reset_clock()
         self._t0 = time.perf_counter()
+
+    def shutdown(self) -> None:
+        """End the worker processes (TP ranks, or the DP coordinator and replicas)."""
+        if self.dp is not None:
+            self.dp.shutdown()
+        else:
+            self.executor.shutdown()
+
+    def records(self):
+        """The run's records (Recorder): per-replica steps and each request's replica; with data
+        parallelism also the coordinator's routes and stats reports (read after shutdown())."""
+        return self.dp.records() if self.dp is not None else self.engine.records
 
     def get_tokenizer(self):
         return self.tokenizer
 
     # ---- the real-mode driver ------------------------------------------------------------------
-    def step(self, now: float | None = None) -> list[RequestOutput]:
+    def step(self, now: float | None = None, timeout: float | None = None) -> list[RequestOutput]:
         """One engine step scheduled at `now` (default: the wall clock), updated at the wall clock
         once the model ran (with async scheduling: the previous step is updated after this one is
-        launched); nothing happens when nothing is schedulable or in flight."""
+        launched); nothing happens when nothing is schedulable or in flight. With data parallelism
+        the replicas step on their own: this returns the outputs that arrived, waiting up to
+        `timeout` s (None: until one does)."""
+        if self.dp is not None:
+            return self.dp.step(timeout)
         return self.stepper.step(now)[1]
 
     def has_unfinished_requests(self) -> bool:
-        return self.stepper.has_work()
+        return self.dp.has_unfinished_requests() if self.dp is not None else self.stepper.has_work()
+
+    def abort_request(self, request_id: str) -> None:
+        """End a live request (its blocks are freed); unknown or finished ids are ignored."""
+        if self.dp is not None:
+            self.dp.abort(request_id)
+        else:
+            self.engine.abort(request_id, self.now())
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> RequestOutput | None:
         """Queue one request; returns a finished 'rejected' output when the engine cannot serve it.
         Bad input raises ValueError before the request is queued: sampling parameters out of range (checked
-        again here, as they may have been changed after construction) and token ids outside the vocabulary
-        (the embedding would fail or, under TP, read zeros)."""
-        vocab = self.executor.vocab_size
+        again here, as they may have been changed after construction), a priority outside int64 and token ids
+        outside the vocabulary (the embedding would fail or, under TP, read zeros)."""
+        vocab = self.vocab_size
         try:
             params.verify(vocab)
+            check_priority(priority)
             check_token_ids(prompt_token_ids, vocab)
         except InvalidParam as e:
             raise ValueError(f"request {request_id!r}: {e}; pass token ids from this model's tokenizer"
                              if e.param == "prompt" else f"request {request_id!r}: {e}") from None
+        if self.dp is not None:  # a rejection comes back from step() as a finished output
+            return self.dp.add_request(request_id, prompt_token_ids, params,
+                                       self.now() if arrival_time is None else arrival_time, priority)
         req = Request(request_id, prompt_token_ids, params, self.now() if arrival_time is None else arrival_time,
                       priority=priority, eos_token_id=self.eos_token_id)
         return self.engine.add_request(req, self.now())
@@ -152,15 +196,21 @@ class LLM:
                     seqs[rid] = (gen, k, child, detok, [])
             self._drain(seqs)
         except BaseException:
-            self.stepper.in_flight = None  # its tokens are not wanted; the aborts below free its blocks
-            for rid in list(self.engine.requests):
-                self.engine.abort(rid, self.now())
+            if self.dp is not None:
+                for rid in seqs:
+                    self.dp.abort(rid)
+            else:
+                self.stepper.in_flight = None  # its tokens are not wanted; the aborts below free its blocks
+                for rid in list(self.engine.requests):
+                    self.engine.abort(rid, self.now())
             raise
         return results
 
     def _drain(self, seqs: dict) -> None:
-        while self.stepper.has_work():
+        while self.has_unfinished_requests():
             for o in self.step():
+                if o.finish_reason == "rejected":  # data parallel: a replica refused it
+                    raise ValueError(f"request {o.request_id}: {o.stop_reason}")
                 gen, k, sp, detok, _ = seqs[o.request_id]
                 c = gen.outputs[k]
                 c.token_ids.extend(o.new_token_ids)
@@ -172,7 +222,7 @@ class LLM:
                 if detok is not None:
                     stopped = detok.add(o.new_token_ids)
                     if stopped and not finished:  # a stop string: end the request in the core, free its blocks
-                        self.engine.abort(o.request_id, self.now())
+                        self.abort_request(o.request_id)
                         finished = True
                     if finished:
                         detok.finish()

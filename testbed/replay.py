@@ -29,12 +29,34 @@ def hardware_info(device) -> dict:
     return {"name": platform.processor() or platform.machine(), "device": "cpu", "cpus": os.cpu_count()}
 
 
+def _model_facts(llm, model: str | None, load_format: str, dtype: str, device: str | None) -> dict:
+    """What the manifest says of the engine: cache, model, dtype and device (from the executor in process,
+    from the replicas' Ready messages and the model's config with data parallelism)."""
+    if llm.dp is None:
+        ex = llm.executor
+        blocks, max_len, path, hf, dt, dev = (ex.num_gpu_blocks, ex.max_model_len, ex.model_path, ex.hf_config,
+                                              ex.runner.dtype, ex.device)
+    else:
+        from testbed.worker.executor import resolve_device, resolve_dtype
+        from testbed.worker.loader import model_config
+        ready, path, dev = llm.dp.ready, llm.dp.model_path, resolve_device(device)
+        blocks, max_len, hf = ready.num_gpu_blocks, ready.max_model_len, model_config(path, load_format)
+        dt = resolve_dtype(dtype, dev)
+    keys = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size")
+    return {"num_gpu_blocks": blocks, "max_model_len": max_len, "dtype": str(dt), "device": dev,
+            "model": {"name": model or "SmolLM2-135M-Instruct", "path": path, "load_format": load_format,
+                      **{k: hf.get(k) for k in keys}}}
+
+
 def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = None, load_format: str = "auto",
                dtype: str = "auto", device: str | None = None, request_rate: float | None = None,
                burstiness: float = 1.0, limit: int | None = None, trace_format: str = "auto",
                slo_ttft: float | None = None, slo_tpot: float | None = None,
                output: str | Path | None = None, executor=None) -> tuple[Path | None, dict]:
-    """`executor`: reuse one built earlier (several replays on one loaded model; see `LLM`); it is left open."""
+    """Replay a trace through the real engine (one replica in process, or `data_parallel_size`
+    replica processes behind the DP coordinator); writes the run directory when `output` is given.
+    `executor`: reuse one built earlier (several replays on one loaded model; see `LLM`); it is left open."""
     import gc
 
     from testbed.llm import LLM
@@ -48,7 +70,8 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
     gc.collect()
     gc.freeze()  # the model and the trace stay alive: keep full collections from pausing steps mid-replay
     try:
-        vocab = llm.executor.vocab_size
+        facts = _model_facts(llm, model, load_format, dtype, device)
+        vocab = llm.vocab_size
         reserved = min(RESERVED_TOKEN_IDS, vocab // 10)
         prompts = [synthesize_prompt(tr, vocab, config.seed, reserved=reserved) for tr in trace]
         llm.reset_clock()
@@ -62,32 +85,33 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
                 llm.add_request(tr.id, prompts[i], sp, arrival_time=tr.arrival_s, priority=tr.priority)
                 i += 1
             if llm.has_unfinished_requests():
-                llm.step(now)  # scheduled at the admission time: what `--cost-model recorded:` replays
+                # in process: scheduled at the admission time, what `--cost-model recorded:` replays;
+                # data parallel: the replicas step on their own, this collects outputs until the next arrival
+                llm.step(now, timeout=max(0.0, trace[i].arrival_s - llm.now()) if i < len(trace) else None)
             elif i < len(trace):
                 time.sleep(max(0.0, trace[i].arrival_s - llm.now()))
         wall = time.perf_counter() - wall0
-        rec = llm.engine.records
-        bm = llm.engine.block_manager
-        summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot,
-                            bm.prefix_queries, bm.prefix_hits)
-        run_dir = None
-        if output is not None:
-            ex = llm.executor
-            manifest = {
-                "mode": "real", "config": config.to_dict(), "num_gpu_blocks": ex.num_gpu_blocks,
-                "max_model_len": ex.max_model_len,
-                "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
-                          "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
-                "model": {"name": model or "SmolLM2-135M-Instruct", "path": ex.model_path, "load_format": load_format,
-                          **{k: ex.hf_config.get(k) for k in (
-                              "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                              "num_key_value_heads", "vocab_size")}},
-                "hardware": hardware_info(ex.device), "dtype": str(ex.runner.dtype), "seed": config.seed,
-                "wall_time_s": wall, **environment_info(),
-            }
-            run_dir = write_run(output, manifest, rec, summary)
+        if llm.dp is None:
+            bm = llm.engine.block_manager
+            prefix = (bm.prefix_queries, bm.prefix_hits)
+        else:  # the replicas' cumulative counters, as their last outputs reported them
+            stats = llm.dp.client.engine_stats.values()
+            prefix = (sum(s.prefix_cache_queries for s in stats), sum(s.prefix_cache_hits for s in stats))
     finally:
         gc.unfreeze()
         if executor is None:
-            llm.executor.shutdown()  # TP: end the worker processes and the process group
+            llm.shutdown()  # TP: end the worker processes and the process group; DP: the coordinator and replicas
+    rec = llm.records()
+    summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot, *prefix)
+    run_dir = None
+    if output is not None:
+        manifest = {
+            "mode": "real", "config": config.to_dict(), "num_gpu_blocks": facts["num_gpu_blocks"],
+            "max_model_len": facts["max_model_len"],
+            "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
+                      "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
+            "model": facts["model"], "hardware": hardware_info(facts["device"]), "dtype": facts["dtype"],
+            "seed": config.seed, "wall_time_s": wall, **environment_info(),
+        }
+        run_dir = write_run(output, manifest, rec, summary)
     return run_dir, summary

@@ -137,6 +137,7 @@ class CoordinatorProc:
             self.running = False
 
     def route(self, msg: P.AddRequest, raw: bytes) -> None:
+        now = time.time()  # the decision's time: before the replica can have the request
         hashes = ()
         if self.config.dp_policy == "prefix_affinity":
             hashes = prompt_block_hashes(msg.prompt_token_ids, self.config.block_size)
@@ -148,7 +149,6 @@ class CoordinatorProc:
                 return
             if self._to_replica(r, raw):
                 break  # else r was just found dead: route again among the others
-        now = time.time()
         self._to_front(D.Routed(msg.request_id, r))
         self._write("routes", (self.seq, msg.request_id, r, msg.arrival_time, now))
         self.seq += 1

@@ -91,6 +91,15 @@ def _resolve(model: str, load_format: str) -> tuple[dict, Iterable[tuple[str, to
     return config, tensors, str(gguf)
 
 
+def model_config(model: str, load_format: str = "auto") -> dict:
+    """The model's config (config.json of a folder, a preset's with dummy weights; {} for a GGUF file,
+    whose config only comes with its weights)."""
+    path = Path(model).expanduser()
+    if load_format == "dummy" and not path.is_dir():
+        return get_model_spec(str(model)).hf_config()
+    return _read_config(path) if path.is_dir() and (path / "config.json").is_file() else {}
+
+
 def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
     """Feed full HF-named tensors into the parameters' weight_loaders; raise if any parameter stays unset."""
     params = dict(model.named_parameters())
