@@ -1,0 +1,117 @@
+"""Decision parity for data parallelism: fed a DP run's recorded timings (per-replica step timelines,
+when each request was routed and admitted, when each stats report was sampled and taken), the
+simulator makes the same decisions: every request goes to the same replica, every replica forms
+the same batches, every report carries the same stats.
+
+`testbed replay -dp 2` runs the bundled SmolLM2 for real (two replica processes behind the DP
+coordinator) on the small trace of test_parity.py; `testbed simulate --cost-model recorded:RUN_DIR`
+replays it. Simulated runs replay themselves the same way for every policy. LLM(data_parallel_size=2)
+generates what one replica does.
+"""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from test_parity import FLAGS, REQUEST_OUTCOMES, STEP_DECISIONS, write_trace
+from testbed.cli import main
+from testbed.engine.config import EngineConfig
+from testbed.rundir import read_run
+from testbed.sim.run import run_simulation
+
+from conftest import REPO
+
+POLICIES = ["round_robin", "least_loaded", "kv_aware", "prefix_affinity"]
+
+
+def assert_same_decisions(a, b) -> None:
+    ra, rb = read_run(a), read_run(b)
+    sa = ra.steps().sort_values(["replica", "start"], ignore_index=True)
+    sb = rb.steps().sort_values(["replica", "start"], ignore_index=True)
+    pd.testing.assert_frame_equal(sa[["replica", *STEP_DECISIONS]], sb[["replica", *STEP_DECISIONS]])
+    qa = ra.requests().sort_values("request_id", ignore_index=True)
+    qb = rb.requests().sort_values("request_id", ignore_index=True)
+    pd.testing.assert_frame_equal(qa[["replica", *REQUEST_OUTCOMES]], qb[["replica", *REQUEST_OUTCOMES]])
+    pa, pb = ra.dp_table("publications"), rb.dp_table("publications")
+    stats = ["seq", "replica", "steps", "num_waiting", "num_running", "num_free_blocks", "num_waiting_tokens",
+             "num_added"]
+    pd.testing.assert_frame_equal(pa.sort_values("seq", ignore_index=True)[stats],
+                                  pb.sort_values("seq", ignore_index=True)[stats])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_simulated_dp_run_replays_itself_exactly(tmp_path, policy):
+    """Recorded timings of a simulation (stale stats, routing delay, prefix sharing) reproduce it."""
+    kw = dict(data_parallel_size=3, dp_policy=policy, max_num_seqs=6, num_gpu_blocks=200, dp_stats_interval=0.03,
+              dp_routing_delay=0.004, enable_prefix_caching=True)
+    trace = str(REPO / "traces" / "azure_conv_10min.jsonl")
+    a, _ = run_simulation(trace, EngineConfig(**kw), limit=120, request_rate=25.0, output=tmp_path / "a",
+                          progress=False)
+    b, _ = run_simulation(trace, EngineConfig(**kw), limit=120, request_rate=25.0, output=tmp_path / "b",
+                          progress=False, cost_model=f"recorded:{a}")
+    assert_same_decisions(a, b)
+    assert read_run(a).requests()["replica"].nunique() == 3
+
+
+def test_a_changed_decision_is_reported_not_absorbed(tmp_path):
+    """Replayed under another policy, the first routing that differs stops the run with its details."""
+    kw = dict(data_parallel_size=2, max_num_seqs=6, num_gpu_blocks=200)
+    trace = str(REPO / "traces" / "azure_conv_10min.jsonl")
+    a, _ = run_simulation(trace, EngineConfig(dp_policy="least_loaded", **kw), limit=60, request_rate=25.0,
+                          output=tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="--dp-policy round_robin, but .* routed with least_loaded"):
+        run_simulation(trace, EngineConfig(dp_policy="round_robin", **kw), limit=60, request_rate=25.0,
+                       progress=False, cost_model=f"recorded:{a}")
+    with pytest.raises(RuntimeError, match="diverged"):  # a smaller cache: other batches, other reports
+        run_simulation(trace, EngineConfig(dp_policy="least_loaded", **{**kw, "num_gpu_blocks": 40}), limit=60,
+                       request_rate=25.0, progress=False, cost_model=f"recorded:{a}")
+
+
+@pytest.mark.smollm2
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
+def test_dp_replay_and_recorded_simulation_make_the_same_decisions(tmp_path, capsys, policy):
+    from testbed.worker.smollm2 import default_model_dir
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace)
+    real, sim = tmp_path / "real", tmp_path / "sim"
+    dp = ["-dp", "2", "--dp-policy", policy]
+    assert main(["replay", str(trace), "--model", str(default_model_dir()), "-o", str(real), *dp, *FLAGS]) == 0
+    real_summary = json.loads(capsys.readouterr().out)
+    assert main(["simulate", str(trace), "--model", "SmolLM2-135M", "--cost-model", f"recorded:{real}",
+                 "-o", str(sim), "--no-progress", *dp, *FLAGS]) == 0
+    sim_summary = json.loads(capsys.readouterr().out)
+    assert_same_decisions(real, sim)
+    run = read_run(real)
+    req, steps, routes = run.requests(), run.steps(), run.dp_table("routes")
+    assert run.manifest["config"]["data_parallel_size"] == 2 and set(steps["replica"]) == {0, 1}
+    assert set(req["replica"]) == {0, 1} and sorted(routes["request_id"]) == sorted(req["request_id"])
+    assert (routes["sent"] <= routes["routed"]).all() and (routes["routed"] <= routes["added"]).all()
+    if policy == "round_robin":
+        assert routes.sort_values("seq")["replica"].tolist() == [0, 1] * 4
+    assert real_summary["num_rejected"] == sim_summary["num_rejected"] == 1  # the 300-token prompt
+    assert sim_summary["num_finished"] == real_summary["num_finished"] == 7
+    assert steps["num_preempted"].sum() > 0  # the tiny caches preempt: the batches were not trivial
+
+
+@pytest.mark.smollm2
+@pytest.mark.timeout(300)
+def test_llm_with_two_replicas_generates_what_one_does():
+    from testbed import LLM, SamplingParams
+    prompts = ["The capital of France is", "Water boils at", "The largest planet is", "One plus one is"]
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    one = LLM(max_model_len=256, num_gpu_blocks=64)
+    try:
+        want = [o.outputs[0].text for o in one.generate(prompts, sp)]
+    finally:
+        one.shutdown()
+    two = LLM(max_model_len=256, num_gpu_blocks=64, data_parallel_size=2, dp_policy="round_robin")
+    try:
+        got = two.generate(prompts, sp)
+        assert [o.outputs[0].text for o in got] == want
+        assert all(o.outputs[0].finish_reason == "length" for o in got)
+    finally:
+        two.shutdown()
+    assert sorted({row[1] for row in two.records().requests}) == [0, 1]
