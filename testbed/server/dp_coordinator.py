@@ -60,6 +60,7 @@ class CoordinatorProc:
         self.coord.alive = [False] * n  # a replica gets requests once it is up
         self.dead: dict[int, str] = {}
         self.inputs: dict[int, bytes] = {}     # rank -> the identity of its input thread's DEALER
+        self.pids: dict[int, int] = {}         # rank -> pid of the replica accepted for it
         self.nodes: set[bytes] = set()
         self.last_seen = [0.0] * n
         self.seq = 0
@@ -132,7 +133,7 @@ class CoordinatorProc:
         elif isinstance(msg, D.DPAbort):
             self._to_replica(msg.engine, P.encoder.encode(P.AbortRequests(msg.request_ids)))
         elif isinstance(msg, D.ReplicaGone):
-            self.mark_dead(msg.engine, msg.reason)
+            self.gone(msg)
         elif isinstance(msg, P.Shutdown):
             self.running = False
 
@@ -180,7 +181,12 @@ class CoordinatorProc:
         elif isinstance(msg, D.ReplicaFailed):
             self.mark_dead(msg.engine, msg.message)
         elif isinstance(msg, D.ReplicaGone):
-            self.mark_dead(msg.engine, msg.reason)
+            self.gone(msg)
+
+    def gone(self, msg: D.ReplicaGone) -> None:
+        if msg.pid and msg.engine in self.pids and self.pids[msg.engine] != msg.pid:
+            return  # a process refused for an already taken rank
+        self.mark_dead(msg.engine, msg.reason)
 
     def hello(self, ident: bytes, msg: D.Hello) -> None:
         n = self.coord.num_replicas
@@ -204,6 +210,7 @@ class CoordinatorProc:
             self.router.send_multipart([ident, D.encoder.encode(D.Refused(problem))])
             return
         self.inputs[msg.engine] = ident
+        self.pids[msg.engine] = msg.pid
         self.last_seen[msg.engine] = time.monotonic()
         self.router.send_multipart([ident, D.encoder.encode(D.Welcome(self.cfg.output_addr))])
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -70,7 +71,7 @@ class DPEngineProc:
     def handshake(self) -> zmq.Socket:
         """Connect to the coordinator and wait for its Welcome (RuntimeError if it refuses us)."""
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"i%d" % self.rank)
+        sock.setsockopt(zmq.IDENTITY, b"i%d-%d" % (self.rank, os.getpid()))
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(self.cfg.coordinator_addr)
         sock.send(D.encoder.encode(D.Hello(self.rank, "input", os.getpid(), socket.gethostname(),
@@ -96,7 +97,7 @@ class DPEngineProc:
         front.setsockopt(zmq.SNDHWM, 0)
         front.connect(self.output_addr)
         coord = self.ctx.socket(zmq.DEALER)
-        coord.setsockopt(zmq.IDENTITY, b"o%d" % self.rank)
+        coord.setsockopt(zmq.IDENTITY, b"o%d-%d" % (self.rank, os.getpid()))
         coord.setsockopt(zmq.SNDHWM, 0)
         coord.connect(self.cfg.coordinator_addr)
         beat = D.encoder.encode(D.Heartbeat(self.rank))
@@ -250,10 +251,16 @@ class DPEngineProc:
         self.ctx.term()
 
 
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(0)
+
+
 def run_replica(cfg: DPEngineProcConfig) -> int:
     """Run one replica to its end; the exit code (0: shut down, 1: failed)."""
     proc = DPEngineProc(cfg)
     code = 0
+    if threading.current_thread() is threading.main_thread():  # SIGTERM: the clean way out (TP workers too)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         proc.run()
     except SystemExit as e:

@@ -69,6 +69,13 @@ def replica_env(local_index: int, tp: int, size_local: int, devices: list[str] |
     return env
 
 
+def cpu_threads(size_local: int) -> int:
+    """Torch threads of each CPU replica: the host's cores split among them, at most OMP_NUM_THREADS."""
+    n = max(1, (os.cpu_count() or 1) // size_local)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    return min(n, int(omp)) if omp.isdigit() and int(omp) > 0 else n
+
+
 def shares_devices(size_local: int, tp: int, devices: list[str] | None) -> bool:
     return devices is not None and size_local * tp > len(devices)
 
@@ -83,7 +90,7 @@ class LocalReplicas:
         self.devices = visible_devices(device)
         self.sequential = shares_devices(size_local, tp, self.devices)
         self.coordinator_addr, self.proc_cfg, self.tp = coordinator_addr, proc, tp
-        self.threads = 0 if self.devices is not None else max(1, (os.cpu_count() or 1) // size_local)
+        self.threads = 0 if self.devices is not None else cpu_threads(size_local)
         self.procs: dict[int, subprocess.Popen] = {}
         self.reported: set[int] = set()
         self.up: set[int] = set()
@@ -110,13 +117,13 @@ class LocalReplicas:
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items()}
 
-    def poll(self) -> list[tuple[int, str]]:
-        """(rank, reason) of replicas that exited since the last call."""
+    def poll(self) -> list[D.ReplicaGone]:
+        """Replicas that exited since the last call."""
         gone = []
         for rank, p in self.procs.items():
             if rank not in self.reported and p.poll() is not None:
                 self.reported.add(rank)
-                gone.append((rank, f"its process (pid {p.pid}) exited with code {p.returncode}"))
+                gone.append(D.ReplicaGone(rank, f"its process (pid {p.pid}) exited with code {p.returncode}", p.pid))
         return gone
 
     @property
@@ -140,7 +147,7 @@ def run_headless(start_rank: int, size_local: int, coordinator_addr: str, proc: 
     """Run this node's replicas until the coordinator stops them; the exit code."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"n%d" % start_rank)
+    sock.setsockopt(zmq.IDENTITY, b"n%d-%d" % (start_rank, os.getpid()))
     sock.connect(coordinator_addr)
     sock.send(D.encoder.encode(D.Hello(start_rank, "node", os.getpid(), socket.gethostname())))
     replicas = LocalReplicas(start_rank, size_local, coordinator_addr, proc, tp, device)
@@ -164,9 +171,9 @@ def run_headless(start_rank: int, size_local: int, coordinator_addr: str, proc: 
                 elif isinstance(msg, P.Shutdown):
                     log("the coordinator asked this node to stop")
                     break
-            for rank, reason in replicas.poll():
-                log(f"replica {rank} is gone: {reason}")
-                sock.send(D.encoder.encode(D.ReplicaGone(rank, reason)))
+            for gone in replicas.poll():
+                log(f"replica {gone.engine} is gone: {gone.reason}")
+                sock.send(D.encoder.encode(gone))
             if replicas.all_exited:
                 log("every replica of this node exited")
                 code = 1

@@ -17,8 +17,6 @@ import msgspec
 
 from testbed.server.protocol import AbortRequests, AddRequest, CoreOutput, Ready, SchedulerStats, Shutdown
 
-ROLES = ("input", "output", "node")
-
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
     """First message on a connection to the coordinator. `engine` is the DP rank (a node launcher
@@ -77,10 +75,12 @@ class ReplicaFailed(msgspec.Struct, tag="failed", array_like=True):
 
 
 class ReplicaGone(msgspec.Struct, tag="gone", array_like=True):
-    """A launcher saw replica `engine`'s process exit (or its Ray actor die)."""
+    """A launcher saw replica `engine`'s process `pid` exit (or its Ray actor die: pid 0). A pid
+    other than that of the replica the coordinator accepted for the rank (one it refused) is ignored."""
 
     engine: int
     reason: str
+    pid: int = 0
 
 
 class DPAbort(msgspec.Struct, tag="dp_abort", array_like=True):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from testbed.server import dp_protocol as D
 from testbed.server.dp_engine_proc import DPEngineProcConfig
 from testbed.server.dp_launch import SHARED_GPU_ENV, STOP_TIMEOUT_S
 from testbed.server.engine_proc import EngineProcConfig
@@ -52,7 +53,8 @@ class RayReplicas:
         env = {"PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
         if self.sequential:
             env[SHARED_GPU_ENV] = "1"
-        self.actor_cls = ray.remote(ReplicaActor).options(num_cpus=1, num_gpus=gpus, runtime_env={"env_vars": env})
+        self.actor_cls = ray.remote(ReplicaActor)
+        self.actor_options = {"num_cpus": 1, "num_gpus": gpus, "runtime_env": {"env_vars": env}}
         self.size, self.coordinator_addr, self.proc_cfg = size, coordinator_addr, proc
         self.actors: dict[int, object] = {}
         self.refs: dict[int, object] = {}
@@ -60,7 +62,7 @@ class RayReplicas:
 
     def _launch(self, rank: int) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        actor = self.actor_cls.options(name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        actor = self.actor_cls.options(**self.actor_options, scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=rank)).remote()
         cfg = DPEngineProcConfig(rank, self.coordinator_addr, self.proc_cfg)
         self.actors[rank] = actor
@@ -77,8 +79,8 @@ class RayReplicas:
     def pids(self) -> dict[int, int]:
         return {}
 
-    def poll(self) -> list[tuple[int, str]]:
-        """(rank, reason) of replica actors that ended since the last call."""
+    def poll(self) -> list[D.ReplicaGone]:
+        """Replica actors that ended since the last call."""
         live = {ref: rank for rank, ref in self.refs.items() if rank not in self.reported}
         if not live:
             return []
@@ -91,7 +93,7 @@ class RayReplicas:
                 reason = f"its Ray actor returned exit code {self.ray.get(ref)}"
             except Exception as e:  # noqa: BLE001 - the actor died: Ray says how
                 reason = f"its Ray actor died: {type(e).__name__}: {str(e)[:300]}"
-            gone.append((rank, reason))
+            gone.append(D.ReplicaGone(rank, reason))
         return gone
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:

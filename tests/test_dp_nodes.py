@@ -1,0 +1,113 @@
+"""Data parallelism beyond one process tree: two "nodes" on 127.0.0.1 (an API server node with one
+replica and a `--headless` node with the other, meeting over TCP at --data-parallel-rpc-port), and
+a local Ray cluster (`ray start --head` bound to 127.0.0.1, small and torn down by the test) with
+`--data-parallel-backend ray`. Both replicas serve in each; bundled SmolLM2 on the CPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_helpers import REPO, SMALL, ServerProcess, free_port, metric
+
+pytestmark = [pytest.mark.smollm2, pytest.mark.timeout(420)]
+
+
+def serve_both(url: str) -> list[float]:
+    """Four concurrent completions; the finished count of each replica."""
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=120) as h:
+            rs = await asyncio.gather(*(h.post(f"{url}/v1/completions", json={
+                "prompt": f"Count to {i}:", "max_tokens": 4, "ignore_eos": True}) for i in range(4)))
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    asyncio.run(go())
+    text = httpx.get(f"{url}/metrics").text
+    return [metric(text, "testbed:request_success_total", engine=str(e), finished_reason="length") for e in (0, 1)]
+
+
+def headless(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / f"{name}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "serve", "--headless", *SMALL, *args], cwd=REPO,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc, log
+
+
+def test_a_headless_node_serves_the_second_replica(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two "nodes" share this host's cores
+    rpc = str(free_port())
+    dp = ["-dp", "2", "--dp-policy", "round_robin", "--data-parallel-size-local", "1",
+          "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", rpc]
+    node, node_log = headless(tmp_path, "node", *dp, "--data-parallel-start-rank", "1")  # before the head: it waits
+    head = None
+    try:
+        head = ServerProcess(*dp, log_dir=tmp_path).wait_ready()
+        assert serve_both(head.url) == [2, 2]
+        # a second node claiming the same rank is refused, and the running replica is not disturbed
+        dup, dup_log = headless(tmp_path, "dup", *dp, "--data-parallel-start-rank", "1")
+        assert dup.wait(120) != 0
+        assert "already taken" in dup_log.read_text()
+        assert httpx.get(f"{head.url}/health").text == "" and serve_both(head.url) == [4, 4]
+        assert head.terminate() == 0, head.log_text()
+        assert node.wait(60) == 0, node_log.read_text()[-3000:]  # the coordinator told the node to stop
+    finally:
+        if head is not None:
+            head.kill()
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
+@pytest.fixture
+def ray_cluster(tmp_path):
+    """A one-node Ray cluster on 127.0.0.1 (3 CPUs, no dashboard, a 100 MB object store), run by
+    `ray start --block` in its own process group, which the test ends."""
+    ray = shutil.which("ray", path=os.path.dirname(sys.executable))
+    if ray is None:
+        pytest.fail("the ray CLI is missing: install the 'ray' extra (pip install -e '.[ray]')")
+    port, log = free_port(), tmp_path / "ray.log"
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    cmd = [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus",
+           "3", "--num-gpus", "0", "--include-dashboard", "false", "--object-store-memory", str(100 << 20),
+           "--temp-dir", temp, "--disable-usage-stats"]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        deadline = time.monotonic() + 180
+        while "block forever" not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, f"ray did not start:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):  # its daemons share its process group
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                pass
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_ray_backend_places_both_replicas_as_actors(tmp_path, ray_cluster, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    head = ServerProcess("-dp", "2", "--dp-policy", "round_robin", "--data-parallel-backend", "ray",
+                         log_dir=tmp_path).wait_ready()
+    try:
+        assert serve_both(head.url) == [2, 2]
+        assert not [c for c in Path(f"/proc/{head.proc.pid}/task/{head.proc.pid}/children").read_text().split()
+                    if b"dp_engine_proc" in Path(f"/proc/{c}/cmdline").read_bytes()], "replicas must be Ray actors"
+        assert head.terminate() == 0, head.log_text()
+    finally:
+        head.kill()
