@@ -37,7 +37,7 @@ def _model_facts(llm, model: str | None, load_format: str, dtype: str, device: s
         blocks, max_len, path, hf, dt, dev = (ex.num_gpu_blocks, ex.max_model_len, ex.model_path, ex.hf_config,
                                               ex.runner.dtype, ex.device)
     else:
-        from testbed.worker.executor import resolve_device, resolve_dtype
+        from testbed.worker.resolve import resolve_device, resolve_dtype
         from testbed.worker.loader import model_config
         ready, path, dev = llm.dp.ready, llm.dp.model_path, resolve_device(device)
         blocks, max_len, hf = ready.num_gpu_blocks, ready.max_model_len, model_config(path, load_format)

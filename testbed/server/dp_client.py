@@ -100,7 +100,7 @@ class DPEngineClient:
         tp = self.config.tensor_parallel_size
         if t.backend == "ray":
             from testbed.server.dp_ray import RayReplicas
-            from testbed.worker.executor import resolve_device
+            from testbed.worker.resolve import resolve_device
             cuda = resolve_device(self.cfg.device).type == "cuda"
             self.replicas = await asyncio.to_thread(RayReplicas, self.size, rpc_addr, self.cfg, tp, cuda,
                                                     self.config.gpu_memory_utilization)

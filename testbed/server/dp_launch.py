@@ -30,15 +30,14 @@ from testbed.server import dp_protocol as D
 from testbed.server import protocol as P
 from testbed.server.dp_engine_proc import DPEngineProcConfig
 from testbed.server.engine_proc import EngineProcConfig
+from testbed.worker.resolve import SHARED_GPU_ENV, resolve_device
 
-SHARED_GPU_ENV = "TESTBED_SHARED_GPU"
 HEAD_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
 
 def visible_devices(device: str | None) -> list[str] | None:
     """This host's GPUs in CUDA_VISIBLE_DEVICES order; None for CPU replicas."""
-    from testbed.worker.executor import resolve_device
     if device not in (None, "auto", "cuda", "cpu"):
         raise ValueError(f"--device {device}: data-parallel replicas are placed by CUDA_VISIBLE_DEVICES order; give "
                          "--device cuda (or cpu) and set CUDA_VISIBLE_DEVICES to choose the GPUs")

@@ -16,7 +16,8 @@ import msgspec
 
 from testbed.server import dp_protocol as D
 from testbed.server.dp_engine_proc import DPEngineProcConfig
-from testbed.server.dp_launch import SHARED_GPU_ENV, STOP_TIMEOUT_S
+from testbed.server.dp_launch import STOP_TIMEOUT_S
+from testbed.worker.resolve import SHARED_GPU_ENV
 from testbed.server.engine_proc import EngineProcConfig
 
 PLACEMENT_TIMEOUT_S = 120.0

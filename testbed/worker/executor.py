@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from testbed.worker.resolve import model_limits, resolve_device, resolve_dtype
+from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, resolve_dtype
 
 DEFAULT_MODEL_NAMES = ("", "default", "smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 
@@ -31,10 +31,12 @@ class UniprocExecutor:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         self.model_path = model
+        in_use = memory_in_use(dev)
         net, hf_config = load_model(model, load_format, dt, dev, seed=config.seed)
         self.hf_config = hf_config
         self.max_model_len, self.eos_token_id, self.vocab_size = model_limits(hf_config, config)
         self.runner = ModelRunner(net, config, self.max_model_len, dev, dt)
+        self.runner.memory_baseline = in_use
         self.num_gpu_blocks = config.num_gpu_blocks or self.runner.profile_num_blocks()
         self.runner.allocate_kv_cache(self.num_gpu_blocks)
         if dev.type == "cuda" and not enforce_eager:

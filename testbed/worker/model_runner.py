@@ -62,6 +62,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
         self.sampler = Sampler(device, config.seed)
         self.num_gpu_blocks = 0
+        self.memory_baseline = 0  # bytes on the GPU that are another tenant's (executor.memory_in_use)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.broadcast_inputs = None  # set by the TP executor: sends each step's inputs to the other ranks
         self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers, used in turn
@@ -99,7 +100,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        others = (total - free) - torch.cuda.memory_reserved(self.device)
+        others = (total - free) - torch.cuda.memory_reserved(self.device) - self.memory_baseline
         budget = total * cfg.gpu_memory_utilization - peak - others
         del hidden
         torch.cuda.empty_cache()
@@ -108,6 +109,11 @@ class ModelRunner:
             raise RuntimeError(f"no memory left for the KV cache: {total / 2**30:.1f} GiB x {cfg.gpu_memory_utilization}"
                                f" - peak {peak / 2**30:.1f} GiB - other processes {others / 2**30:.1f} GiB; raise "
                                "--gpu-memory-utilization, lower --max-num-batched-tokens or use a smaller model")
+        if self.memory_baseline and budget > free:
+            raise RuntimeError(f"this replica's share of the GPU ({cfg.gpu_memory_utilization} x {total / 2**30:.1f} GiB"
+                               f") needs {budget / 2**30:.1f} GiB for its KV cache, but only {free / 2**30:.1f} GiB is "
+                               "free next to the replicas sharing it: split --gpu-memory-utilization among them "
+                               "(e.g. 0.45 each for two)")
         return blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

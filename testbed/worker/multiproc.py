@@ -25,7 +25,7 @@ import torch.distributed as dist
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.worker.model_runner import ModelRunner, StepInputs
-from testbed.worker.resolve import model_limits, resolve_device, resolve_dtype
+from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, resolve_dtype
 from testbed.worker.stepper import ExecutorFailure
 
 CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
@@ -63,9 +63,11 @@ def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, l
         dist.distributed_c10d._world.group_count = 0
         raise
     dt = resolve_dtype(dtype, device)
+    in_use = memory_in_use(device)
     net, hf_config = load_model(model, load_format, dt, device, seed=config.seed)
     max_model_len, _, _ = model_limits(hf_config, config)
     runner = ModelRunner(net, config, max_model_len, device, dt)
+    runner.memory_baseline = in_use
     runner.hf_config = hf_config  # type: ignore[attr-defined]
     return runner
 

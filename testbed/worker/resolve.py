@@ -1,9 +1,12 @@
-"""Flags to concrete values for the executors: the torch device, the dtype, and the checkpoint's limits.
+"""Flags to concrete values for the executors: the torch device, the dtype, the checkpoint's limits, and
+the memory of a GPU's other tenants.
 
 Shared by the in-process executor (executor.py) and the tensor-parallel one (multiproc.py), so neither
 imports the other.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -40,3 +43,17 @@ def model_limits(hf_config: dict, config: EngineConfig) -> tuple[int, int | None
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return max_model_len, eos, int(hf_config["vocab_size"])
+
+
+SHARED_GPU_ENV = "TESTBED_SHARED_GPU"
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes in use on `device` when this rank starts, if data-parallel replicas share its GPU
+    (TESTBED_SHARED_GPU=1, set by their launcher, which starts them one at a time): the KV cache is then
+    sized as if that memory were another tenant's, so --gpu-memory-utilization is this replica's share
+    of the GPU, as in vLLM. 0 otherwise (the utilization bounds everything on the GPU)."""
+    if device.type != "cuda" or os.environ.get(SHARED_GPU_ENV) != "1":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
