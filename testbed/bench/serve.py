@@ -5,7 +5,8 @@ block and write a run directory (mode "real").
 requests.parquet comes from the client's timings (arrival = send time after the start); when the
 server was started with `--log-steps DIR` and `--server-log-steps DIR` is given here (same host,
 same clock), steps.parquet holds the server's steps inside the run window and each request gets
-its server-side first_scheduled time and preemption count. Prefix-cache and preemption totals come
+its server-side first_scheduled time, preemption count and replica (data parallelism: every
+replica logs its own steps.R.jsonl / requests.R.jsonl there). Prefix-cache and preemption totals come
 from the server's /metrics before and after the run.
 """
 from __future__ import annotations
@@ -113,15 +114,17 @@ def build_records(results: list[RequestResult], requests: list[BenchRequest], t0
         d = Path(log_dir)
         if not d.is_dir():
             raise ValueError(f"--server-log-steps {log_dir}: no such directory (start the server with --log-steps)")
-        for row in _read_jsonl(d / "steps.jsonl"):
-            if t0_wall <= row[1] <= t_end_wall:
-                rec.steps.append((row[0], row[1] - t0_wall, *row[2:]))
-        server_reqs = {row[0]: row for row in _read_jsonl(d / "requests.jsonl")}
+        for path in sorted(d.glob("steps*.jsonl")):  # steps.jsonl, or steps.R.jsonl per data-parallel replica
+            for row in _read_jsonl(path):
+                if t0_wall <= row[1] <= t_end_wall:
+                    rec.steps.append((row[0], row[1] - t0_wall, *row[2:]))
+        server_reqs = {row[0]: row for path in sorted(d.glob("requests*.jsonl")) for row in _read_jsonl(path)}
     for res, req in zip(results, requests):
         srv = server_reqs.get(f"{res.server_id}-0") if res.server_id else None
         first_sched = srv[4] - t0_wall if srv is not None and srv[4] is not None else None
         first = res.send_s + res.ttft if res.ttft is not None else None
-        rec.requests.append((res.server_id or req.id, 0, 0, res.send_s, first_sched, first, res.send_s + res.latency,
+        rec.requests.append((res.server_id or req.id, srv[1] if srv is not None else 0, 0, res.send_s, first_sched,
+                             first, res.send_s + res.latency,
                              res.prompt_tokens if res.prompt_tokens is not None else req.input_tokens,
                              res.output_tokens, res.cached_tokens, srv[10] if srv is not None else 0,
                              res.finish_reason))
