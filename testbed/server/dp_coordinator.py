@@ -58,6 +58,7 @@ class CoordinatorProc:
         n = self.config.data_parallel_size
         self.coord = DPCoordinator(n, self.config.dp_policy, self.config.block_size)
         self.coord.alive = [False] * n  # a replica gets requests once it is up
+        self.coord.capacity = 1 << 62   # prefix-affinity memory: the smallest replica cache, once they are up
         self.dead: dict[int, str] = {}
         self.inputs: dict[int, bytes] = {}     # rank -> the identity of its input thread's DEALER
         self.pids: dict[int, int] = {}         # rank -> pid of the replica accepted for it
