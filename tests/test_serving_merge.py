@@ -15,7 +15,9 @@ def _run(n: int) -> GenerationRun:
     state = ServerState(client=None, tokenizer=None, served_model_name="m", model_path="m",
                         metrics=ServerMetrics("m"), max_model_len=64, vocab_size=100, num_gpu_blocks=64,
                         block_size=16, token_texts=TokenTexts(None))
-    return GenerationRun(state, "cmpl-x", [[1, 2, 3]], SamplingParams(n=n, max_tokens=8, logprobs=1))
+    run = GenerationRun(state, "cmpl-x", [[1, 2, 3]], SamplingParams(n=n, max_tokens=8, logprobs=1))
+    run.stream.engines.update((c.request_id, 0) for c in run.choices)  # replica 0, as EngineClient.add records
+    return run
 
 
 def test_queued_outputs_merge_into_one_delta_per_choice():
@@ -33,7 +35,7 @@ def test_queued_outputs_merge_into_one_delta_per_choice():
         ca, cb = changed
         assert ca.delta_ids == [5, 6, 9] and [lp for lp, _ in ca.delta_logprobs] == [-0.1, -0.3, -0.4]
         assert cb.delta_ids == [7, 8] and cb.finish_reason == "length" and not ca.finished
-        assert run.state.metrics.generation_tokens._value.get() == 5
+        assert run.state.metrics.engine(0).generation_tokens._value.get() == 5
 
         q.put_nowait(CoreOutput(a, [4], True, "length"))
         q.put_nowait(CoreOutput(a, [3]))  # after the finish: ignored, never applied twice

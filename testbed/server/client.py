@@ -123,12 +123,16 @@ class EngineClient:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+        await self._stop_workers(timeout if self.ready is not None else 0.0)
         self._die("the server is shutting down")
         self.inp.close(linger=0)
         self.out.close(linger=0)
         self._sync_ctx.term()
         self._ctx.term()
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+    async def _stop_workers(self, timeout: float) -> None:
+        """Processes to stop after the engine core (none here; the DP client's replicas)."""
 
     @property
     def is_dead(self) -> bool:

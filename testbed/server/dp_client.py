@@ -17,22 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from collections import defaultdict
 from typing import Callable
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from testbed.engine.config import EngineConfig
 from testbed.server import dp_protocol as D
 from testbed.server import protocol as P
-from testbed.server.client import WATCH_INTERVAL_S, EngineDeadError, RequestStream
+from testbed.server.client import WATCH_INTERVAL_S, EngineClient, EngineDeadError, RequestStream
 from testbed.server.dp_coordinator import CoordinatorConfig
 from testbed.server.dp_launch import LocalReplicas
 from testbed.server.engine_proc import EngineProcConfig
@@ -56,33 +53,23 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class DPEngineClient:
+class DPEngineClient(EngineClient):
+    """EngineClient's lifecycle (sockets, shutdown) with the coordinator as its process (`proc`)."""
+
     def __init__(self, cfg: EngineProcConfig, topology: DPTopology,
                  on_stats: Callable[[P.SchedulerStats, dict[str, float], int], None] | None = None) -> None:
-        self.cfg, self.topology, self.on_stats = cfg, topology, on_stats
+        super().__init__(cfg, on_stats)
+        self.topology = topology
         self.config = EngineConfig(**cfg.engine)
         self.size = self.config.data_parallel_size
-        self.streams: dict[str, RequestStream] = {}
         self.engine_by_id: dict[str, int] = {}
         self.pending_aborts: set[str] = set()
         self.readies: dict[int, P.Ready] = {}
         self.dead: dict[int, str] = {}
-        self.stats: dict[int, P.SchedulerStats] = {}
+        self.engine_stats: dict[int, P.SchedulerStats] = {}
         self.applied: dict[int, int] = {}  # adds each replica has applied
         self.sent = 0
-        self.dead_reason: str | None = None
-        self.ready: P.Ready | None = None
-        self.coordinator: subprocess.Popen | None = None
         self.replicas = None
-        self._closing = False
-        self._tasks: list[asyncio.Task] = []
-        self._tmp = tempfile.mkdtemp(prefix="testbed-dp-")
-        self._sync_ctx = zmq.Context()
-        self._ctx = zmq.asyncio.Context()
-        self.inp = self._sync_ctx.socket(zmq.PUSH)
-        self.inp.setsockopt(zmq.SNDHWM, 0)
-        self.out = self._ctx.socket(zmq.PULL)
-        self.out.setsockopt(zmq.RCVHWM, 0)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> P.Ready:
@@ -94,20 +81,20 @@ class DPEngineClient:
         rpc_addr = f"tcp://{t.address}:{t.rpc_port or free_port(t.address)}"
         front_addr = f"ipc://{self._tmp}/coordinator"
         ccfg = CoordinatorConfig(self.cfg.engine, front_addr, rpc_addr, output_addr, os.getpid(), self.cfg.log_steps)
-        self.coordinator = subprocess.Popen([sys.executable, "-m", "testbed.server.dp_coordinator",
-                                             msgspec.json.encode(ccfg).decode()], start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.server.dp_coordinator",
+                                      msgspec.json.encode(ccfg).decode()], start_new_session=True)
         self.inp.connect(front_addr)
         tp = self.config.tensor_parallel_size
-        if t.backend == "ray":
-            from testbed.server.dp_ray import RayReplicas
-            from testbed.worker.resolve import resolve_device
-            cuda = resolve_device(self.cfg.device).type == "cuda"
-            self.replicas = await asyncio.to_thread(RayReplicas, self.size, rpc_addr, self.cfg, tp, cuda,
-                                                    self.config.gpu_memory_utilization)
-        else:
-            self.replicas = LocalReplicas(0, t.size_local, rpc_addr, self.cfg, tp, self.cfg.device)
-        self.replicas.start()
         try:
+            if t.backend == "ray":
+                from testbed.server.dp_ray import RayReplicas
+                from testbed.worker.resolve import resolve_device
+                cuda = resolve_device(self.cfg.device).type == "cuda"
+                self.replicas = await asyncio.to_thread(RayReplicas, self.size, rpc_addr, self.cfg, tp, cuda,
+                                                        self.config.gpu_memory_utilization)
+            else:
+                self.replicas = LocalReplicas(0, t.size_local, rpc_addr, self.cfg, tp, self.cfg.device)
+            self.replicas.start()
             while len(self.readies) + len(self.dead) < self.size:
                 if await self.out.poll(200):
                     self._handle(D.to_front_end_decoder.decode(await self.out.recv()))
@@ -117,13 +104,13 @@ class DPEngineClient:
                 for gone in self.replicas.poll():
                     raise RuntimeError(f"data-parallel replica {gone.engine} failed during startup: {gone.reason} "
                                        "(its error is above)")
-                if self.coordinator.poll() is not None:
-                    raise RuntimeError(f"the DP coordinator exited with code {self.coordinator.returncode} during "
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the DP coordinator exited with code {self.proc.returncode} during "
                                        "startup (its error is above)")
+            self.ready = self._merge_ready()
         except BaseException:
             await self.shutdown()
             raise
-        self.ready = self._merge_ready()
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch_loop())]
         return self.ready
 
@@ -137,45 +124,16 @@ class DPEngineClient:
                                    "same model with the same flags on every node")
         first = rs[0]
         return P.Ready(min(x.num_gpu_blocks for x in rs), first.block_size, first.max_model_len, first.eos_token_id,
-                       first.vocab_size, self.coordinator.pid)
+                       first.vocab_size, self.proc.pid)
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the coordinator (it stops every replica), then this node's replicas; release the sockets."""
-        self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        if self.coordinator is not None and self.coordinator.poll() is None:
-            try:
-                self.inp.send(P.encoder.encode(P.Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            while self.coordinator.poll() is None and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-            if self.coordinator.poll() is None:
-                self.coordinator.kill()
-                self.coordinator.wait()
+    async def _stop_workers(self, timeout: float) -> None:
+        """This node's replicas (the coordinator, stopped first, told every replica to stop)."""
         if self.replicas is not None:
             await asyncio.to_thread(self.replicas.stop, timeout)
-        self._die_all("the server is shutting down")
-        self.inp.close(linger=0)
-        self.out.close(linger=0)
-        self._sync_ctx.term()
-        self._ctx.term()
-        shutil.rmtree(self._tmp, ignore_errors=True)
-
-    @property
-    def is_dead(self) -> bool:
-        return self.dead_reason is not None
 
     @property
     def dead_engines(self) -> dict[int, str]:
         return dict(self.dead)
-
-    @property
-    def pid(self) -> int | None:
-        return self.coordinator.pid if self.coordinator is not None else None
 
     def replica_pids(self) -> dict[int, int]:
         """Pids of this node's replica processes (empty with the ray backend)."""
@@ -188,11 +146,6 @@ class DPEngineClient:
             if stream is not None:
                 stream.queue.put_nowait(err)
 
-    def _die_all(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-        self._fail(list(self.streams), EngineDeadError(f"engine core is dead: {self.dead_reason}"))
-
     def _replica_dead(self, r: int, reason: str) -> None:
         if r in self.dead:
             return
@@ -200,12 +153,12 @@ class DPEngineClient:
         self._fail([rid for rid, e in self.engine_by_id.items() if e == r],
                    EngineDeadError(f"data-parallel replica {r} died: {reason}"))
         if len(self.dead) == self.size:
-            self._die_all(f"every data-parallel replica died (replica {r}: {reason})")
+            self._die(f"every data-parallel replica died (replica {r}: {reason})")
 
     def _handle(self, msg) -> None:
         if isinstance(msg, D.EngineOutputs):
-            streams, e = self.streams, msg.engine
-            for o in msg.outputs:
+            streams, e, batch = self.streams, msg.engine, msg.batch
+            for o in batch.outputs:
                 stream = streams.get(o.request_id)
                 if stream is not None:
                     stream.engines[o.request_id] = e
@@ -214,10 +167,10 @@ class DPEngineClient:
                     if o.finished:
                         del streams[o.request_id]
                         del self.engine_by_id[o.request_id]
-            self.stats[e] = msg.stats
+            self.engine_stats[e] = batch.stats
             self.applied[e] = msg.num_added
             if self.on_stats is not None:
-                self.on_stats(msg.stats, msg.scheduled, e)
+                self.on_stats(batch.stats, batch.scheduled, e)
         elif isinstance(msg, D.Routed):
             stream = self.streams.get(msg.request_id)
             if stream is not None:
@@ -246,14 +199,13 @@ class DPEngineClient:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a garbled message means the replicas cannot be trusted
-            self._die_all(f"bad message from a data-parallel replica or the coordinator: {e!r}")
+            self._die(f"bad message from a data-parallel replica or the coordinator: {e!r}")
 
     async def _watch_loop(self) -> None:
         while not self._closing:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            if self.coordinator.poll() is not None:
-                self._die_all(f"the DP coordinator (pid {self.coordinator.pid}) exited with code "
-                              f"{self.coordinator.returncode}")
+            if self.proc.poll() is not None:
+                self._die(f"the DP coordinator (pid {self.proc.pid}) exited with code {self.proc.returncode}")
                 return
             for gone in await asyncio.to_thread(self.replicas.poll):
                 self._send(gone)  # the coordinator stops routing there and tells us back
@@ -262,13 +214,13 @@ class DPEngineClient:
         try:
             self.inp.send(D.encoder.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            self._die_all(f"cannot reach the DP coordinator ({e})")
+            self._die(f"cannot reach the DP coordinator ({e})")
 
     # ---- requests ------------------------------------------------------------------------------
     @property
     def num_waiting_estimate(self) -> int:
         """Upper bound on the replicas' waiting requests: their last reports plus adds not applied yet."""
-        return sum(s.num_waiting for s in self.stats.values()) + self.sent - sum(self.applied.values())
+        return sum(s.num_waiting for s in self.engine_stats.values()) + self.sent - sum(self.applied.values())
 
     def add(self, request_id: str, prompt_token_ids: list[int], arrival_time: float,
             stream: RequestStream | None = None, **params) -> RequestStream:

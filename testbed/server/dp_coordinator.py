@@ -28,7 +28,6 @@ import zmq
 from testbed.engine.block_manager import prompt_block_hashes
 from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import DPCoordinator
-from testbed.engine.core import ReplicaStats
 from testbed.server import dp_protocol as D
 from testbed.server import protocol as P
 
@@ -44,11 +43,6 @@ class CoordinatorConfig(msgspec.Struct):
     output_addr: str      # the API server's PULL: Routed / ReplicaUp / ReplicaDead go there, and replicas push outputs
     parent_pid: int = 0
     log_dir: str | None = None
-
-
-def report_stats(m: D.Report) -> ReplicaStats:
-    return ReplicaStats(m.num_waiting, m.num_running, m.kv_usage, m.num_free_blocks, m.num_blocks,
-                        m.num_waiting_tokens, m.num_added)
 
 
 class CoordinatorProc:
@@ -166,13 +160,13 @@ class CoordinatorProc:
             return
         self.last_seen[msg.engine] = time.monotonic()
         if isinstance(msg, D.Report):
-            self.coord.update_stats(msg.engine, report_stats(msg))
+            self.coord.update_stats(msg.engine, msg.stats)
             self._write("receipts", (self.seq, msg.engine, msg.n, time.time()))
             self.seq += 1
         elif isinstance(msg, D.ReplicaReady):
             if msg.engine in self.dead:
                 return
-            self.coord.update_stats(msg.engine, report_stats(msg.report))
+            self.coord.update_stats(msg.engine, msg.report.stats)
             self._write("receipts", (self.seq, msg.engine, msg.report.n, time.time()))
             self.seq += 1
             self.coord.capacity = min(self.coord.capacity, msg.ready.num_gpu_blocks)

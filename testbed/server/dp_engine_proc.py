@@ -14,6 +14,7 @@ Started as `python -m testbed.server.dp_engine_proc CONFIG_JSON`, or run in a Ra
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import queue
@@ -33,7 +34,8 @@ from testbed.engine.core import EngineCore
 from testbed.server import dp_protocol as D
 from testbed.server import freeze_startup_heap
 from testbed.server import protocol as P
-from testbed.server.engine_proc import EngineProcConfig, StepLog, add_to_core, first_scheduled, scheduler_stats, to_wire
+from testbed.server.engine_proc import (EngineProcConfig, StepLog, abort_in_core, add_to_core, first_scheduled,
+                                       scheduler_stats, to_wire)
 from testbed.worker.stepper import EngineStepper
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -68,12 +70,18 @@ class DPEngineProc:
         self.input_thread: threading.Thread | None = None
 
     # ---- sockets and threads -------------------------------------------------------------------
-    def handshake(self) -> zmq.Socket:
-        """Connect to the coordinator and wait for its Welcome (RuntimeError if it refuses us)."""
+    def _dealer(self, role: bytes) -> zmq.Socket:
+        """A connection to the coordinator, named by role, rank and pid (unique per process)."""
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"i%d-%d" % (self.rank, os.getpid()))
+        sock.setsockopt(zmq.IDENTITY, b"%s%d-%d" % (role, self.rank, os.getpid()))
+        sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(self.cfg.coordinator_addr)
+        return sock
+
+    def handshake(self) -> zmq.Socket:
+        """Connect to the coordinator and wait for its Welcome (RuntimeError if it refuses us)."""
+        sock = self._dealer(b"i")
         sock.send(D.encoder.encode(D.Hello(self.rank, "input", os.getpid(), socket.gethostname(),
                                            self.cfg.proc.engine)))
         while not sock.poll(int(PARENT_CHECK_S * 1000)):
@@ -96,10 +104,7 @@ class DPEngineProc:
         front = self.ctx.socket(zmq.PUSH)
         front.setsockopt(zmq.SNDHWM, 0)
         front.connect(self.output_addr)
-        coord = self.ctx.socket(zmq.DEALER)
-        coord.setsockopt(zmq.IDENTITY, b"o%d-%d" % (self.rank, os.getpid()))
-        coord.setsockopt(zmq.SNDHWM, 0)
-        coord.connect(self.cfg.coordinator_addr)
+        coord = self._dealer(b"o")
         beat = D.encoder.encode(D.Heartbeat(self.rank))
         while True:
             try:
@@ -170,8 +175,8 @@ class DPEngineProc:
                     if not stepped:  # nothing schedulable until an input changes things: wait for one
                         self.wait_input(0.01)
                 if outputs or stepped:
-                    self.outq.put((True, D.EngineOutputs(self.rank, [to_wire(o) for o in outputs],
-                                                         scheduler_stats(core, -1), self.num_added, scheduled)))
+                    batch = P.Outputs([to_wire(o) for o in outputs], scheduler_stats(core, -1), scheduled)
+                    self.outq.put((True, D.EngineOutputs(self.rank, self.num_added, batch)))
                 rec = core.records
                 if self.log is not None:
                     self.log.write(rec.steps, rec.requests)
@@ -188,12 +193,12 @@ class DPEngineProc:
                 self.log.close()
 
     def report(self) -> D.Report:
-        s = self.core.stats()
-        msg = D.Report(self.rank, self.num_reports, self.steps_done, time.time(), s.num_waiting, s.num_running,
-                       s.kv_usage, s.num_free_blocks, s.num_blocks, s.num_waiting_tokens, self.num_added)
+        stats = self.core.stats()
+        stats.num_added = self.num_added  # every add it got, malformed ones too
+        msg = D.Report(self.rank, self.num_reports, self.steps_done, time.time(), stats)
         self.num_reports += 1
         if self.log is not None:
-            self.log.append("reports", [msgspec.structs.astuple(msg)[1:]])
+            self.log.append("reports", [[msg.n, msg.steps, msg.sampled, *dataclasses.astuple(stats)]])
         return msg
 
     def wait_input(self, timeout: float) -> None:
@@ -225,12 +230,9 @@ class DPEngineProc:
                 if out is not None:
                     outputs.append(out)
             elif isinstance(msg, P.AbortRequests):
-                now = time.time()
-                for rid in msg.request_ids:
-                    out = self.core.abort(rid, now)
-                    if out is not None:
-                        outputs.append(out)
-                        aborted = True
+                ended = abort_in_core(self.core, msg.request_ids, time.time())
+                outputs.extend(ended)
+                aborted = aborted or bool(ended)
             elif isinstance(msg, P.Shutdown):
                 self.running = False
                 break

@@ -15,7 +15,8 @@ from typing import Union
 
 import msgspec
 
-from testbed.server.protocol import AbortRequests, AddRequest, CoreOutput, Ready, SchedulerStats, Shutdown
+from testbed.engine.core import ReplicaStats
+from testbed.server.protocol import AbortRequests, AddRequest, Outputs, Ready, Shutdown
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):
@@ -38,20 +39,14 @@ class Refused(msgspec.Struct, tag="refused", array_like=True):
 
 
 class Report(msgspec.Struct, tag="report", array_like=True):
-    """Replica `engine`'s n-th stats report (ReplicaStats), sampled at `sampled` (its time.time())
-    after it had updated `steps` steps. `num_added` counts the adds it had applied."""
+    """Replica `engine`'s n-th stats report, sampled at `sampled` (its time.time()) after it had
+    updated `steps` steps; `stats.num_added` counts the adds it had applied."""
 
     engine: int
     n: int
     steps: int
     sampled: float
-    num_waiting: int
-    num_running: int
-    kv_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    num_waiting_tokens: int
-    num_added: int
+    stats: ReplicaStats
 
 
 class ReplicaReady(msgspec.Struct, tag="replica_ready", array_like=True):
@@ -93,14 +88,12 @@ class Ping(msgspec.Struct, tag="ping", array_like=True):
 
 
 class EngineOutputs(msgspec.Struct, tag="engine_outputs", array_like=True):
-    """protocol.Outputs of replica `engine`, plus how many adds it has applied (for the API server's
-    waiting-queue bound)."""
+    """One step's protocol.Outputs of replica `engine`, and how many adds it has applied (for the API
+    server's waiting-queue bound)."""
 
     engine: int
-    outputs: list[CoreOutput]
-    stats: SchedulerStats
     num_added: int
-    scheduled: dict[str, float] = {}
+    batch: Outputs
 
 
 class Routed(msgspec.Struct, tag="routed", array_like=True):

@@ -87,6 +87,11 @@ def add_to_core(core: EngineCore, m: P.AddRequest, eos: int | None, vocab_size: 
         return RequestOutput(m.request_id, [], True, "rejected", str(e))
 
 
+def abort_in_core(core: EngineCore, request_ids: list[str], now: float) -> list[RequestOutput]:
+    """End these requests (unknown or finished ids are skipped); the abort outputs of live ones."""
+    return [out for out in (core.abort(rid, now) for rid in request_ids) if out is not None]
+
+
 def first_scheduled(core: EngineCore, so, start: float) -> dict[str, float]:
     """Requests this step scheduled for the first time (not resumed preemptions) -> `start`."""
     out = {}
@@ -186,11 +191,7 @@ class EngineProc:
                 if out is not None:
                     outputs.append(out)
             elif isinstance(msg, P.AbortRequests):
-                now = time.time()
-                for rid in msg.request_ids:
-                    out = self.core.abort(rid, now)
-                    if out is not None:
-                        outputs.append(out)
+                outputs.extend(abort_in_core(self.core, msg.request_ids, time.time()))
             elif isinstance(msg, P.Shutdown):
                 self.running = False
                 break

@@ -66,6 +66,14 @@ class SimResult:
     prefix_queries: int
     prefix_hits: int
 
+    @classmethod
+    def collect(cls, engines: list[EngineCore], records: Recorder, sim_time: float) -> "SimResult":
+        """The result of a run: `records` plus every replica's, and the prefix-cache totals."""
+        for e in engines:
+            records.extend(e.records)
+        return cls(engines, records, sim_time, sum(e.block_manager.prefix_queries for e in engines),
+                   sum(e.block_manager.prefix_hits for e in engines))
+
 
 def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostModel, num_gpu_blocks: int,
              max_model_len: int, vocab_size: int = 32000,
@@ -195,10 +203,5 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
     if trace:
         env.run(until=done)
     # reports still on their way when the run ended never reached the coordinator: not recorded
-    records = Recorder(routes=[tuple(row) for row in routes],
-                       publications=[tuple(row) for row in publications if row[0] is not None])
-    for e in engines:
-        records.extend(e.records)
-    return SimResult(engines, records, env.now,
-                     sum(e.block_manager.prefix_queries for e in engines),
-                     sum(e.block_manager.prefix_hits for e in engines))
+    return SimResult.collect(engines, Recorder(routes=[tuple(row) for row in routes], publications=[
+        tuple(row) for row in publications if row[0] is not None]), env.now)

@@ -187,7 +187,4 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
                             f"last step")
         if taken[r] != len(reports[r]) or len(reports[r]) != len(pub_points[r]):
             raise _diverged(f"replica {r} sent {len(reports[r])} reports, the real one {len(pub_points[r])}")
-    for e in engines:
-        records.extend(e.records)
-    return SimResult(engines, records, env.now, sum(e.block_manager.prefix_queries for e in engines),
-                     sum(e.block_manager.prefix_hits for e in engines))
+    return SimResult.collect(engines, records, env.now)
