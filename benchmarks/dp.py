@@ -1,8 +1,8 @@
 """Data parallelism on one host, real and simulated: R replicas per GPU against one.
 
   python benchmarks/dp.py --gpus 1 --model Llama-3.2-1B --load-format dummy --out OUT
-  CPU smoke run: python benchmarks/dp.py --device cpu --model SmolLM2-135M --load-format dummy \\
-      --rates 2 4 --num-prompts 12 --warmup 4 --engine-args "--max-model-len 512 --num-gpu-blocks 256" --out OUT
+  CPU smoke run: python benchmarks/dp.py --device cpu --model SmolLM2-135M --load-format dummy --quick-profile \\
+      --rates 2 4 --num-prompts 12 --warmup 4 --engine-args "--max-model-len 1024 --num-gpu-blocks 256" --out OUT
 
 Layouts: `--gpus` G GPUs with 1 replica each (--gpu-memory-utilization 0.9, the baseline; G = 1
 is a single engine) and with `--replicas-per-gpu` R each (0.9 / R: R replicas share a GPU, each
@@ -10,9 +10,11 @@ sizing its KV cache from its share). For each layout and each `--rates` value, `
 runs the Azure conv trace re-timed at that rate through the real engine (the DP coordinator and
 its replica processes when there are several), one run directory each. Then `testbed simulate`
 runs the same requests on the same KV-cache size twice: predicted with a cost model (default:
-`fit`, a calibrated profile fitted to this benchmark's baseline runs; or `roofline`, or a profile
-JSON), and replayed from the run's own recorded timings (decision parity: every routing and
-batch must match). A warm-up replay per layout (discarded) compiles the kernels first.
+`profile`, a step-time profile `testbed profile` measures first with one replica owning the GPU;
+or `auto`, `roofline` or a profile JSON), and replayed from the run's own recorded timings
+(decision parity: every routing and batch must match). A warm-up replay per layout (discarded)
+compiles the kernels first. The simulator does not model replicas contending for one GPU: the
+prediction error of the shared layout measures what that leaves out.
 
 Prints markdown tables (throughput and TTFT/TPOT percentiles, real vs predicted and the relative
 error; decision parity; the DP stack's measured routing hop and stats-report transit, whose
@@ -96,7 +98,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=32, help="requests of the discarded warm-up run per layout")
     ap.add_argument("--policy", default="least_loaded", help="--dp-policy of the multi-replica runs")
     ap.add_argument("--utilization", type=float, default=0.9, help="--gpu-memory-utilization of one GPU in all")
-    ap.add_argument("--cost-model", default="fit", help="fit (calibrated on the baseline runs), roofline or a JSON")
+    ap.add_argument("--cost-model", default="profile",
+                    help="profile (measure one with `testbed profile` first), auto, roofline or a profile JSON")
+    ap.add_argument("--quick-profile", action="store_true", help="testbed profile --quick (a smoke test)")
     ap.add_argument("--engine-args", default="--max-model-len 4096",
                     help="more engine flags for every run, real and simulated (one string)")
     ap.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one real run may take")
@@ -136,11 +140,12 @@ def main() -> int:
 
     # ---- the cost model ---------------------------------------------------------------------------
     cost_model = args.cost_model
-    if cost_model == "fit":
+    if cost_model == "profile":  # the step times of one replica owning the GPU, measured on it
         cost_model = str(args.out / "profile.json")
-        base = [r["real_dir"] for r in results["runs"] if r["layout"] == "1/gpu"]
-        subprocess.run([sys.executable, "-m", "testbed.cli", "profile", *base, "--model", sim_model, "--gpu",
-                        args.gpu_name, "-tp", str(args.tp), "-o", cost_model], cwd=ROOT, check=True, timeout=600)
+        cmd = [sys.executable, "-m", "testbed.cli", "profile", *model, "-tp", str(args.tp), "--gpu-memory-utilization",
+               str(args.utilization), *extra, "-o", cost_model, "--no-progress", *(["--quick"] if args.quick_profile else [])]
+        with open(args.out / "profile.log", "w") as log:
+            subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout * 4, stdout=log, stderr=subprocess.STDOUT)
     results["cost_model"] = cost_model
 
     # ---- simulations of the same runs ---------------------------------------------------------------
