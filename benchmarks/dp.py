@@ -1,8 +1,9 @@
 """Data parallelism on one host, real and simulated: R replicas per GPU against one.
 
   python benchmarks/dp.py --gpus 1 --model Llama-3.2-1B --load-format dummy --out OUT
-  CPU smoke run: python benchmarks/dp.py --device cpu --model SmolLM2-135M --load-format dummy --quick-profile \\
-      --rates 2 4 --num-prompts 12 --warmup 4 --engine-args "--max-model-len 1024 --num-gpu-blocks 256" --out OUT
+  CPU smoke run (a short trace of short requests): python benchmarks/dp.py --device cpu --model SmolLM2-135M \\
+      --load-format dummy --quick-profile --trace SHORT.jsonl --rates 2 4 --num-prompts 12 --warmup 4 \\
+      --engine-args "--max-model-len 512 --num-gpu-blocks 256" --out OUT
 
 Layouts: `--gpus` G GPUs with 1 replica each (--gpu-memory-utilization 0.9, the baseline; G = 1
 is a single engine) and with `--replicas-per-gpu` R each (0.9 / R: R replicas share a GPU, each
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's testbed, as the `python -m testbed.cli` subprocesses (cwd ROOT) use
 TRACE = ROOT / "traces" / "azure_conv_10min.jsonl"
 METRICS = [("output_throughput", None), ("request_throughput", None), ("ttft_s", "p50"), ("ttft_s", "p90"),
            ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p90"), ("tpot_s", "p99"), ("e2e_s", "p50"),
