@@ -149,7 +149,7 @@ def engine_proc_config(args: argparse.Namespace, cfg, model: str):
 
 def run_headless_node(args: argparse.Namespace) -> int:
     """`testbed serve --headless`: this node's replicas only, until the coordinator stops them."""
-    from testbed.cli import engine_config
+    from testbed.cli_args import engine_config
     from testbed.server.dp_launch import run_headless
     from testbed.worker.executor import resolve_model
     cfg = engine_config(args)

@@ -8,7 +8,7 @@ With data parallelism the cluster mirrors real DP serving: a request reaches the
 hop (half of `dp_routing_delay`) after its arrival and its replica one hop later; replicas report
 their stats by the same StatsPublisher rule as real replicas, and a report reaches the coordinator
 one hop after it was sampled. Routes and reports are recorded (routes / publications tables).
-`--cost-model recorded:RUN_DIR` of a DP run replays that run's own timings instead (recorded_dp.py).
+(`--cost-model recorded:RUN_DIR` of a DP run replays that run's own timings instead: recorded_dp.py.)
 """
 from __future__ import annotations
 
@@ -79,9 +79,6 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
              max_model_len: int, vocab_size: int = 32000,
              on_progress: Callable[[float, int], None] | None = None, progress_interval_s: float = 5.0) -> SimResult:
     """Replay a trace through `config.data_parallel_size` EngineCore replicas in simulated time."""
-    from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
-    if isinstance(cost_model, RecordedDPRun):
-        return simulate_recorded_dp(trace, config, cost_model, num_gpu_blocks, max_model_len, vocab_size)
     env = simpy.Environment()
     dp = config.data_parallel_size
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False) for r in range(dp)]

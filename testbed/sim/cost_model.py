@@ -151,9 +151,8 @@ class RecordedCostModel:
                              "scheduling; recorded timelines replay runs without it (re-run the replay without "
                              "--async-scheduling, or simulate it with a profile from `testbed profile`)")
         steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration"])
-        if steps["replica"].nunique() > 1 or (Path(path) / "routes.parquet").is_file():
-            from testbed.sim.recorded_dp import RecordedDPRun  # per-replica timelines and the coordinator's record
-            return RecordedDPRun.from_run_dir(path)  # type: ignore[return-value]
+        if steps["replica"].nunique() > 1:
+            raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")
         return cls(steps["start"].tolist(), steps["duration"].tolist())
 
     def step_time(self, so: SchedulerOutput) -> float:

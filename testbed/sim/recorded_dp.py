@@ -13,6 +13,7 @@ one that differs from the record stops the run with a RuntimeError that names it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import simpy
 
@@ -22,6 +23,7 @@ from testbed.engine.coordinator import DPCoordinator
 from testbed.engine.core import EngineCore
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import SchedulerOutput
+from testbed.sim.cluster import SimResult, trace_to_request
 from testbed.sim.executor import SimExecutor
 from testbed.sim.trace import TraceRequest
 
@@ -56,6 +58,16 @@ class RecordedDPRun:
     def num_replicas(self) -> int:
         return len(self.starts)
 
+    @staticmethod
+    def is_dp_run(path) -> bool:
+        """A run with the coordinator's record, or with steps of several replicas."""
+        import pandas as pd
+        p = Path(path)
+        if (p / "routes.parquet").is_file():
+            return True
+        steps = p / "steps.parquet"
+        return steps.is_file() and pd.read_parquet(steps, columns=["replica"])["replica"].nunique() > 1
+
     @classmethod
     def from_run_dir(cls, path) -> "RecordedDPRun":
         from testbed.rundir import read_run
@@ -78,9 +90,6 @@ class RecordedDPRun:
                    [s["duration"].tolist() for s in by], routes.sort_values("seq").to_dict("records"),
                    pubs.sort_values("seq").to_dict("records"))
 
-    def step_time(self, so: SchedulerOutput) -> float:
-        raise RuntimeError("a recorded data-parallel run is replayed by simulate_recorded_dp, not step by step")
-
 
 def _diverged(msg: str) -> RuntimeError:
     return RuntimeError(f"the simulation diverged from the recorded data-parallel run: {msg} (different trace, "
@@ -90,7 +99,6 @@ def _diverged(msg: str) -> RuntimeError:
 def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: RecordedDPRun, num_gpu_blocks: int,
                          max_model_len: int, vocab_size: int):
     """Run `trace` through DP replicas on the recorded timings (SimResult, as cluster.simulate)."""
-    from testbed.sim.cluster import SimResult, trace_to_request
     dp = config.data_parallel_size
     if dp != rec.num_replicas:
         raise ValueError(f"--data-parallel-size {dp}, but {rec.path} recorded {rec.num_replicas} replicas; use "

@@ -16,6 +16,7 @@ from testbed.sim.cluster import simulate, trace_to_request
 from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel, num_gpu_blocks
 from testbed.sim.hardware import GPUSpec, get_gpu_spec
 from testbed.sim.profiled import ProfiledCostModel, shipped_profile, shipped_profiles
+from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
 from testbed.sim.trace import load_trace
 
 
@@ -50,6 +51,8 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
             read_run(run_dir)
         except RunDirError as e:
             raise ValueError(f"--cost-model {spec}: not a readable run directory: {e}") from None
+        if RecordedDPRun.is_dp_run(run_dir):  # per-replica timelines and the coordinator's record
+            return RecordedDPRun.from_run_dir(run_dir), spec
         return RecordedCostModel.from_run_dir(run_dir), spec
     path = Path(spec)
     if not path.is_file():
@@ -116,9 +119,12 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
             on_progress(now, max(horizon, now))
 
     t0 = time.perf_counter()
-    result = simulate(trace, config, cm, blocks, max_model_len, vocab_size=spec.vocab_size,
-                      on_progress=report if (bar is not None or on_progress is not None) else None,
-                      progress_interval_s=max(1.0, (trace[-1].arrival_s if trace else 1.0) / 200))
+    if isinstance(cm, RecordedDPRun):  # a DP run's own timings, every decision recomputed
+        result = simulate_recorded_dp(trace, config, cm, blocks, max_model_len, spec.vocab_size)
+    else:
+        result = simulate(trace, config, cm, blocks, max_model_len, vocab_size=spec.vocab_size,
+                          on_progress=report if (bar is not None or on_progress is not None) else None,
+                          progress_interval_s=max(1.0, (trace[-1].arrival_s if trace else 1.0) / 200))
     wall = time.perf_counter() - t0
     if bar is not None:
         bar.close()
