@@ -4,6 +4,10 @@ api.py (routes) -> completions.py / chat.py (request shapes) -> serving.py (Gene
 detokenizer.py, stop strings, metrics.py) -> client.py (ZMQ client, per-request queues) ==ZMQ +
 msgspec (protocol.py)==> engine_proc.py (EngineCore + executor loop). serve.py launches both;
 the `testbed bench serve` client is testbed/bench/.
+
+Data parallelism: dp_client.py (in place of client.py) ==> dp_coordinator.py (DPCoordinator routes
+each request) ==> dp_engine_proc.py (one process per replica), messages in dp_protocol.py; replicas
+start through dp_launch.py (this node, `--headless` nodes) or dp_ray.py (a Ray cluster).
 """
 
 
