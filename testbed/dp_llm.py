@@ -63,11 +63,12 @@ class DPEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sp: SamplingParams,
                     arrival_time: float, priority: int = 0) -> None:
         """Send one request to the coordinator; a rejection comes back from `step` as a finished output."""
-        self.sent[request_id] = time.time()
+        sent = time.time()
         self.client.add(request_id, [int(t) for t in prompt_token_ids], self.t0 + arrival_time, stream=self.stream,
                         max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                         seed=sp.seed, min_tokens=sp.min_tokens, stop_token_ids=sp.stop_token_ids,
                         ignore_eos=sp.ignore_eos, logprobs=sp.logprobs, priority=priority)
+        self.sent[request_id] = sent
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.client.streams)

@@ -1,8 +1,8 @@
 """`testbed serve --data-parallel-size 2` on the bundled SmolLM2 (CPU): the DP coordinator process
 in front of two replica processes. Every policy spreads concurrent requests over both replicas (as
 /metrics shows per `engine`), streaming and aborts reach the right replica, and killing one replica
-fails its requests with an error while the other keeps serving. Real servers on 127.0.0.1; every
-wait is bounded.
+fails its requests with an error while the other keeps serving (the server stays up); the last
+one's death makes the server exit 1. Real servers on 127.0.0.1; every wait is bounded.
 """
 from __future__ import annotations
 
@@ -154,8 +154,20 @@ def test_round_robin_streams_aborts_and_survives_a_dead_replica(tmp_path):
             text = (await h.get(f"{url}/metrics")).text
             assert per_engine(text, "testbed:request_success_total", finished_reason="error")[1] == 1
             assert per_engine(text, "testbed:request_success_total", finished_reason="length")[0] == 1 + 1 + 3
+            assert per_engine(text, "testbed:num_requests_running") == [0, 0]
+
+            # the last replica dies: the engine as a whole is dead, its request ends with an error, and the
+            # server exits 1 (the default of --keep-alive-on-engine-death)
+            rc, lc = await stream(h, 240)
+            await first_token(lc)
+            os.kill(pids[0], signal.SIGKILL)
+            events = [e async for line in lc for e in sse_events([line])]
+            await rc.aclose()
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead", events[-3:]
 
     try:
         asyncio.run(scenario())
+        assert srv.proc.wait(15) == 1, srv.log_text()
+        assert "every data-parallel replica died" in srv.log_text()
     finally:
-        assert srv.terminate() == 0, srv.log_text()
+        srv.kill()

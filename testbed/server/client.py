@@ -60,6 +60,9 @@ class RequestStream:
 
 
 class EngineClient:
+    peer = "the engine-core process"  # what `inp` sends to (error messages)
+    engine_of_new: int | None = 0     # the replica a new request runs on, when known at once
+
     def __init__(self, cfg: EngineProcConfig, on_stats: Callable[[P.SchedulerStats, dict[str, float]], None]
                  | None = None) -> None:
         self.cfg = cfg
@@ -151,27 +154,21 @@ class EngineClient:
         first = self.dead_reason is None
         if first:
             self.dead_reason = reason
-        self._fail_streams(EngineDeadError(f"engine core is dead: {self.dead_reason}"))
-        if first and not self._closing and self.on_death is not None:
-            self.on_death(reason)
-
-    def _fail_streams(self, err: EngineDeadError) -> list[str]:
-        """End every in-flight request with `err`; returns their ids."""
-        ids = list(self.streams)
+        err = EngineDeadError(f"engine core is dead: {self.dead_reason}")
         for stream in self.streams.values():
             stream.queue.put_nowait(err)
         self.streams.clear()
-        return ids
+        if first and not self._closing and self.on_death is not None:
+            self.on_death(reason)
 
     def fail_all(self, reason: str, code: str) -> None:
-        """End every in-flight request with an error (`code`) and refuse later ones; the core aborts them."""
+        """End every in-flight request with an error (`code`) and refuse later ones; the core (each
+        replica's, with data parallelism) aborts them through `abort`."""
         self.refusal = EngineDeadError(reason, code)
-        ids = self._fail_streams(self.refusal)
-        if ids and self.dead_reason is None:
-            try:
-                self.inp.send(P.encoder.encode(P.AbortRequests(ids)), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        failed = list(self.streams.values())
+        self.abort(list(self.streams))
+        for stream in failed:
+            stream.queue.put_nowait(self.refusal)
 
     async def _watch_loop(self) -> None:
         while self.proc.poll() is None:
@@ -219,16 +216,23 @@ class EngineClient:
             raise EngineDeadError(str(self.refusal), self.refusal.code)
         # encode first: a request that cannot be sent must leave no stream and no sequence number behind
         data = P.encoder.encode(P.AddRequest(self.sent_seq + 1, request_id, prompt_token_ids, arrival_time, **params))
-        try:
-            self.inp.send(data, zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as e:  # no peer: the process died and the watchdog has not seen it yet
-            self._die(f"cannot reach the engine-core process ({e})")
-            raise EngineDeadError(f"engine core is dead: {self.dead_reason}") from None
+        if not self._send_data(data):
+            raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
         self.sent_seq += 1
         stream = stream if stream is not None else RequestStream(request_id)
         self.streams[request_id] = stream
-        stream.engines[request_id] = 0
+        if self.engine_of_new is not None:
+            stream.engines[request_id] = self.engine_of_new
         return stream
+
+    def _send_data(self, data: bytes) -> bool:
+        """Send an encoded message to the engine process; False (and the engine dead) when it is gone."""
+        try:
+            self.inp.send(data, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as e:  # no peer: the process died and the watchdog has not seen it yet
+            self._die(f"cannot reach {self.peer} ({e})")
+            return False
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests in the core (frees their KV blocks); their streams get nothing more."""

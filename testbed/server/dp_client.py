@@ -10,7 +10,8 @@ Failure policy: when a replica dies (ReplicaDead from the coordinator, which hea
 replica, a launcher, a failed send or a missed heartbeat), its in-flight requests end at once with
 EngineDeadError (the API answers 503 / an error event) and the coordinator routes nothing more
 there; the others keep serving, and /health reports the dead replicas. Only when every replica, or
-the coordinator, is dead does the client as a whole count as dead.
+the coordinator, is dead does the client as a whole count as dead (and `on_death` is called). A dead
+replica's load leaves the waiting estimate with it, so it cannot hold waiting slots for good.
 Invariant: a request id is in `streams` from `add` until its finished output, an abort, or death.
 """
 from __future__ import annotations
@@ -24,7 +25,6 @@ from collections import defaultdict
 from typing import Callable
 
 import msgspec
-import zmq
 
 from testbed.engine.config import EngineConfig
 from testbed.server import dp_protocol as D
@@ -54,7 +54,11 @@ def free_port(host: str) -> int:
 
 
 class DPEngineClient(EngineClient):
-    """EngineClient's lifecycle (sockets, shutdown) with the coordinator as its process (`proc`)."""
+    """EngineClient's lifecycle (sockets, adds, shutdown, fail_all) with the coordinator as its process
+    (`proc`); a request's replica is known once the coordinator routed it."""
+
+    peer = "the DP coordinator"
+    engine_of_new = None
 
     def __init__(self, cfg: EngineProcConfig, topology: DPTopology,
                  on_stats: Callable[[P.SchedulerStats, dict[str, float], int], None] | None = None) -> None:
@@ -66,9 +70,10 @@ class DPEngineClient(EngineClient):
         self.pending_aborts: set[str] = set()
         self.readies: dict[int, P.Ready] = {}
         self.dead: dict[int, str] = {}
-        self.engine_stats: dict[int, P.SchedulerStats] = {}
-        self.applied: dict[int, int] = {}  # adds each replica has applied
-        self.sent = 0
+        self.engine_stats: dict[int, P.SchedulerStats] = {}  # live replicas' last snapshots
+        self.applied: dict[int, int] = {}  # adds each live replica has applied
+        self.routed: dict[int, int] = {}   # adds routed to each live replica
+        self.lost = 0  # adds no live replica will apply (unroutable, or routed to one that died)
         self.replicas = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -147,11 +152,18 @@ class DPEngineClient(EngineClient):
                 stream.queue.put_nowait(err)
 
     def _replica_dead(self, r: int, reason: str) -> None:
+        """Fail replica r's requests and forget its load (the waiting estimate counts live replicas
+        only); the engine as a whole dies with its last replica."""
         if r in self.dead:
             return
         self.dead[r] = reason
         self._fail([rid for rid, e in self.engine_by_id.items() if e == r],
                    EngineDeadError(f"data-parallel replica {r} died: {reason}"))
+        self.lost += self.routed.pop(r, 0)
+        self.applied.pop(r, None)
+        last = self.engine_stats.pop(r, None)
+        if last is not None and self.on_stats is not None:  # its gauges drop to zero; counters stay
+            self.on_stats(msgspec.structs.replace(last, num_running=0, num_waiting=0, kv_cache_usage=0.0), {}, r)
         if len(self.dead) == self.size:
             self._die(f"every data-parallel replica died (replica {r}: {reason})")
 
@@ -167,11 +179,16 @@ class DPEngineClient(EngineClient):
                     if o.finished:
                         del streams[o.request_id]
                         del self.engine_by_id[o.request_id]
-            self.engine_stats[e] = batch.stats
-            self.applied[e] = msg.num_added
-            if self.on_stats is not None:
-                self.on_stats(batch.stats, batch.scheduled, e)
+            if e not in self.dead:  # a dead replica's last words count for nothing
+                self.engine_stats[e] = batch.stats
+                self.applied[e] = msg.num_added
+                if self.on_stats is not None:
+                    self.on_stats(batch.stats, batch.scheduled, e)
         elif isinstance(msg, D.Routed):
+            if msg.engine in self.dead:
+                self.lost += 1
+            else:
+                self.routed[msg.engine] = self.routed.get(msg.engine, 0) + 1
             stream = self.streams.get(msg.request_id)
             if stream is not None:
                 stream.engines[msg.request_id] = msg.engine
@@ -183,7 +200,7 @@ class DPEngineClient(EngineClient):
                 self.pending_aborts.discard(msg.request_id)
                 self._send(D.DPAbort(msg.engine, [msg.request_id]))
         elif isinstance(msg, D.Unroutable):
-            self.sent -= 1
+            self.lost += 1
             self.pending_aborts.discard(msg.request_id)
             self._fail([msg.request_id], EngineDeadError(f"no data-parallel replica can take it: {msg.reason}"))
         elif isinstance(msg, D.ReplicaUp):
@@ -211,29 +228,15 @@ class DPEngineClient(EngineClient):
                 self._send(gone)  # the coordinator stops routing there and tells us back
 
     def _send(self, msg) -> None:
-        try:
-            self.inp.send(D.encoder.encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            self._die(f"cannot reach the DP coordinator ({e})")
+        self._send_data(D.encoder.encode(msg))
 
     # ---- requests ------------------------------------------------------------------------------
     @property
     def num_waiting_estimate(self) -> int:
-        """Upper bound on the replicas' waiting requests: their last reports plus adds not applied yet."""
-        return sum(s.num_waiting for s in self.engine_stats.values()) + self.sent - sum(self.applied.values())
-
-    def add(self, request_id: str, prompt_token_ids: list[int], arrival_time: float,
-            stream: RequestStream | None = None, **params) -> RequestStream:
-        """Send one request to the coordinator; its outputs arrive on `stream` (see EngineClient.add)."""
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
-        stream = stream if stream is not None else RequestStream(request_id)
-        self.streams[request_id] = stream
-        self.sent += 1
-        self._send(P.AddRequest(self.sent, request_id, prompt_token_ids, arrival_time, **params))
-        if self.dead_reason is not None:
-            raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
-        return stream
+        """Upper bound on the live replicas' waiting requests: their last reports plus the adds sent
+        that none has applied yet (and none is known never to apply)."""
+        return (sum(s.num_waiting for s in self.engine_stats.values()) + self.sent_seq + 1 - self.lost
+                - sum(self.applied.values()))
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests on their replicas; their streams get nothing more."""
