@@ -1,35 +1,44 @@
 """Data parallelism on one host, real and simulated: R replicas per GPU against one.
 
+  # one H200, Llama-3.2-1B with dummy weights: about 6 minutes, model loads included
   python benchmarks/dp.py --gpus 1 --model Llama-3.2-1B --load-format dummy --out OUT
-  CPU smoke run (a short trace of short requests): python benchmarks/dp.py --device cpu --model SmolLM2-135M \\
-      --load-format dummy --quick-profile --trace SHORT.jsonl --rates 2 4 --num-prompts 12 --warmup 4 \\
-      --engine-args "--max-model-len 512 --num-gpu-blocks 256" --out OUT
+  # CPU smoke run (short requests, a few seconds of arrivals)
+  python benchmarks/dp.py --device cpu --model SmolLM2-135M --load-format dummy --trace SHORT.jsonl \\
+      --rates 2 4 --num-prompts 12 --warmup 4 --engine-args "--max-model-len 512 --num-gpu-blocks 256" --out OUT
 
 Layouts: `--gpus` G GPUs with 1 replica each (--gpu-memory-utilization 0.9, the baseline; G = 1
 is a single engine) and with `--replicas-per-gpu` R each (0.9 / R: R replicas share a GPU, each
-sizing its KV cache from its share). For each layout and each `--rates` value, `testbed replay`
-runs the Azure conv trace re-timed at that rate through the real engine (the DP coordinator and
-its replica processes when there are several), one run directory each. Then `testbed simulate`
-runs the same requests on the same KV-cache size twice: predicted with a cost model (default:
-`profile`, a step-time profile `testbed profile` measures first with one replica owning the GPU;
-or `auto`, `roofline` or a profile JSON), and replayed from the run's own recorded timings
-(decision parity: every routing and batch must match). A warm-up replay per layout (discarded)
-compiles the kernels first. The simulator does not model replicas contending for one GPU: the
-prediction error of the shared layout measures what that leaves out.
+sizing its KV cache from its share). For each layout and each `--rates` value the trace's first
+`--num-prompts` requests, re-timed at that rate, run through the real engine, one run directory
+each. A single engine is built once, warmed up by a discarded replay (kernels compiled, caches
+filled for every later process) and replays every rate in one child process; a data-parallel
+layout runs `testbed replay -dp N` per rate (the DP coordinator and its replica processes).
 
-Prints markdown tables (throughput and TTFT/TPOT percentiles, real vs predicted and the relative
-error; decision parity; the DP stack's measured routing hop and stats-report transit, whose
-doubled median is the simulator's --dp-routing-delay) and writes OUT/dp_results.json and the run
-directories under OUT/runs/. Every run is a subprocess with a time limit; nothing waits forever.
+Then `testbed simulate` runs the same requests on the same KV-cache size twice per run: predicted
+with `--cost-model` (default `auto`: the shipped profile of the model and GPU, as `testbed simulate`
+picks it; `profile`: measure a new one with `testbed profile` first, one replica owning the GPU; or
+`roofline` or a profile JSON), and replayed from the run's own recorded timings (decision parity:
+every routing and batch must match). The simulator does not model replicas contending for one GPU:
+the prediction error of the shared layout measures what that leaves out.
+
+Everything goes under OUT: the run directories and logs (OUT/runs/), a new profile if measured,
+OUT/dp_results.json (rewritten after every step, so a cut-short run keeps what it did) and
+OUT/dp_tables.md, the markdown tables also printed at the end: throughput and TTFT/TPOT percentiles,
+real vs predicted and the relative error; decision parity; the DP stack's measured routing hop and
+stats-report transit (twice the hop's median is the simulator's --dp-routing-delay). Every run has a
+time limit, and no real run starts once `--budget-s` has passed (those left are marked skipped).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import os
 import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +64,46 @@ def testbed(args: list[str], timeout: float, log: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def replay_on_one_engine(flags: list[str], trace: str, jobs: list[tuple[float, int, str]], log: str) -> None:
+    """Child process: build one engine from `testbed replay` flags and replay (rate, limit, run dir) jobs on it
+    in order, the loaded model reused; its output goes to `log`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    from testbed.cli_args import add_engine_args, add_model_args, engine_config
+    from testbed.replay import run_replay
+    from testbed.worker.executor import create_executor
+    p = argparse.ArgumentParser()
+    add_engine_args(p, None)
+    add_model_args(p)
+    a = p.parse_args(flags)
+    cfg = engine_config(a)
+    t0 = time.perf_counter()
+    executor = create_executor(a.model, cfg, a.load_format, a.dtype, a.device)
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s: {executor.num_gpu_blocks} KV blocks", flush=True)
+    try:
+        for rate, limit, out in jobs:
+            t = time.perf_counter()
+            _, s = run_replay(trace, cfg, model=a.model, load_format=a.load_format, dtype=a.dtype, device=a.device,
+                              request_rate=rate, limit=limit, output=out, executor=executor)
+            print(f"{out}: {s['num_finished']} finished in {time.perf_counter() - t:.1f} s", flush=True)
+    finally:
+        executor.shutdown()
+
+
+def run_in_child(target, args: tuple, timeout: float) -> None:
+    """target(*args) in a spawned process (its GPU memory is freed when it exits); RuntimeError on failure."""
+    proc = mp.get_context("spawn").Process(target=target, args=args)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise RuntimeError(f"timed out after {timeout:g} s (log: {args[-1]})")
+    if proc.exitcode != 0:
+        raise RuntimeError(f"exit code {proc.exitcode} (log: {args[-1]}):\n{Path(args[-1]).read_text()[-3000:]}")
+
+
 def value(summary: dict, key: str, q: str | None) -> float | None:
     v = summary[key] if q is None else summary[key][q]
     return None if v is None else float(v)
@@ -64,11 +113,9 @@ def relative_error(sim: float | None, real: float | None) -> float | None:
     return None if sim is None or not real else (sim - real) / real
 
 
-def dp_timings(run_dir: Path) -> dict | None:
+def dp_timings(run) -> dict | None:
     """Measured latencies of the DP stack in a real run: API server -> coordinator (routing hop),
     coordinator -> admission by the replica, replica -> coordinator (stats report transit)."""
-    from testbed.rundir import read_run
-    run = read_run(run_dir)
     routes, pubs = run.dp_table("routes"), run.dp_table("publications")
     if routes is None or pubs is None:
         return None
@@ -84,6 +131,17 @@ def dp_timings(run_dir: Path) -> dict | None:
             "suggested_dp_routing_delay_s": 2 * q(hop, 50) if len(hop) else None}
 
 
+def simulator_gpu(name: str | None, real_manifest: dict) -> str:
+    """The simulator's GPU preset: --gpu-name, else the GPU of the real runs (H200 for a CPU smoke run)."""
+    from testbed.sim.hardware import get_gpu_spec
+    if name:
+        return name
+    try:
+        return get_gpu_spec(real_manifest["hardware"]["name"]).name
+    except ValueError:
+        return "H200"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=1, help="GPUs to use (CUDA_VISIBLE_DEVICES order)")
@@ -92,76 +150,125 @@ def main() -> int:
     ap.add_argument("--model", default="Llama-3.2-1B", help="model folder, or a preset with --load-format dummy")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--sim-model", default=None, help="the simulator's model preset (default: --model)")
-    ap.add_argument("--gpu-name", default="H200", help="the simulator's GPU preset (roofline, KV sizing)")
+    ap.add_argument("--gpu-name", default=None,
+                    help="the simulator's GPU preset (default: the GPU of the real runs; H200 on CPU)")
     ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
     ap.add_argument("--trace", default=str(TRACE))
-    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0, 16.0, 32.0], help="req/s")
-    ap.add_argument("--num-prompts", type=int, default=300, help="requests per run (the trace's first N)")
-    ap.add_argument("--warmup", type=int, default=32, help="requests of the discarded warm-up run per layout")
+    ap.add_argument("--rates", type=float, nargs="+", default=[16.0, 32.0, 64.0], help="req/s")
+    ap.add_argument("--num-prompts", type=int, default=200, help="requests per run (the trace's first N)")
+    ap.add_argument("--warmup", type=int, default=16, help="requests of the discarded warm-up replay")
     ap.add_argument("--policy", default="least_loaded", help="--dp-policy of the multi-replica runs")
     ap.add_argument("--utilization", type=float, default=0.9, help="--gpu-memory-utilization of one GPU in all")
-    ap.add_argument("--cost-model", default="profile",
-                    help="profile (measure one with `testbed profile` first), auto, roofline or a profile JSON")
+    ap.add_argument("--cost-model", default="auto",
+                    help="auto (the shipped profile of the model and GPU, else the roofline), profile (measure one "
+                         "with `testbed profile` first), roofline or a profile JSON")
     ap.add_argument("--quick-profile", action="store_true", help="testbed profile --quick (a smoke test)")
     ap.add_argument("--engine-args", default="--max-model-len 4096",
                     help="more engine flags for every run, real and simulated (one string)")
-    ap.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one real run may take")
+    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds one real run may take")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="no real run starts after this many seconds")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="simulations run at once")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    if args.gpus < 1 or args.replicas_per_gpu < 2 or args.tp < 1:
-        ap.error("--gpus and --tp must be >= 1 and --replicas-per-gpu >= 2")
+    if args.gpus < 1 or args.replicas_per_gpu < 2 or args.tp < 1 or args.jobs < 1:
+        ap.error("--gpus, --tp and --jobs must be >= 1 and --replicas-per-gpu >= 2")
+    t_start = time.perf_counter()
     runs = args.out / "runs"
+    if runs.exists() and any(runs.iterdir()):
+        ap.error(f"--out {args.out}: holds the runs of an earlier benchmark; give a new folder")
     runs.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(args.engine_args)
     model = ["--model", args.model, "--load-format", args.load_format, *(["--device", args.device] if args.device else [])]
-    sim_model = args.sim_model or args.model
     layouts = [("1/gpu", args.gpus, args.utilization), (f"{args.replicas_per_gpu}/gpu",
                args.gpus * args.replicas_per_gpu, args.utilization / args.replicas_per_gpu)]
-    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": []}
+    results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": [], "phases_s": {}}
+    results_path = args.out / "dp_results.json"
+
+    def save() -> None:
+        results_path.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
 
     def engine(dp: int, util: float) -> list[str]:
         return ["-dp", str(dp), "-tp", str(args.tp), "--dp-policy", args.policy, "--gpu-memory-utilization",
                 f"{util:.4f}", *extra]
 
+    def over_budget() -> bool:
+        return time.perf_counter() - t_start > args.budget_s
+
     # ---- real runs --------------------------------------------------------------------------------
+    from testbed.rundir import RunDirError, read_run
+    warmed = False
     for name, dp, util in layouts:
         tag = name.replace("/", "per")
-        t0 = time.time()
-        testbed(["replay", args.trace, "--limit", str(args.warmup), "--request-rate", str(max(args.rates)),
-                 *model, *engine(dp, util), "-o", str(runs / f"warmup-{tag}")], args.run_timeout,
-                runs / f"warmup-{tag}.log")
-        print(f"# {name}: warm-up done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-        for rate in args.rates:
-            d = runs / f"real-{tag}-rate{rate:g}"
-            s = testbed(["replay", args.trace, "--limit", str(args.num_prompts), "--request-rate", str(rate),
-                         *model, *engine(dp, util), "-o", str(d)], args.run_timeout, runs / f"real-{tag}-rate{rate:g}.log")
-            results["runs"].append({"layout": name, "dp": dp, "utilization": util, "rate": rate, "real_dir": str(d),
-                                    "real": s, "dp_timings": dp_timings(d)})
-            print(f"# {name} rate {rate:g}: {s['output_throughput']:.1f} tok/s, {s['num_finished']} finished",
-                  file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        todo = [(rate, runs / f"real-{tag}-rate{rate:g}") for rate in args.rates]
+        failure = None
+        try:
+            if over_budget():
+                pass
+            elif dp == 1:  # one engine: built once, warmed up, every rate on it
+                jobs = [] if warmed else [(max(args.rates), args.warmup, str(runs / f"warmup-{tag}"))]
+                jobs += [(r, args.num_prompts, str(d)) for r, d in todo]
+                warmed = True
+                run_in_child(replay_on_one_engine, ([*model, *engine(1, util)], args.trace, jobs,
+                                                    str(runs / f"{tag}.log")), args.run_timeout * len(jobs))
+            else:  # a DP stack per run (its records are complete once it stopped)
+                if not warmed:
+                    testbed(["replay", args.trace, "--limit", str(args.warmup), "--request-rate", str(max(args.rates)),
+                             *model, *engine(dp, util), "-o", str(runs / f"warmup-{tag}")], args.run_timeout,
+                            runs / f"warmup-{tag}.log")
+                    warmed = True
+                for rate, d in todo:
+                    if over_budget():
+                        break
+                    testbed(["replay", args.trace, "--limit", str(args.num_prompts), "--request-rate", str(rate),
+                             *model, *engine(dp, util), "-o", str(d)], args.run_timeout, d.with_suffix(".log"))
+        except RuntimeError as e:  # the runs written before it stand
+            failure = str(e)
+            print(f"# {name}: {failure}", file=sys.stderr, flush=True)
+        for rate, d in todo:
+            entry = {"layout": name, "dp": dp, "utilization": util, "rate": rate, "real_dir": str(d)}
+            try:
+                run = read_run(d)
+            except RunDirError:
+                entry["skipped"] = failure or f"--budget-s {args.budget_s:g} spent"
+            else:
+                entry |= {"real": run.summary, "dp_timings": dp_timings(run), "manifest": run.manifest}
+                print(f"# {name} rate {rate:g}: {run.summary['output_throughput']:.1f} tok/s, "
+                      f"{run.summary['num_finished']} finished", file=sys.stderr, flush=True)
+            results["runs"].append(entry)
+        results["phases_s"][f"real {name}"] = time.perf_counter() - t0
+        print(f"# {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        save()
+    measured = [r for r in results["runs"] if "real" in r]
+    if not measured:
+        raise SystemExit(f"no real run finished within --budget-s {args.budget_s:g}")
 
     # ---- the cost model ---------------------------------------------------------------------------
     cost_model = args.cost_model
+    gpu = simulator_gpu(args.gpu_name, measured[0]["manifest"])
     if cost_model == "profile":  # the step times of one replica owning the GPU, measured on it
+        t0 = time.perf_counter()
         cost_model = str(args.out / "profile.json")
         cmd = [sys.executable, "-m", "testbed.cli", "profile", *model, "-tp", str(args.tp), "--gpu-memory-utilization",
                str(args.utilization), *extra, "-o", cost_model, "--no-progress", *(["--quick"] if args.quick_profile else [])]
         with open(args.out / "profile.log", "w") as log:
             subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout * 4, stdout=log, stderr=subprocess.STDOUT)
-    results["cost_model"] = cost_model
+        results["phases_s"]["profile"] = time.perf_counter() - t0
+    results["cost_model"], results["sim_gpu"] = cost_model, gpu
 
     # ---- simulations of the same runs ---------------------------------------------------------------
-    from testbed.rundir import read_run
-    for r in results["runs"]:
-        real = read_run(r["real_dir"])
-        size = ["--num-gpu-blocks", str(real.manifest["num_gpu_blocks"]), "--max-model-len",
-                str(real.manifest["max_model_len"])]
+    t0 = time.perf_counter()
+
+    def simulate(r: dict) -> None:
+        m = r["manifest"]
         sim = ["simulate", args.trace, "--limit", str(args.num_prompts), "--request-rate", str(r["rate"]),
-               "--model", sim_model, "--gpu", args.gpu_name, *engine(r["dp"], r["utilization"]), *size, "--no-progress"]
+               "--model", args.sim_model or args.model, "--gpu", gpu, *engine(r["dp"], r["utilization"]),
+               "--num-gpu-blocks", str(m["num_gpu_blocks"]), "--max-model-len", str(m["max_model_len"]), "--no-progress"]
         tag = Path(r["real_dir"]).name.replace("real-", "")
         r["sim_dir"] = str(runs / f"sim-{tag}")
         r["sim"] = testbed([*sim, "--cost-model", cost_model, "-o", r["sim_dir"]], args.run_timeout,
                            runs / f"sim-{tag}.log")
+        r["sim_cost_model"] = read_run(r["sim_dir"]).manifest.get("cost_model")
         r["errors"] = {f"{k} {q}" if q else k: relative_error(value(r["sim"], k, q), value(r["real"], k, q))
                        for k, q in METRICS}
         try:  # decision parity: the run's own timings must reproduce its routing and batches
@@ -171,8 +278,14 @@ def main() -> int:
         except RuntimeError as e:
             r["decision_parity"] = f"diverged: {str(e)[-400:]}"
 
-    (args.out / "dp_results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    print_tables(results)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(simulate, measured))
+    results["phases_s"]["simulate"] = time.perf_counter() - t0
+    results["phases_s"]["total"] = time.perf_counter() - t_start
+    save()
+    tables = render_tables(results)
+    (args.out / "dp_tables.md").write_text(tables)
+    print(tables, end="")
     return 0
 
 
@@ -182,26 +295,31 @@ def fmt(v: float | None, err: bool = False) -> str:
     return f"{v:+.1%}" if err else f"{v:.4g}"
 
 
-def print_tables(results: dict) -> None:
+def render_tables(results: dict) -> str:
     cols = [("output_throughput", None), ("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99")]
     head = " | ".join(f"{k.removesuffix('_s')}{' ' + q if q else ''} real | sim | err" for k, q in cols)
-    print(f"cost model: {results['cost_model']}\n")
-    print(f"| layout | rate | {head} | parity |")
-    print("|---|---|" + "---|---|---|" * len(cols) + "---|")
+    used = sorted({str(r.get("sim_cost_model") or results["cost_model"]) for r in results["runs"] if "sim" in r})
+    lines = [f"cost model: {results['cost_model']} ({', '.join(used)}), simulated GPU {results['sim_gpu']}; "
+             + ", ".join(f"{k} {v:.0f} s" for k, v in results["phases_s"].items()), "",
+             f"| layout | rate | {head} | parity |", "|---|---|" + "---|---|---|" * len(cols) + "---|"]
     for r in results["runs"]:
+        if "sim" not in r:
+            lines.append(f"| {r['layout']} | {r['rate']:g} | " + " | ".join(["-"] * 3 * len(cols))
+                         + f" | {r.get('skipped', 'not simulated')} |")
+            continue
         cells = " | ".join(f"{fmt(value(r['real'], k, q))} | {fmt(value(r['sim'], k, q))} | "
                            f"{fmt(r['errors'][f'{k} {q}' if q else k], err=True)}" for k, q in cols)
-        print(f"| {r['layout']} | {r['rate']:g} | {cells} | {r['decision_parity'].split(':')[0]} |")
-    timed = [r for r in results["runs"] if r["dp_timings"]]
+        lines.append(f"| {r['layout']} | {r['rate']:g} | {cells} | {r['decision_parity'].split(':')[0]} |")
+    timed = [r for r in results["runs"] if r.get("dp_timings")]
     if timed:
-        print("\n| layout | rate | routing hop p50 / p99 (ms) | route -> admission p50 / p99 (ms) | "
-              "report transit p50 / p99 (ms) |")
-        print("|---|---|---|---|---|")
+        lines += ["", "| layout | rate | routing hop p50 / p99 (ms) | route -> admission p50 / p99 (ms) | "
+                      "report transit p50 / p99 (ms) |", "|---|---|---|---|---|"]
         for r in timed:
             t = r["dp_timings"]
-            print(f"| {r['layout']} | {r['rate']:g} | " + " | ".join(
+            lines.append(f"| {r['layout']} | {r['rate']:g} | " + " | ".join(
                 f"{t[k]['p50'] * 1e3:.3f} / {t[k]['p99'] * 1e3:.3f}"
                 for k in ("routing_hop_s", "route_to_admission_s", "report_transit_s")) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
