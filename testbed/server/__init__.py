@@ -30,3 +30,37 @@ def freeze_startup_heap() -> None:
     import gc
     gc.collect()
     gc.freeze()
+
+
+def config_arg(argv: list[str] | None, config_type: type, module: str):
+    """The one CONFIG_JSON argument of a process started as `python -m testbed.server.MODULE CONFIG_JSON`,
+    decoded as `config_type`; None, after a usage line on stderr, when the arguments are not that."""
+    import sys
+
+    import msgspec
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(f"usage: python -m testbed.server.{module} CONFIG_JSON (a process that `testbed serve` starts)",
+              file=sys.stderr)
+        return None
+    return msgspec.json.decode(argv[0], type=config_type)
+
+
+def run_process(proc, name: str, on_error=None) -> int:
+    """`proc.run()` to its end, then `proc.close()`; the process's exit code: 0, a SystemExit's code, or 1
+    when it raised, after the error and its traceback went to stderr and to `on_error(error, traceback)`."""
+    import sys
+    import traceback
+    try:
+        proc.run()
+        return 0
+    except SystemExit as e:
+        return int(e.code or 0)
+    except BaseException as e:  # noqa: BLE001 - report anything, then die
+        tb = traceback.format_exc()
+        print(f"{name}: fatal error: {e!r}\n{tb}", file=sys.stderr, flush=True)
+        if on_error is not None:
+            on_error(e, tb)
+        return 1
+    finally:
+        proc.close()

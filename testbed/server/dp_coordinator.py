@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import msgspec
@@ -28,6 +27,7 @@ import zmq
 from testbed.engine.block_manager import prompt_block_hashes
 from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import DPCoordinator
+from testbed.server import config_arg, run_process
 from testbed.server import dp_protocol as D
 from testbed.server import protocol as P
 
@@ -260,20 +260,8 @@ class CoordinatorProc:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m testbed.server.dp_coordinator CONFIG_JSON (started by `testbed serve -dp N`)",
-              file=sys.stderr)
-        return 2
-    proc = CoordinatorProc(msgspec.json.decode(argv[0], type=CoordinatorConfig))
-    try:
-        proc.run()
-    except BaseException as e:  # noqa: BLE001 - report anything, then die
-        print(f"testbed dp coordinator: fatal error: {e!r}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        proc.close()
-    return 0
+    cfg = config_arg(argv, CoordinatorConfig, "dp_coordinator")
+    return 2 if cfg is None else run_process(CoordinatorProc(cfg), "testbed dp coordinator")
 
 
 if __name__ == "__main__":

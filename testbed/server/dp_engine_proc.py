@@ -23,7 +23,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 
 import msgspec
 import zmq
@@ -32,7 +31,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import StatsPublisher
 from testbed.engine.core import EngineCore
 from testbed.server import dp_protocol as D
-from testbed.server import freeze_startup_heap
+from testbed.server import config_arg, freeze_startup_heap, run_process
 from testbed.server import protocol as P
 from testbed.server.engine_proc import (EngineProcConfig, StepLog, abort_in_core, add_to_core, first_scheduled,
                                        scheduler_stats, to_wire)
@@ -240,8 +239,8 @@ class DPEngineProc:
             self.log.append("adds", adds)
         return outputs, aborted
 
-    def fail(self, e: BaseException) -> None:
-        self.outq.put((False, D.ReplicaFailed(self.rank, f"{type(e).__name__}: {e}", traceback.format_exc())))
+    def fail(self, e: BaseException, tb: str) -> None:
+        self.outq.put((False, D.ReplicaFailed(self.rank, f"{type(e).__name__}: {e}", tb)))
 
     def close(self) -> None:
         self.running = False
@@ -260,29 +259,14 @@ def _exit_on_signal(signum, _frame) -> None:
 def run_replica(cfg: DPEngineProcConfig) -> int:
     """Run one replica to its end; the exit code (0: shut down, 1: failed)."""
     proc = DPEngineProc(cfg)
-    code = 0
     if threading.current_thread() is threading.main_thread():  # SIGTERM: the clean way out (TP workers too)
         signal.signal(signal.SIGTERM, _exit_on_signal)
-    try:
-        proc.run()
-    except SystemExit as e:
-        code = int(e.code or 0)
-    except BaseException as e:  # noqa: BLE001 - report anything, then die
-        print(f"dp replica {cfg.rank}: fatal error: {e!r}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        proc.fail(e)
-        code = 1
-    finally:
-        proc.close()
-    return code
+    return run_process(proc, f"dp replica {cfg.rank}", proc.fail)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m testbed.server.dp_engine_proc CONFIG_JSON (started by `testbed serve -dp N`)",
-              file=sys.stderr)
-        return 2
-    return run_replica(msgspec.json.decode(argv[0], type=DPEngineProcConfig))
+    cfg = config_arg(argv, DPEngineProcConfig, "dp_engine_proc")
+    return 2 if cfg is None else run_replica(cfg)
 
 
 if __name__ == "__main__":

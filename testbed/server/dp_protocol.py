@@ -79,6 +79,8 @@ class ReplicaGone(msgspec.Struct, tag="gone", array_like=True):
 
 
 class DPAbort(msgspec.Struct, tag="dp_abort", array_like=True):
+    """Abort these requests on replica `engine` (the coordinator passes an AbortRequests on)."""
+
     engine: int
     request_ids: list[str]
 
@@ -97,21 +99,31 @@ class EngineOutputs(msgspec.Struct, tag="engine_outputs", array_like=True):
 
 
 class Routed(msgspec.Struct, tag="routed", array_like=True):
+    """Where the coordinator sent a request, so the API server sends its abort there (an abort that
+    comes before this notice waits for it)."""
+
     request_id: str
     engine: int
 
 
 class Unroutable(msgspec.Struct, tag="unroutable", array_like=True):
+    """No live replica can take the request (every one died): the API server fails it."""
+
     request_id: str
     reason: str
 
 
 class ReplicaUp(msgspec.Struct, tag="replica_up", array_like=True):
+    """Replica `engine` built its executor and takes requests from now on; `ready` says what validates
+    a request there (every replica must agree)."""
+
     engine: int
     ready: Ready
 
 
 class ReplicaDead(msgspec.Struct, tag="replica_dead", array_like=True):
+    """Replica `engine` is gone for good (the coordinator routes nothing more there), and why."""
+
     engine: int
     reason: str
 

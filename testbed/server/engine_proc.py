@@ -13,7 +13,6 @@ import importlib
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import msgspec
@@ -23,7 +22,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
 from testbed.engine.request import Request, SamplingParams, check_token_ids
-from testbed.server import freeze_startup_heap
+from testbed.server import config_arg, freeze_startup_heap, run_process
 from testbed.server import protocol as P
 from testbed.worker.stepper import EngineStepper
 
@@ -211,23 +210,11 @@ class EngineProc:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m testbed.server.engine_proc CONFIG_JSON (started by `testbed serve`)", file=sys.stderr)
+    cfg = config_arg(argv, EngineProcConfig, "engine_proc")
+    if cfg is None:
         return 2
-    cfg = msgspec.json.decode(argv[0], type=EngineProcConfig)
     proc = EngineProc(cfg)
-    code = 0
-    try:
-        proc.run()
-    except BaseException as e:  # noqa: BLE001 - report anything, then die
-        tb = traceback.format_exc()
-        print(f"engine core: fatal error: {e!r}\n{tb}", file=sys.stderr, flush=True)
-        proc.send(P.EngineError(f"{type(e).__name__}: {e}", tb))
-        code = 1
-    finally:
-        proc.close()
-    return code
+    return run_process(proc, "engine core", lambda e, tb: proc.send(P.EngineError(f"{type(e).__name__}: {e}", tb)))
 
 
 if __name__ == "__main__":
