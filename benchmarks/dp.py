@@ -263,11 +263,17 @@ def main() -> int:
         m = r["manifest"]
         sim = ["simulate", args.trace, "--limit", str(args.num_prompts), "--request-rate", str(r["rate"]),
                "--model", args.sim_model or args.model, "--gpu", gpu, *engine(r["dp"], r["utilization"]),
-               "--num-gpu-blocks", str(m["num_gpu_blocks"]), "--max-model-len", str(m["max_model_len"]), "--no-progress"]
+               "--num-gpu-blocks", str(m["num_gpu_blocks"]), "--max-model-len", str(m["max_model_len"]),
+               "--no-progress"]
         tag = Path(r["real_dir"]).name.replace("real-", "")
         r["sim_dir"] = str(runs / f"sim-{tag}")
-        r["sim"] = testbed([*sim, "--cost-model", cost_model, "-o", r["sim_dir"]], args.run_timeout,
-                           runs / f"sim-{tag}.log")
+        try:
+            r["sim"] = testbed([*sim, "--cost-model", cost_model, "-o", r["sim_dir"]], args.run_timeout,
+                               runs / f"sim-{tag}.log")
+        except RuntimeError as e:
+            r["skipped"] = f"simulation failed: {str(e)[-400:]}"
+            print(f"# {r['layout']} rate {r['rate']:g}: {r['skipped']}", file=sys.stderr, flush=True)
+            return
         r["sim_cost_model"] = read_run(r["sim_dir"]).manifest.get("cost_model")
         r["errors"] = {f"{k} {q}" if q else k: relative_error(value(r["sim"], k, q), value(r["real"], k, q))
                        for k, q in METRICS}
@@ -305,7 +311,7 @@ def render_tables(results: dict) -> str:
     for r in results["runs"]:
         if "sim" not in r:
             lines.append(f"| {r['layout']} | {r['rate']:g} | " + " | ".join(["-"] * 3 * len(cols))
-                         + f" | {r.get('skipped', 'not simulated')} |")
+                         + f" | {r.get('skipped', 'not simulated').splitlines()[0]} |")
             continue
         cells = " | ".join(f"{fmt(value(r['real'], k, q))} | {fmt(value(r['sim'], k, q))} | "
                            f"{fmt(r['errors'][f'{k} {q}' if q else k], err=True)}" for k, q in cols)
