@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -68,9 +69,11 @@ def test_a_headless_node_serves_the_second_replica(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def ray_cluster(tmp_path):
+def ray_cluster(tmp_path, monkeypatch):
     """A one-node Ray cluster on 127.0.0.1 (3 CPUs, no dashboard, a 100 MB object store), run by
-    `ray start --block` in its own process group, which the test ends."""
+    `ray start --block` in its own process group, which the test ends. It has its own auth token
+    (RAY_AUTH_TOKEN, also for this test's processes): the default ~/.ray/auth_token is shared by every
+    cluster of the user, and another one started meanwhile would replace it."""
     ray = shutil.which("ray", path=os.path.dirname(sys.executable))
     if ray is None:
         pytest.fail("the ray CLI is missing: install the 'ray' extra (pip install -e '.[ray]')")
@@ -79,6 +82,9 @@ def ray_cluster(tmp_path):
     cmd = [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus",
            "3", "--num-gpus", "0", "--include-dashboard", "false", "--object-store-memory", str(100 << 20),
            "--temp-dir", temp, "--disable-usage-stats"]
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     try:
