@@ -7,6 +7,9 @@ window starts inside the prompt so leading spaces come out as a full decode woul
 Stop strings: text is truncated where one starts (kept with include_stop_str_in_output) and the
 caller aborts the core request; while running, the last len(longest stop) - 1 characters are held
 back from the stream, since they may turn out to begin a stop string.
+Special tokens are dropped (skip_special_tokens) or kept; kept ones follow each other without the space
+a tokenizer's decoder may put before them when spaces_between_special_tokens is off (vLLM's rule for
+fast tokenizers: an added token right after another one is its bare content).
 Invariant: the concatenation of every `delta()` equals `text`, streamed or not.
 """
 from __future__ import annotations
@@ -36,9 +39,15 @@ class TokenTexts:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        # added token id -> its content, when consecutive added tokens must be joined bare
+        self.added: dict[int, str] | None = None
+        if tokenizer is not None and not skip_special_tokens and not spaces_between_special_tokens:
+            self.added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()} or None
+        self.last_added = False
         tail = list(prompt_token_ids[-PROMPT_WINDOW:]) if tokenizer is not None else []
         self.ids = tail
         self.prefix_offset = 0
@@ -75,6 +84,11 @@ class IncrementalDetokenizer:
             self.ids.append(tid)
             before = len(self.text)
             self._step()
+            if self.added is not None:
+                content = self.added.get(tid)
+                if content is not None and self.last_added and len(self.text) > before:
+                    self.text = self.text[:before] + content
+                self.last_added = content is not None
             if self.stop and len(self.text) > before and self._check_stop(before):
                 return True
         return self.stop_reason is not None

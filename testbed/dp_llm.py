@@ -25,6 +25,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import RequestOutput
 from testbed.engine.request import SamplingParams
+from testbed.server import protocol as P
 
 # request columns holding times (REQUEST_COLUMNS order: id, replica, priority, arrival, first_scheduled, ...)
 _REQUEST_TIMES = (3, 4, 5, 6)
@@ -65,9 +66,7 @@ class DPEngine:
         """Send one request to the coordinator; a rejection comes back from `step` as a finished output."""
         sent = time.time()
         self.client.add(request_id, [int(t) for t in prompt_token_ids], self.t0 + arrival_time, stream=self.stream,
-                        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                        seed=sp.seed, min_tokens=sp.min_tokens, stop_token_ids=sp.stop_token_ids,
-                        ignore_eos=sp.ignore_eos, logprobs=sp.logprobs, priority=priority)
+                        seed=sp.seed, priority=priority, **P.engine_fields(sp))
         self.sent[request_id] = sent
 
     def has_unfinished_requests(self) -> bool:
@@ -95,7 +94,7 @@ class DPEngine:
         except EngineDeadError as e:
             raise RuntimeError(str(e)) from None
         return [RequestOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
-                              o.num_cached_tokens, o.new_logprobs) for o in outs]
+                              o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs) for o in outs]
 
     def shutdown(self) -> None:
         """Stop the coordinator and the replicas (their logs are complete afterwards)."""

@@ -18,7 +18,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
 from testbed.engine.request import (InvalidParam, Request, SamplingParams, check_priority, check_token_ids,
-                                    child_seed)
+                                    child_seed, truncate_prompt)
 from testbed.worker.stepper import EngineStepper
 
 
@@ -45,6 +45,7 @@ class GenerationOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # None for the first prompt token, then (logprob, rank, top) per token
 
 
 class LLM:
@@ -65,6 +66,7 @@ class LLM:
             self.dp = DPEngine(model, self.config, load_format, dtype, device, enforce_eager)
             model_path, ready = self.dp.model_path, self.dp.ready
             self.eos_token_id, self.vocab_size = ready.eos_token_id, ready.vocab_size
+            self.max_model_len = ready.max_model_len
         else:
             if executor is None:
                 from testbed.worker.executor import create_executor
@@ -79,8 +81,8 @@ class LLM:
             self.executor = executor
             self.engine = EngineCore(self.config, executor.num_gpu_blocks, executor.max_model_len)
             self.stepper = EngineStepper(self.engine, executor, self.now, self.config.async_scheduling)
-            model_path, self.eos_token_id, self.vocab_size = (executor.model_path, executor.eos_token_id,
-                                                              executor.vocab_size)
+            model_path, self.eos_token_id, self.vocab_size, self.max_model_len = (
+                executor.model_path, executor.eos_token_id, executor.vocab_size, executor.max_model_len)
         self.tokenizer = None
         if not skip_tokenizer_init and load_format != "dummy":
             from testbed.worker.loader import load_tokenizer
@@ -138,10 +140,18 @@ class LLM:
                     arrival_time: float | None = None, priority: int = 0) -> RequestOutput | None:
         """Queue one request; returns a finished 'rejected' output when the engine cannot serve it.
         Bad input raises ValueError before the request is queued: sampling parameters out of range (checked
-        again here, as they may have been changed after construction), a priority outside int64 and token ids
-        outside the vocabulary (the embedding would fail or, under TP, read zeros)."""
+        again here, as they may have been changed after construction), a grammar that does not compile, a priority
+        outside int64 and token ids outside the vocabulary (the embedding would fail or, under TP, read zeros).
+        bad_words become token ids through this LLM's tokenizer."""
         vocab = self.vocab_size
         try:
+            if params.bad_words and self.tokenizer is not None:
+                params.update_from_tokenizer(self.tokenizer)
+            if params.structured_outputs is not None:
+                if self.tokenizer is None:
+                    raise InvalidParam("structured_outputs", "needs the model's tokenizer; this LLM has none")
+                from testbed.worker.grammar import check_structured_outputs
+                check_structured_outputs(params.structured_outputs)
             params.verify(vocab)
             check_priority(priority)
             check_token_ids(prompt_token_ids, vocab)
@@ -182,16 +192,24 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params_list):
                 text, ids = self._tokenize(prompt)
+                try:
+                    ids = list(truncate_prompt(ids, sp.truncate_prompt_tokens, self.max_model_len))
+                except InvalidParam as e:
+                    raise ValueError(f"prompt {len(results)}: {e}") from None
                 gen = GenerationOutput(str(self._next_id), text, ids)
                 self._next_id += 1
                 results.append(gen)
                 for k in range(sp.n):
-                    child = sp if sp.n == 1 else dataclasses.replace(sp, n=1, seed=child_seed(sp.seed, k))
+                    # the prompt's logprobs are the same for every sequence: the first one computes them
+                    child = sp if sp.n == 1 else dataclasses.replace(
+                        sp, n=1, seed=child_seed(sp.seed, k), prompt_logprobs=sp.prompt_logprobs if k == 0 else None)
                     rid = gen.request_id if sp.n == 1 else f"{gen.request_id}-{k}"
                     rejected = self.add_request(rid, ids, child)
                     if rejected is not None:
                         raise ValueError(f"prompt {len(results) - 1}: {rejected.stop_reason}")
-                    detok = IncrementalDetokenizer(self.tokenizer, ids, child.stop) if self.tokenizer else None
+                    detok = IncrementalDetokenizer(self.tokenizer, ids, child.stop, child.include_stop_str_in_output,
+                                                   child.skip_special_tokens, child.spaces_between_special_tokens
+                                                   ) if self.tokenizer else None
                     gen.outputs.append(CompletionOutput(k, "", [], None, [] if child.logprobs is not None else None, None))
                     seqs[rid] = (gen, k, child, detok, [])
             self._drain(seqs)
@@ -218,6 +236,8 @@ class LLM:
                     c.logprobs.extend(o.new_logprobs)
                     c.cumulative_logprob = sum(lp[0] for lp in c.logprobs)
                 gen.num_cached_tokens = o.num_cached_tokens
+                if o.prompt_logprobs is not None:
+                    gen.prompt_logprobs = [None, *o.prompt_logprobs]
                 finished, reason, stop_reason = o.finished, o.finish_reason, o.stop_reason
                 if detok is not None:
                     stopped = detok.add(o.new_token_ids)

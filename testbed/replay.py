@@ -12,7 +12,6 @@ from pathlib import Path
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import check_slos, summarize
-from testbed.engine.request import SamplingParams
 from testbed.rundir import check_output, environment_info, write_run
 from testbed.sim.trace import load_trace, synthesize_prompt
 
@@ -81,8 +80,8 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
             now = llm.now()
             while i < len(trace) and trace[i].arrival_s <= now:
                 tr = trace[i]
-                sp = SamplingParams(max_tokens=tr.output_tokens, ignore_eos=True, temperature=0.0)
-                llm.add_request(tr.id, prompts[i], sp, arrival_time=tr.arrival_s, priority=tr.priority)
+                llm.add_request(tr.id, prompts[i], tr.sampling_params(), arrival_time=tr.arrival_s,
+                                priority=tr.priority)
                 i += 1
             if llm.has_unfinished_requests():
                 # in process: scheduled at the admission time, what `--cost-model recorded:` replays;

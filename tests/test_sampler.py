@@ -106,13 +106,14 @@ def test_logprobs_are_of_the_raw_distribution():
               SamplingParams(temperature=0.0)]
     tokens, logprobs = Sampler(CPU)(logits, params, ["a", "b", "c"])
     raw = torch.log_softmax(logits, dim=-1)
-    chosen, top = logprobs[0]
-    assert chosen == pytest.approx(raw[0, tokens[0]].item(), abs=1e-6)
+    chosen, rank, top = logprobs[0]
+    assert chosen == pytest.approx(raw[0, tokens[0]].item(), abs=1e-6) and rank == 1
     assert [t for t, _ in top] == raw[0].topk(5).indices.tolist() and top[0][0] == tokens[0]
     assert [lp for _, lp in top] == pytest.approx(raw[0].topk(5).values.tolist(), abs=1e-6)
-    chosen, top = logprobs[1]  # not rescaled by temperature nor renormalised by top-k
+    chosen, rank, top = logprobs[1]  # not rescaled by temperature nor renormalised by top-k
     assert top == [] and chosen == pytest.approx(raw[1, tokens[1]].item(), abs=1e-6)
     assert tokens[1] in raw[1].topk(3).indices.tolist()
+    assert rank == raw[1].argsort(descending=True).tolist().index(tokens[1]) + 1  # 1 = the most likely token
     assert logprobs[2] is None
 
 

@@ -25,15 +25,15 @@ def test_queued_outputs_merge_into_one_delta_per_choice():
         run = _run(n=2)
         a, b = (c.request_id for c in run.choices)
         q = run.stream.queue
-        for out in (CoreOutput(a, [5], new_logprobs=[(-0.1, [(5, -0.1)])]),
-                    CoreOutput(b, [7], new_logprobs=[(-0.2, [(7, -0.2)])]),
-                    CoreOutput(a, [6, 9], new_logprobs=[(-0.3, []), (-0.4, [])]),
-                    CoreOutput(b, [8], True, "length", new_logprobs=[(-0.5, [])])):
+        for out in (CoreOutput(a, [5], new_logprobs=[(-0.1, 1, [(5, -0.1)])]),
+                    CoreOutput(b, [7], new_logprobs=[(-0.2, 1, [(7, -0.2)])]),
+                    CoreOutput(a, [6, 9], new_logprobs=[(-0.3, 2, []), (-0.4, 1, [])]),
+                    CoreOutput(b, [8], True, "length", new_logprobs=[(-0.5, 3, [])])):
             q.put_nowait(out)
         changed = await run.next()
         assert [c.request_id for c in changed] == [a, b]  # one entry per choice, in order of first output
         ca, cb = changed
-        assert ca.delta_ids == [5, 6, 9] and [lp for lp, _ in ca.delta_logprobs] == [-0.1, -0.3, -0.4]
+        assert ca.delta_ids == [5, 6, 9] and [lp for lp, _, _ in ca.delta_logprobs] == [-0.1, -0.3, -0.4]
         assert cb.delta_ids == [7, 8] and cb.finish_reason == "length" and not ca.finished
         assert run.state.metrics.engine(0).generation_tokens._value.get() == 5
 

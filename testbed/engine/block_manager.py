@@ -79,8 +79,12 @@ class BlockManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of a request's prompt: (block ids, tokens covered). Pure lookup.
 
-        At least one token is always left to compute, so the model produces a first token."""
+        At least one token is always left to compute, so the model produces a first token. A request still
+        gathering prompt logprobs reads nothing from the cache (its cached positions would give none), as vLLM."""
         if not self.enable_prefix_caching:
+            return [], 0
+        plp = req.prompt_logprobs
+        if plp is not None and len(plp) < req.num_prompt_tokens - 1:
             return [], 0
         hashes = self.ensure_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

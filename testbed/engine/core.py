@@ -155,6 +155,11 @@ class EngineCore:
         lps = out.logprobs
         finished_min = RequestStatus.FINISHED_STOPPED
         any_finished = False
+        if out.prompt_logprobs is not None:
+            for req, chunk in zip(so.requests, out.prompt_logprobs):
+                # a chunk extends the list where it ends (one recomputed after a preemption is already there)
+                if chunk is not None and req.prompt_logprobs is not None and chunk[0] == len(req.prompt_logprobs):
+                    req.prompt_logprobs.extend(chunk[1])
         for req, tok, lp in zip(so.requests, out.sampled_token_ids, lps if lps is not None else repeat(None)):
             if tok < 0 or req.status >= finished_min:
                 continue
@@ -164,18 +169,20 @@ class EngineCore:
                 req.logprobs.append(lp)
             if req.first_token_time is None:
                 req.first_token_time = now
+                plp = req.prompt_logprobs  # handed out once, with the first token
             else:
                 itl_append(now - req.last_token_time)
+                plp = None
             req.last_token_time = now
             status = check_stop(req, tok) if req.token_stops or req.num_tokens >= req.length_limit else None
             if status is not None:
                 self._finish(req, status, now)
                 any_finished = True
                 outputs.append(RequestOutput(req.request_id, [tok], True, status.finish_reason, req.stop_reason,
-                                             req.num_cached_tokens, None if lp is None else [lp]))
-            elif stream:
+                                             req.num_cached_tokens, None if lp is None else [lp], plp))
+            elif stream or plp is not None:
                 outputs.append(RequestOutput(req.request_id, [tok], False, None, None, req.num_cached_tokens,
-                                             None if lp is None else [lp]))
+                                             None if lp is None else [lp], plp))
         if out.errors:
             for rid, reason in out.errors.items():
                 req = self.requests.get(rid)

@@ -15,7 +15,8 @@ class SchedulerOutput:
     prefill tokens belong to requests still inside their prompt; `sum_context_tokens` is the KV
     length attended over, summed over requests (`max_context_tokens` its largest term: the longest
     sequence bounds how fast attention over a batch can finish); `sum_attn_pairs` the number of
-    (query, key) pairs.
+    (query, key) pairs; `num_structured_reqs` the requests whose token this step is drawn under a
+    grammar (each costs the worker a bitmask fill on the host).
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -31,6 +32,7 @@ class SchedulerOutput:
     sum_context_tokens: int = 0
     sum_attn_pairs: int = 0
     max_context_tokens: int = 0
+    num_structured_reqs: int = 0  # requests sampling under a grammar (structured outputs) this step
     step_state: tuple = ()  # (scheduled at, used blocks, waiting, running) for the step record
 
     @property
@@ -62,9 +64,11 @@ class ModelRunnerOutput:
 
     sampled_token_ids: list[int]
     duration: float = 0.0
-    logprobs: list | None = None  # per request: None or (token_logprob, [(token_id, logprob), ...])
+    logprobs: list | None = None  # per request: None or (token_logprob, rank, [(token_id, logprob), ...])
     timing: object | None = None
     errors: dict[str, str] | None = None
+    # per request: None or (first prompt position p, logprobs of prompt tokens p + 1, ... in the logprobs' shape)
+    prompt_logprobs: list | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +82,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     new_logprobs: list | None = None
+    prompt_logprobs: list | None = None  # with the first token: logprobs of prompt tokens 1.. (SamplingParams.prompt_logprobs)
 
 
 def check_stop(req: Request, token: int) -> RequestStatus | None:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 import math
 import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -44,6 +45,7 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # the engine stores ids, seeds
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-30 overflow
 MAX_N = 128  # sequences per prompt (OpenAI's bound on `n`)
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's bound)
+MAX_LOGIT_BIAS = 100.0  # logit_bias values are clamped to [-100, 100] (OpenAI's range, as vLLM's server)
 
 
 class InvalidParam(ValueError):
@@ -94,12 +96,91 @@ def child_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output text, with vLLM's names: a JSON schema (`json`, a dict or its JSON text),
+    a regular expression, a choice among strings, an EBNF grammar (xgrammar's dialect, GBNF-like), or any
+    JSON (`json_object=True`). Exactly one is set. `disable_any_whitespace` makes JSON compact (no
+    whitespace between tokens of the syntax). Construction checks the shape (InvalidParam naming the
+    field); whether the schema, regex or grammar compiles is checked by the worker's grammar backend
+    (testbed/worker/grammar.py), the one place that imports xgrammar. A dict schema is kept as JSON text."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise InvalidParam("structured_outputs", f"must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                                                     f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)
+        if self.json is not None:
+            if not isinstance(self.json, str):
+                raise InvalidParam("structured_outputs.json", f"must be a JSON schema (an object or its JSON "
+                                                              f"text), got {type(self.json).__name__}")
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as e:
+                raise InvalidParam("structured_outputs.json", f"is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidParam("structured_outputs.json", f"must be a JSON schema object, got "
+                                                              f"{type(schema).__name__}")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InvalidParam(f"structured_outputs.{k}", f"must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise InvalidParam("structured_outputs.choice", f"must be a non-empty list of non-empty strings, "
+                                                                f"got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise InvalidParam("structured_outputs.json_object", f"must be true when given, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidParam("structured_outputs.disable_any_whitespace",
+                               f"must be a boolean, got {self.disable_any_whitespace!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of STRUCTURED_KINDS."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
+
+    @property
+    def spec(self) -> Any:
+        """The constraint's value (JSON text, regex, choice list, grammar text, or True)."""
+        return getattr(self, self.kind)
+
+
+def _finite_in(v, lo: float, hi: float) -> bool:
+    return _number(v) and lo <= v <= hi
+
+
 @dataclass
 class SamplingParams:
-    """Per-request generation settings with vLLM's names; the one validator of them, for the offline
-    API and the API server alike. Construction checks every range that does not depend on the model
-    (InvalidParam naming the field) and normalises: `top_k` -1 becomes 0 (off), a temperature below
-    SAMPLING_EPS becomes 0 (greedy). `verify(vocab_size)` adds the vocabulary-dependent checks."""
+    """Per-request generation settings with vLLM's names and semantics; the one validator of them, for the
+    offline API and the API server alike. Construction checks every range that does not depend on the
+    model (InvalidParam naming the field) and normalises: `top_k` -1 becomes 0 (off), a temperature below
+    SAMPLING_EPS becomes 0 (greedy), logit_bias keys become ints and values are clamped to [-100, 100].
+    `verify(vocab_size)` adds the vocabulary-dependent checks.
+
+    The worker applies them in vLLM's order: allowed_token_ids, bad words, min_tokens (stop tokens masked
+    until min_tokens are out), logit_bias, then the penalties (repetition over prompt and output,
+    frequency and presence over the output, as OpenAI defines them); greedy rows take the argmax there,
+    random rows go on with temperature, min_p, top-k and top-p. A grammar (structured_outputs) masks
+    first. Logprobs (and prompt logprobs) are of the raw distribution, as vLLM reports them.
+    `bad_words` need a tokenizer: `update_from_tokenizer` turns them into `bad_words_token_ids` (the
+    offline LLM and the API server call it; the engine only sees the ids). include_stop_str_in_output,
+    skip_special_tokens, spaces_between_special_tokens and truncate_prompt_tokens act in the front-end
+    (detokenizer, tokenization), before and after the engine."""
 
     n: int = 1
     temperature: float = 1.0
@@ -112,6 +193,20 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -147,6 +242,110 @@ class SamplingParams:
                 raise InvalidParam("stop_token_ids", f"must be token ids (integers >= 0), got {t!r}")
         if self.top_k == -1:
             self.top_k = 0
+        self._check_processing()
+        self._check_front_end()
+
+    def _check_processing(self) -> None:
+        """Penalties, min_p, logit_bias, allowed_token_ids, bad words and structured outputs."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _finite_in(getattr(self, name), -2.0, 2.0):
+                raise InvalidParam(name, f"must be a number in [-2, 2], got {getattr(self, name)!r}")
+        r = self.repetition_penalty
+        if not (_number(r) and 0 < r < math.inf):
+            raise InvalidParam("repetition_penalty", f"must be a finite number > 0 (1 = off), got {r!r}")
+        if not _finite_in(self.min_p, 0.0, 1.0):
+            raise InvalidParam("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParam("logit_bias", f"must map token ids to biases, got {type(self.logit_bias).__name__}")
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    t = int(k) if not isinstance(k, (bool, float)) else None
+                except (TypeError, ValueError):
+                    t = None
+                if t is None or not 0 <= t <= INT64_MAX:
+                    raise InvalidParam("logit_bias", f"keys must be token ids (integers >= 0, or their decimal "
+                                                     f"strings), got {k!r}")
+                if not (_number(v) and math.isfinite(v)):
+                    raise InvalidParam("logit_bias", f"values must be finite numbers, got {v!r} for token {t}")
+                bias[t] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(v)))
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise InvalidParam("allowed_token_ids", f"must be a non-empty list of token ids, got {ids!r}")
+            for t in ids:
+                if not _int_in(t, 0, INT64_MAX):
+                    raise InvalidParam("allowed_token_ids", f"must be token ids (integers >= 0), got {t!r}")
+            self.allowed_token_ids = list(dict.fromkeys(ids))
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
+                raise InvalidParam("bad_words", f"must be a list of non-empty strings, got {self.bad_words!r}")
+            for w in words:
+                check_text(w, "bad_words")
+            self.bad_words = list(dict.fromkeys(words)) or None
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            if not isinstance(seqs, (list, tuple)) or not all(isinstance(q, (list, tuple)) and q for q in seqs):
+                raise InvalidParam("bad_words", f"token sequences must be non-empty lists of token ids, got {seqs!r}")
+            for q in seqs:
+                for t in q:
+                    if not _int_in(t, 0, INT64_MAX):
+                        raise InvalidParam("bad_words", f"token sequences must hold token ids, got {t!r}")
+            self.bad_words_token_ids = [list(q) for q in seqs] or None
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise InvalidParam("structured_outputs", f"must be a StructuredOutputsParams, got {type(so).__name__}")
+            so.__post_init__()
+            if self.min_tokens:
+                raise InvalidParam("min_tokens", "cannot be combined with structured_outputs: the grammar decides "
+                                                 "where the output may end (drop min_tokens)")
+
+    def _check_front_end(self) -> None:
+        """Fields the detokenizer and the tokenization use (the engine never sees them)."""
+        if self.prompt_logprobs is not None and not _int_in(self.prompt_logprobs, 0, MAX_LOGPROBS):
+            raise InvalidParam("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], "
+                                                  f"got {self.prompt_logprobs!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParam(name, f"must be a boolean, got {getattr(self, name)!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and not (t == -1 or _int_in(t, 1, INT64_MAX)):
+            raise InvalidParam("truncate_prompt_tokens", f"must be an integer >= 1 (keep the last that many prompt "
+                                                         f"tokens) or -1 (keep max_model_len), got {t!r}")
+
+    def update_from_tokenizer(self, tokenizer) -> "SamplingParams":
+        """Token sequences of `bad_words`, as vLLM forms them: each word as given (leading spaces stripped) and,
+        where it tokenizes to a different first token of the same length, with one leading space (a word
+        in the middle of a text)."""
+        if not self.bad_words:
+            return self
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise InvalidParam("bad_words", f"{word!r} tokenizes to no token")
+            seqs.append(list(plain))
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                seqs.append(list(spaced))
+        self.bad_words_token_ids = seqs
+        return self
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether the sampler must process this row's logits before drawing (anything beyond temperature,
+        top-k, top-p and min_p): rows that need nothing take the fast path."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids or self.min_tokens
+                    or self.structured_outputs is not None)
+
+    @property
+    def needs_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def verify(self, vocab_size: int) -> "SamplingParams":
         """Check everything again (a field may have been set after construction) plus what depends on
@@ -156,11 +355,31 @@ class SamplingParams:
             raise InvalidParam("top_k", f"must be -1, 0 (off) or in [1, {vocab_size}] (the vocabulary size), "
                                         f"got {self.top_k}")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+        if self.logit_bias:
+            check_token_ids(list(self.logit_bias), vocab_size, "logit_bias")
+        if self.allowed_token_ids:
+            check_token_ids(self.allowed_token_ids, vocab_size, "allowed_token_ids")
+        if self.bad_words and self.bad_words_token_ids is None:
+            raise InvalidParam("bad_words", "need a tokenizer to become token ids (update_from_tokenizer); this "
+                                            "model has none: give bad_words_token_ids instead")
+        for q in self.bad_words_token_ids or ():
+            check_token_ids(q, vocab_size, "bad_words")
         return self
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def truncate_prompt(ids: Sequence[int], truncate_prompt_tokens: int | None, max_model_len: int) -> Sequence[int]:
+    """The last `truncate_prompt_tokens` tokens of a prompt (-1: the last max_model_len; None: all of it)."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    if k > max_model_len:
+        raise InvalidParam("truncate_prompt_tokens", f"({k}) must not exceed max_model_len ({max_model_len})")
+    return ids[-k:]
 
 
 def check_text(text: str, param: str) -> None:
@@ -176,6 +395,8 @@ class Request:
     """One sequence in the engine. Invariants: 0 <= num_computed_tokens <= num_tokens + num_pending,
     num_tokens == num_prompt_tokens + len(output_token_ids) (append only through `append_output`).
 
+    `structured`: the request carries a grammar (the scheduler counts such rows per step for cost
+    models; the grammar itself lives in the worker).
     `num_tokens` counts prompt plus generated tokens; the scheduler lets `num_computed_tokens`
     catch up to it (the unified token budget). `num_pending` counts tokens sampled in scheduled steps
     whose values the core has not seen yet (placeholders: with async scheduling the next step may
@@ -187,7 +408,7 @@ class Request:
         "priority", "eos_token_id", "output_token_ids", "num_computed_tokens", "num_cached_tokens",
         "status", "stop_reason", "num_preemptions", "block_hashes", "first_scheduled_time",
         "first_token_time", "last_token_time", "finish_time", "replica", "max_tokens", "logprobs",
-        "num_tokens", "length_limit", "token_stops", "num_pending",
+        "num_tokens", "length_limit", "token_stops", "num_pending", "prompt_logprobs", "structured",
     )
 
     def __init__(
@@ -211,6 +432,9 @@ class Request:
         self.eos_token_id = eos_token_id
         self.output_token_ids: list[int] = []
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        # logprobs of prompt tokens 1.. (token 0 has none), gathered chunk by chunk until the prompt is done
+        self.prompt_logprobs: list | None = [] if sampling_params.prompt_logprobs is not None else None
+        self.structured = sampling_params.structured_outputs is not None  # the worker masks it with a grammar
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.status = RequestStatus.WAITING

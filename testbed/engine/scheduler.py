@@ -73,9 +73,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_structured = 0  # live requests carrying a grammar: while 0, steps do not count them
 
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        self.num_structured += req.structured
         self.waiting.push(req)
 
     def _rank(self, req: Request) -> tuple[int, float]:
@@ -194,6 +196,8 @@ class Scheduler:
         so.sum_context_tokens = ctx
         so.sum_attn_pairs = pairs
         so.max_context_tokens = maxc
+        if self.num_structured:
+            so.num_structured_reqs = sum(1 for r, b, n in zip(reqs, nbefore, nnew) if r.structured and b + n >= r.num_tokens)
         return so
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -202,6 +206,7 @@ class Scheduler:
         if req.status == RequestStatus.WAITING or req.status == RequestStatus.PREEMPTED:
             self.waiting.remove(req)
         req.status = status
+        self.num_structured -= req.structured
         self.block_manager.free(req.request_id)
         self.finished_req_ids.append(req.request_id)
 

@@ -10,7 +10,8 @@ from starlette.responses import JSONResponse, Response
 
 from testbed.engine.request import MAX_LOGPROBS
 from testbed.server.schemas import ChatCompletionRequest, ChatMessage, bad_request
-from testbed.server.serving import LOGPROB_FLOOR, GenerationRun, sampling_params
+from testbed.server.serving import (GenerationRun, floor_logprob, prompt_logprobs_json, request_params,
+                                    truncate_prompts)
 from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 
@@ -47,14 +48,24 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
 def chat_logprobs(run: GenerationRun, token_ids: list[int], logprobs: list) -> dict[str, Any]:
     def entry(tid: int, lp: float) -> dict[str, Any]:
         s = run.token_text(tid)
-        return {"token": s, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": floor_logprob(lp), "bytes": list(s.encode("utf-8"))}
 
     return {"content": [{**entry(tid, lp), "top_logprobs": [entry(t, v) for t, v in top]}
-                        for tid, (lp, top) in zip(token_ids, logprobs)]}
+                        for tid, (lp, _, top) in zip(token_ids, logprobs)]}
+
+
+def refuse_tools(req: ChatCompletionRequest) -> None:
+    """Tool calling is not built: tools and any tool_choice but "none" get a 400 naming the parameter."""
+    if req.tools:
+        raise bad_request("tools (function calling) are not supported by this server; drop tools", "tools")
+    if req.tool_choice is not None and req.tool_choice != "none":
+        raise bad_request(f"tool_choice {req.tool_choice!r} is not supported: this server calls no tools (only "
+                          "'none' is accepted)", "tool_choice")
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
+    refuse_tools(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -63,10 +74,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                               "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    sp = sampling_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop)
+    sp = await request_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop,
+                              req.prompt_logprobs)
     prompt = await state.run_blocking(render_chat, state, req.messages, req.add_generation_prompt)
-    run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.include_stop_str_in_output,
-                        req.skip_special_tokens, req.priority)
+    prompt = truncate_prompts(state, [prompt], sp)[0]
+    run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.priority)
     run.start()
     head = {"id": run.request_id, "created": int(time.time()), "model": state.served_model_name}
     if req.stream:
@@ -81,7 +93,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         if req.return_token_ids:
             d["token_ids"] = c.token_ids
         choices.append(d)
-    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": run.usage()})
+    body = {**head, "object": "chat.completion", "choices": choices, "usage": run.usage()}
+    if req.prompt_logprobs is not None:  # vLLM's field, for the conversation's tokens
+        body["prompt_logprobs"] = prompt_logprobs_json(run, prompt, run.choices[0].prompt_logprobs,
+                                                       req.prompt_logprobs)
+    return JSONResponse(body)
 
 
 async def _stream(run: GenerationRun, req: ChatCompletionRequest, head: dict) -> AsyncIterator[bytes]:

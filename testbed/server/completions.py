@@ -8,7 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from testbed.server.schemas import CompletionRequest, bad_request
-from testbed.server.serving import LOGPROB_FLOOR, Choice, GenerationRun, sampling_params
+from testbed.server.serving import (Choice, GenerationRun, floor_logprob as _floor, prompt_logprobs_json,
+                                    request_params, truncate_prompts)
 from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 
@@ -33,16 +34,23 @@ def parse_prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str
     return ids, texts
 
 
-def completion_logprobs(run: GenerationRun, token_ids: list[int], logprobs: list, offset: int) -> dict[str, Any]:
-    """The legacy logprobs object; `offset` is where the first token's text starts in the choice text."""
+def completion_logprobs(run: GenerationRun, token_ids: list[int], logprobs: list, offset: int,
+                        width: int) -> dict[str, Any]:
+    """The legacy logprobs object; `offset` is where the first token's text starts in the choice text. An
+    entry None (the first prompt token under echo) has no logprob; tops keep `width` entries plus the token."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tid, (lp, top) in zip(token_ids, logprobs):
+    for tid, entry in zip(token_ids, logprobs):
         s = run.token_text(tid)
         tokens.append(s)
-        token_lps.append(max(lp, LOGPROB_FLOOR))
-        d = {run.token_text(t): max(v, LOGPROB_FLOOR) for t, v in top}
-        d.setdefault(s, max(lp, LOGPROB_FLOOR))  # the sampled token is always there (up to logprobs + 1)
-        tops.append(d)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            lp, _, top = entry
+            token_lps.append(_floor(lp))
+            d = {run.token_text(t): _floor(v) for t, v in top[:width]}
+            d.setdefault(s, _floor(lp))  # the token itself is always there (up to width + 1 entries)
+            tops.append(d)
         offsets.append(offset)
         if run.state.tokenizer is not None:  # without one the choice text stays empty
             offset += len(s)
@@ -51,9 +59,18 @@ def completion_logprobs(run: GenerationRun, token_ids: list[int], logprobs: list
 
 def _choice(run: GenerationRun, req: CompletionRequest, c: Choice, text: str, ids: list[int], lps: list,
             offset: int, prompt_ids: list[int] | None) -> dict[str, Any]:
-    d = {"index": c.index, "text": text,
-         "logprobs": completion_logprobs(run, ids, lps, offset) if req.logprobs is not None else None,
-         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    """One choice; `prompt_ids` given in a choice's first (or only) event: the echoed prompt's logprobs and
+    token ids go there."""
+    lp_obj = None
+    if req.logprobs is not None:
+        lp_obj = completion_logprobs(run, ids, lps, offset, req.logprobs)
+        if req.echo and prompt_ids is not None:
+            echoed = completion_logprobs(run, prompt_ids, [None] + (c.prompt_logprobs or []), 0, req.logprobs)
+            lp_obj = {k: echoed[k] + lp_obj[k] for k in lp_obj}
+    d = {"index": c.index, "text": text, "logprobs": lp_obj, "finish_reason": c.finish_reason,
+         "stop_reason": c.stop_reason}
+    if req.prompt_logprobs is not None and prompt_ids is not None:
+        d["prompt_logprobs"] = prompt_logprobs_json(run, prompt_ids, c.prompt_logprobs, req.prompt_logprobs)
     if req.return_token_ids:
         d["token_ids"] = ids
         if prompt_ids is not None:
@@ -67,14 +84,15 @@ def echo_texts(state: ServerState, prompts: list[list[int]], texts: list[str | N
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
     state.check_model(req.model)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute; "
-                          "drop one of them", "echo")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    sp = sampling_params(state, req, req.max_tokens, req.logprobs, stop)
-    prompts, texts = await state.run_blocking(parse_prompts, state, req.prompt)
-    run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.include_stop_str_in_output,
-                        req.skip_special_tokens, req.priority)
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+    sp = await request_params(state, req, req.max_tokens, req.logprobs, stop, prompt_logprobs)
+    parsed, texts = await state.run_blocking(parse_prompts, state, req.prompt)
+    prompts = truncate_prompts(state, parsed, sp)
+    texts = [t if len(p) == len(q) else None for t, p, q in zip(texts, prompts, parsed)]  # echo what was kept
+    run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.priority)
     echoes = await state.run_blocking(echo_texts, state, prompts, texts) if req.echo else [""] * len(prompts)
     run.start()
     head = {"id": run.request_id, "object": "text_completion", "created": int(time.time()),
@@ -106,7 +124,7 @@ async def _stream(run: GenerationRun, req: CompletionRequest, head: dict, echoes
                 prompt_ids = run.prompts[c.prompt_index]
             choice = _choice(run, req, c, text, c.delta_ids, c.delta_logprobs, offsets[c.index], prompt_ids)
             if choice["logprobs"] and run.state.tokenizer is not None:
-                offsets[c.index] += sum(len(t) for t in choice["logprobs"]["tokens"])
+                offsets[c.index] += sum(len(run.token_text(t)) for t in c.delta_ids)
             yield sse({**head, "choices": [choice]})
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse({**head, "choices": [], "usage": run.usage()})

@@ -21,7 +21,7 @@ import zmq
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
-from testbed.engine.request import Request, SamplingParams, check_token_ids
+from testbed.engine.request import Request, check_token_ids
 from testbed.server import config_arg, freeze_startup_heap, run_process
 from testbed.server import protocol as P
 from testbed.worker.stepper import EngineStepper
@@ -76,9 +76,7 @@ def add_to_core(core: EngineCore, m: P.AddRequest, eos: int | None, vocab_size: 
     """Queue one request; a bad one is rejected (with the reason) rather than killing the engine. The API
     server validated it already; it is checked again so that no input can reach a step unchecked."""
     try:
-        sp = SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, seed=m.seed,
-                            max_tokens=m.max_tokens, min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids,
-                            ignore_eos=m.ignore_eos, logprobs=m.logprobs).verify(vocab_size)
+        sp = P.sampling_params(m).verify(vocab_size)
         check_token_ids(m.prompt_token_ids, vocab_size)
         req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, eos)
         return core.add_request(req, now)
@@ -109,7 +107,7 @@ def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
 
 def to_wire(o: RequestOutput) -> P.CoreOutput:
     return P.CoreOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
-                        o.num_cached_tokens, o.new_logprobs)
+                        o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs)
 
 
 class EngineProc:

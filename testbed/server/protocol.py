@@ -7,17 +7,28 @@ process dies of an exception. Every struct is tagged, so one decoder reads the w
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
-# (logprob of the chosen token, [(token id, logprob), ...] top-N), as ModelRunnerOutput carries them
-TokenLogprob = tuple[float, list[tuple[int, float]]]
+from testbed.engine.request import SamplingParams, StructuredOutputsParams
+
+# (logprob of the chosen token, its rank, [(token id, logprob), ...] top-N), as ModelRunnerOutput carries them
+TokenLogprob = tuple[float, int, list[tuple[int, float]]]
+
+
+class StructuredOutput(msgspec.Struct, array_like=True):
+    """StructuredOutputsParams on the wire: its one constraint (kind, value) and the whitespace option."""
+
+    kind: str
+    spec: Union[str, bool, list[str]]
+    disable_any_whitespace: bool = False
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
     """One sequence to generate. `seq` numbers adds so the API server knows which ones a stats
-    snapshot already includes (its waiting-bound estimate). Stop strings stay in the API server."""
+    snapshot already includes (its waiting-bound estimate). Stop strings, detokenization options and
+    bad words as text stay in the API server (bad words cross as token ids)."""
 
     seq: int
     request_id: str
@@ -33,6 +44,43 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     priority: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutput | None = None
+
+
+def engine_fields(sp: SamplingParams) -> dict[str, Any]:
+    """The AddRequest fields of what the engine honours in `sp` (seed and priority are per request: the
+    caller gives them)."""
+    so = sp.structured_outputs
+    return dict(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                min_tokens=sp.min_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+                logprobs=sp.logprobs, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+                repetition_penalty=sp.repetition_penalty, min_p=sp.min_p, logit_bias=sp.logit_bias,
+                allowed_token_ids=sp.allowed_token_ids, bad_words_token_ids=sp.bad_words_token_ids,
+                prompt_logprobs=sp.prompt_logprobs,
+                structured_outputs=None if so is None else StructuredOutput(so.kind, so.spec,
+                                                                            so.disable_any_whitespace))
+
+
+def sampling_params(m: AddRequest) -> SamplingParams:
+    """The engine's SamplingParams of an AddRequest (validated again by the caller's `verify`)."""
+    w = m.structured_outputs
+    so = None if w is None else StructuredOutputsParams(**{w.kind: w.spec},
+                                                        disable_any_whitespace=w.disable_any_whitespace)
+    return SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, seed=m.seed,
+                          max_tokens=m.max_tokens, min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids,
+                          ignore_eos=m.ignore_eos, logprobs=m.logprobs, presence_penalty=m.presence_penalty,
+                          frequency_penalty=m.frequency_penalty, repetition_penalty=m.repetition_penalty,
+                          min_p=m.min_p, logit_bias=m.logit_bias, allowed_token_ids=m.allowed_token_ids,
+                          bad_words_token_ids=m.bad_words_token_ids, prompt_logprobs=m.prompt_logprobs,
+                          structured_outputs=so)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -64,6 +112,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token: prompt tokens 1..
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -1,15 +1,19 @@
-"""OpenAI request bodies (pydantic, unknown fields ignored) and the OpenAI error body.
+"""OpenAI request bodies (pydantic) and the OpenAI error body.
 
-Fields follow the OpenAI API plus vLLM's extra sampling parameters (top_k, min_tokens,
-ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, return_token_ids).
-Every string anywhere in a body must be valid Unicode (no lone surrogate); range checks live in
-SamplingParams and the handlers, so each failure names its parameter.
+Fields follow the OpenAI API plus vLLM's extra sampling parameters (top_k, min_p, min_tokens,
+repetition_penalty, ignore_eos, stop_token_ids, allowed_token_ids, bad_words, prompt_logprobs,
+include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens, truncate_prompt_tokens,
+return_token_ids, structured_outputs and the guided_* forms of it). Unknown fields are kept aside
+(`model_extra`) for the handler to name in one warning and otherwise ignore, as vLLM does; fields that
+exist here but are not built (tools, tool_choice other than "none", best_of > n) are refused by the
+handlers with a 400. Every string anywhere in a body must be valid Unicode (no lone surrogate); range
+checks live in SamplingParams and the handlers, so each failure names its parameter.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from testbed.engine.request import check_text
 
@@ -55,8 +59,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's structured_outputs object (the constraints this server builds; any other key is refused)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _GenerationRequest(_Body):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -72,9 +98,26 @@ class _GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     return_token_ids: bool = False
     priority: int = 0
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    best_of: int | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -98,6 +141,8 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

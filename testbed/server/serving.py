@@ -8,10 +8,13 @@ Invariant: every choice finishes exactly once, with one finish_reason.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
-from testbed.engine.request import InvalidParam, SamplingParams, check_priority, child_seed
+from testbed.engine.request import (InvalidParam, SamplingParams, StructuredOutputsParams, check_priority,
+                                    child_seed, truncate_prompt)
+from testbed.server import protocol as P
 from testbed.server.client import EngineDeadError, RequestStream
 from testbed.detokenizer import IncrementalDetokenizer
 from testbed.server.schemas import APIError, bad_request
@@ -19,23 +22,136 @@ from testbed.server.state import ServerState
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 MAX_CHOICES = 1024  # prompts x n of one HTTP request (each is a core request with its own detokenizer)
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+logger = logging.getLogger("uvicorn.error")  # the server's log (its level is --uvicorn-log-level)
+
+
+def warn_ignored_fields(req) -> None:
+    """Unknown fields are ignored, as vLLM does, with one warning line naming them."""
+    if req.model_extra:
+        logger.warning("The following fields were present in the request but ignored: %s", sorted(req.model_extra))
+
+
+def structured_outputs(req) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the parameter it came from: response_format (json_object,
+    json_schema), structured_outputs, or one of guided_json / guided_regex / guided_choice / guided_grammar."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf.type == "json_schema":
+            schema = (rf.json_schema or {}).get("schema")
+            if schema is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema (the JSON schema "
+                                  "the output must follow)", "response_format")
+            found.append(("response_format", {"json": schema}))
+        else:
+            raise bad_request(f"response_format type {rf.type!r} is not supported; use text, json_object or "
+                              "json_schema", "response_format")
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", req.structured_outputs.model_dump(by_alias=True, exclude_none=True)))
+    for name, kind in GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {kind: value}))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, got {', '.join(n for n, _ in found)}", found[1][0])
+    source, fields = found[0]
+    try:
+        return StructuredOutputsParams(**fields), source
+    except InvalidParam as e:
+        raise bad_request(f"{source}: {e}", source) from None
 
 
 def sampling_params(state: ServerState, req, max_tokens: int | None, logprobs: int | None,
-                    stop: list[str]) -> SamplingParams:
-    """Validate the shared sampling fields through SamplingParams (the offline API's validator too),
-    with the served model's vocabulary, into a 400 naming the parameter."""
+                    stop: list[str], prompt_logprobs: int | None = None) -> tuple[SamplingParams, str | None]:
+    """Validate the shared sampling fields through SamplingParams (the offline API's validator too) into a
+    400 naming the parameter, and refuse what is not built; with the parameter structured outputs came from."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of={req.best_of} with n={req.n} is not supported: this server returns every "
+                          "sequence it generates (best_of must equal n, or be left out)", "best_of")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    warn_ignored_fields(req)
+    so, source = structured_outputs(req)
+    if so is not None and state.tokenizer is None:
+        raise bad_request("structured outputs need the model's tokenizer; this model has none (dummy weights)", source)
+    if req.bad_words and state.tokenizer is None:
+        raise bad_request("bad_words need the model's tokenizer; this model has none (dummy weights)", "bad_words")
     try:
         check_priority(req.priority)
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
             seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
-            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs).verify(state.vocab_size)
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0, logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words, prompt_logprobs=prompt_logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens, structured_outputs=so), source
+    except InvalidParam as e:
+        if e.param.startswith("structured_outputs") and source is not None:
+            raise bad_request(f"{source}: {e}", source) from None
+        raise bad_request(str(e), e.param) from None
+
+
+def prepare_params(state: ServerState, sp: SamplingParams, source: str | None) -> SamplingParams:
+    """What needs the tokenizer or a compiler (run it on the tokenizer thread): bad words become token ids,
+    a grammar must compile; then the vocabulary checks."""
+    try:
+        sp.update_from_tokenizer(state.tokenizer)
+        if sp.structured_outputs is not None:
+            from testbed.worker.grammar import check_structured_outputs
+            try:
+                check_structured_outputs(sp.structured_outputs)
+            except InvalidParam as e:
+                raise bad_request(f"{source}: {e}", source) from None
+        return sp.verify(state.vocab_size)
     except InvalidParam as e:
         raise bad_request(str(e), e.param) from None
+
+
+async def request_params(state: ServerState, req, max_tokens: int | None, logprobs: int | None, stop: list[str],
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+    """sampling_params, then prepare_params (on the tokenizer thread when the request needs it)."""
+    sp, source = sampling_params(state, req, max_tokens, logprobs, stop, prompt_logprobs)
+    if sp.bad_words or sp.structured_outputs is not None:
+        return await state.run_blocking(prepare_params, state, sp, source)
+    return prepare_params(state, sp, source)
+
+
+def truncate_prompts(state: ServerState, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
+    """truncate_prompt_tokens applied to each prompt (a 400 when it exceeds max_model_len)."""
+    try:
+        return [list(truncate_prompt(p, sp.truncate_prompt_tokens, state.max_model_len)) for p in prompts]
+    except InvalidParam as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def floor_logprob(lp: float) -> float:
+    return max(lp, LOGPROB_FLOOR)
+
+
+def prompt_logprobs_json(run: GenerationRun, prompt: list[int], entries: list | None, width: int) -> list | None:
+    """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank, decoded_token}} with
+    the prompt token and the `width` most likely ones."""
+    if entries is None:
+        return None
+    out: list = [None]
+    for tid, (lp, rank, top) in zip(prompt[1:], entries):
+        d = {str(t): {"logprob": floor_logprob(v), "rank": r, "decoded_token": run.token_text(t)}
+             for r, (t, v) in enumerate(top[:width], 1)}
+        d.setdefault(str(tid), {"logprob": floor_logprob(lp), "rank": rank, "decoded_token": run.token_text(tid)})
+        out.append(d)
+    return out
 
 
 class Choice:
@@ -48,6 +164,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list | None = None  # logprobs of prompt tokens 1.. (with the first output)
         self.first_token_time: float | None = None
         self.last_token_time = 0.0
         self.delta_text = ""
@@ -61,7 +178,7 @@ class Choice:
 
 class GenerationRun:
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], sp: SamplingParams,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True, priority: int = 0) -> None:
+                 priority: int = 0) -> None:
         self.state, self.request_id, self.prompts, self.sp = state, request_id, prompts, sp
         self.priority = priority
         self.arrival = time.time()
@@ -76,8 +193,8 @@ class GenerationRun:
         for pi, prompt in enumerate(prompts):
             for i in range(sp.n):
                 idx = pi * sp.n + i
-                detok = IncrementalDetokenizer(state.tokenizer, prompt, sp.stop, include_stop_str_in_output,
-                                               skip_special_tokens)
+                detok = IncrementalDetokenizer(state.tokenizer, prompt, sp.stop, sp.include_stop_str_in_output,
+                                               sp.skip_special_tokens, sp.spaces_between_special_tokens)
                 self.choices.append(Choice(idx, f"{request_id}-{idx}", pi, detok))
         self.by_id = {c.request_id: c for c in self.choices}
         self.stream = RequestStream(request_id)
@@ -126,10 +243,7 @@ class GenerationRun:
     def _add(self, c: Choice) -> None:
         sp = self.sp
         self.state.client.add(c.request_id, self.prompts[c.prompt_index], self.arrival, stream=self.stream,
-                              max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                              seed=child_seed(sp.seed, c.index % sp.n), min_tokens=sp.min_tokens,
-                              stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos, logprobs=sp.logprobs,
-                              priority=self.priority)
+                              seed=child_seed(sp.seed, c.index % sp.n), priority=self.priority, **P.engine_fields(sp))
 
     def metrics(self, c: Choice):
         """The metrics of the replica serving choice `c` (unrouted while none took it)."""
@@ -168,6 +282,8 @@ class GenerationRun:
         if out.finish_reason == "error":  # the executor failed on this request; the engine goes on
             self._finish(c, "error", None, now)
             raise APIError(500, f"generation failed: {out.stop_reason}", None, "generation_failed")
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
         before = c.detok.num_tokens
         stopped = c.detok.add(out.new_token_ids)
         n = c.detok.num_tokens - before

@@ -22,7 +22,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import DPCoordinator, StatsPublisher
 from testbed.engine.core import EngineCore
 from testbed.engine.metrics import Recorder
-from testbed.engine.request import Request, SamplingParams
+from testbed.engine.request import Request
 from testbed.sim.cost_model import CostModel
 from testbed.sim.executor import SimExecutor
 from testbed.sim.trace import TraceRequest, synthesize_prompt
@@ -53,9 +53,8 @@ class LazyPrompt(Sequence[int]):
 
 def trace_to_request(tr: TraceRequest, vocab_size: int, seed: int) -> Request:
     """Engine request for a trace line: its output forced to the trace's length."""
-    sp = SamplingParams(max_tokens=tr.output_tokens, ignore_eos=True, temperature=0.0)
     prompt = tr.prompt_token_ids if tr.prompt_token_ids is not None else LazyPrompt(tr, vocab_size, seed)
-    return Request(tr.id, prompt, sp, arrival_time=tr.arrival_s, priority=tr.priority)
+    return Request(tr.id, prompt, tr.sampling_params(), arrival_time=tr.arrival_s, priority=tr.priority)
 
 
 @dataclass

@@ -75,6 +75,12 @@ CALIBRATED = RooflineConstants(step_overhead_s=1.436e-3, eager_overhead_per_laye
                                bandwidth_efficiency=0.9346, matmul_efficiency=0.7885)
 
 
+# Host time a row sampled under a grammar adds to a step (xgrammar's matcher advance and bitmask fill; the
+# device's copy, unpack and mask are small next to the forward): the median "host fill per row" of
+# benchmarks/grammar.py, 2026-11-24, AMD EPYC (shared 2-core VM), SmolLM2's 49k vocabulary, a 3-field JSON schema.
+GRAMMAR_ROW_S = 15e-6
+
+
 class RooflineCostModel:
     """Per step: each part costs max(bytes / bandwidth, flops / matmul rate) on one TP rank (ranks run in
     parallel on equal shares), at the calibrated fractions of the GPU preset's rates, plus 2 ring
@@ -84,6 +90,7 @@ class RooflineCostModel:
     Parts: decoder linear layers (weights read once, 2*T*params FLOPs); LM head for the last token
     of each request only (2*B*vocab*hidden FLOPs); attention (C KV positions read per layer,
     4*P*heads*head_dim FLOPs per layer). Activations and KV writes are ignored (small next to these).
+    Rows sampled under a grammar (structured outputs) add GRAMMAR_ROW_S of host time each.
     """
 
     def __init__(self, model: ModelSpec, gpu: GPUSpec, tensor_parallel_size: int = 1, dtype_bytes: int = 2,
@@ -123,7 +130,7 @@ class RooflineCostModel:
                   + self._ar_per_token * T)
         if so.num_prefill_tokens and self._eager > device:
             device = self._eager
-        return device + self._fixed
+        return device + self._fixed + GRAMMAR_ROW_S * so.num_structured_reqs
 
 
 class RecordedCostModel:

@@ -14,6 +14,8 @@ A step's time is the real engine's cycle, schedule to next schedule, built from 
 
   sync:   step = engine + host preparation + max(launch, device) + readback
   async:  step = max(device step, all host work), since the next step is prepared while this one runs
+  grammar rows (structured outputs) add GRAMMAR_ROW_S of host work each, and a step with any runs as in
+          sync mode: the worker reads the previous step's tokens back before it can fill their bitmasks
 
 `explain(so)` returns those terms for one step, so a reader can see which one dominates.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from testbed.engine.outputs import SchedulerOutput
+from testbed.sim.cost_model import GRAMMAR_ROW_S
 from testbed.sim.tables import Table1D, Table2D
 
 FORMAT = "testbed-profile"
@@ -208,21 +211,23 @@ class ProfiledCostModel:
         B = len(so.requests)
         if B == 0:
             return 0.0
+        grammar = GRAMMAR_ROW_S * so.num_structured_reqs
+        overlap = self.async_scheduling and not grammar
         if so.num_decode_tokens == B and B <= self.graph_max:
             ctx = so.sum_context_tokens / B - 1.0  # tokens cached before the new one, as the table is indexed
             skew = so.max_context_tokens - 1.0 - ctx  # how far the longest row is past the mean
             eng = self.engine_step(B) if engine is None else engine
-            if self.async_scheduling and self.dec_async is not None:
+            if overlap and self.dec_async is not None:
                 device = self.dec_async(B, ctx) + (self.dec_tail_async(B, skew) if self.dec_tail_async else 0.0)
                 return max(device, self.dec_host(B, ctx) + eng)
-            return eng + self.dec_wall(B, ctx) + (self.dec_tail(B, skew) if self.dec_tail else 0.0)
+            return eng + self.dec_wall(B, ctx) + (self.dec_tail(B, skew) if self.dec_tail else 0.0) + grammar
         lin, attn, samp, prep, sampled = self._eager_terms(so)
         eng = self._engine(B, so.num_prefill_tokens) if engine is None else engine
         device = lin + attn + samp
         out = self.output(sampled) if sampled else 0.0
-        if self.async_scheduling:
+        if overlap:
             return max(device + self.sync_gap, eng + prep + self.eager_launch + out)
-        return eng + prep + max(self.eager_launch, device) + out + self.sync_gap
+        return eng + prep + grammar + max(self.eager_launch, device) + out + self.sync_gap
 
     def explain(self, so: SchedulerOutput) -> dict[str, float | str]:
         """The terms of one step's predicted time (seconds), and which dominates."""
@@ -242,6 +247,8 @@ class ProfiledCostModel:
             terms = {"kind": "eager", "engine": self._engine(B, so.num_prefill_tokens), "host preparation": prep,
                      "launch": self.eager_launch, "linear layers": lin, "attention": attn, "lm head + sampler": samp,
                      "readback": self.output(sampled) if sampled else 0.0, "sync gap": self.sync_gap}
+        if so.num_structured_reqs:
+            terms["grammar bitmasks"] = GRAMMAR_ROW_S * so.num_structured_reqs
         terms["total"] = self.step_time(so)
         return terms
 

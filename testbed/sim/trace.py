@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.engine.request import SamplingParams, StructuredOutputsParams
+
 FORMATS = ("auto", "jsonl", "azure", "mooncake", "lengths")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 LENGTHS_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 JSONL_FIELDS = ("id", "arrival_s", "input_tokens", "output_tokens", "prompt_token_ids",
-                "hash_ids", "hash_block_size", "priority")
+                "hash_ids", "hash_block_size", "priority", "structured_output")
 _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 
 
@@ -47,6 +49,14 @@ class TraceRequest:
     hash_ids: list[int] | None = None
     hash_block_size: int = 512
     priority: int = 0
+    structured_output: bool = False  # generated under a grammar (structured outputs: any JSON)
+
+    def sampling_params(self) -> SamplingParams:
+        """How a simulation or a replay generates it: greedy, exactly output_tokens tokens, under a JSON
+        grammar when structured_output (the cost of structured outputs, not a schema, is what is studied)."""
+        return SamplingParams(max_tokens=self.output_tokens, ignore_eos=True, temperature=0.0,
+                              structured_outputs=StructuredOutputsParams(json_object=True)
+                              if self.structured_output else None)
 
 
 def load_trace(path, *, request_rate: float | None = None, burstiness: float = 1.0, seed: int = 0,
@@ -151,6 +161,12 @@ def _int(path, no: int, name: str, value, minimum: int = 1, maximum: int | None 
     return value
 
 
+def _bool(path, no: int, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TraceError(path, no, f"{name} must be true or false, got {value!r}")
+    return value
+
+
 def _seconds(path, no: int, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise TraceError(path, no, f"{name} must be a finite number >= 0, got {value!r}")
@@ -210,7 +226,8 @@ def _load_jsonl(path, lines) -> list[TraceRequest]:
             rid, _seconds(path, no, "arrival_s", d["arrival_s"]), n_in,
             _int(path, no, "output_tokens", d["output_tokens"]), ptids,
             None if hids is None else _hash_ids(path, no, hids, n_in, block), block,
-            _int(path, no, "priority", d.get("priority", 0), minimum=-(2**63), maximum=2**63 - 1)))
+            _int(path, no, "priority", d.get("priority", 0), minimum=-(2**63), maximum=2**63 - 1),
+            _bool(path, no, "structured_output", d.get("structured_output", False))))
     return reqs
 
 

@@ -26,7 +26,9 @@ class UniprocExecutor:
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
                  device: str | None = None, enforce_eager: bool = False) -> None:
-        from testbed.worker.loader import load_model
+        from functools import partial
+
+        from testbed.worker.loader import load_model, load_tokenizer
         from testbed.worker.model_runner import ModelRunner
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
@@ -35,7 +37,7 @@ class UniprocExecutor:
         net, hf_config = load_model(model, load_format, dt, dev, seed=config.seed)
         self.hf_config = hf_config
         self.max_model_len, self.eos_token_id, self.vocab_size = model_limits(hf_config, config)
-        self.runner = ModelRunner(net, config, self.max_model_len, dev, dt)
+        self.runner = ModelRunner(net, config, self.max_model_len, dev, dt, partial(load_tokenizer, model))
         self.runner.memory_baseline = in_use
         self.num_gpu_blocks = config.num_gpu_blocks or self.runner.profile_num_blocks()
         self.runner.allocate_kv_cache(self.num_gpu_blocks)

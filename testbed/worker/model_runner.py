@@ -5,6 +5,11 @@ decodes mixed), maps each token to its cache slot (slot_mapping = block_table[po
 pos % bs), runs the model under the attention context, and samples only for requests that caught
 up with all their tokens (mid-prompt chunks sample nothing, -1). The KV cache is sized from the
 memory a profiling forward leaves under `gpu_memory_utilization` on a GPU, or a fixed budget on CPU.
+
+Requests whose logits need processing (SamplingParams.needs_processing) or that ask for prompt logprobs
+are tracked from their first step to their end, so a step without any takes the fast path with no
+per-row checks. Processing rows with bad words or a grammar need every token sampled before: under async
+scheduling the previous step's token is then read back from the device first (a sync only such steps pay).
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import torch
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from testbed.worker import prompt_logprobs
 from testbed.worker.context import reset_context, set_context
+from testbed.worker.logits_processors import RowContext
 from testbed.worker.model import LlamaForCausalLM
 from testbed.worker.sampler import Sampler
 from testbed.worker.stepper import ExecutorFailure
@@ -50,7 +57,8 @@ def sampled_rows(so: SchedulerOutput) -> list[int]:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, max_model_len: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, load_tokenizer: Callable | None = None) -> None:
+        """`load_tokenizer`: gives the model's tokenizer (grammars of structured outputs need it)."""
         self.model = model
         self.config = config
         self.max_model_len = max_model_len
@@ -60,7 +68,9 @@ class ModelRunner:
         attn = model.attention_layers()
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
-        self.sampler = Sampler(device, config.seed)
+        self.sampler = Sampler(device, config.seed, load_tokenizer)
+        self._processed: set[str] = set()  # live requests whose logits need processing
+        self._prompt_logprobs: set[str] = set()  # live requests that ask for prompt logprobs
         self.num_gpu_blocks = 0
         self.memory_baseline = 0  # bytes on the GPU that are another tenant's (executor.memory_in_use)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -129,12 +139,13 @@ class ModelRunner:
             warm_up_prefill_variants(*self.kv_caches[0], attn.num_heads)
 
     # ---- one step ------------------------------------------------------------------------------
-    def prepare(self, so: SchedulerOutput, rows: list[int] | None = None) -> StepInputs:
+    def prepare(self, so: SchedulerOutput, rows: list[int] | None = None, extra_rows: list[int] = ()) -> StepInputs:
         """Flat step tensors, packed on the host and sent in one non-blocking copy (no stream sync, so
         the next step can be prepared while the GPU runs this one). Decode-only steps (every request
         adds one token, the common case) take a vectorised path. A position the core has no token
         for yet (async scheduling) is a placeholder: its id is read on the device from the previous
-        step's sampled tokens. rows: `sampled_rows(so)`, when the caller has it already."""
+        step's sampled tokens. rows: `sampled_rows(so)`, when the caller has it already; extra_rows:
+        flat token rows whose logits are wanted after the sampled ones (prompt logprobs)."""
         rows = sampled_rows(so) if rows is None else rows
         bs = self.block_size
         reqs, starts, counts = so.requests, so.num_computed_before, so.num_new_tokens
@@ -155,7 +166,7 @@ class ModelRunner:
                 else:
                     ph_dst.append(i)
                     ph_src.append(self._prev_row(req.request_id))
-            sample_idx = rows  # one token per request: the row is the token
+            sample_idx = list(rows) + list(extra_rows) if extra_rows else rows  # one token per request: row = token
             slots = tables[np.arange(B), positions // bs].astype(np.int64) * bs + positions % bs
             seq_lens = positions + 1
             cu = np.arange(B + 1)
@@ -176,7 +187,7 @@ class ModelRunner:
                 slot_list.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 seq_lens.append(end)
                 cu.append(cu[-1] + n)
-            sample_idx = [cu[i + 1] - 1 for i in rows]  # each sampling request's last token
+            sample_idx = [cu[i + 1] - 1 for i in rows] + list(extra_rows)  # each sampling request's last token
             input_ids, positions, slots = ids, pos, slot_list
         return self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src], [seq_lens, cu, tables],
                             is_decode)
@@ -305,9 +316,15 @@ class ModelRunner:
         With `record_timing` set, the output carries a StepTiming (host stamps and device events)."""
         timer = StepTimer(self.device) if self.record_timing else None
         t0 = time.perf_counter()
-        self.sampler.forget(so.finished_req_ids)
+        if so.finished_req_ids:
+            self.sampler.forget(so.finished_req_ids)
+            self._processed.difference_update(so.finished_req_ids)
+            self._prompt_logprobs.difference_update(so.finished_req_ids)
+        if so.new_req_ids:
+            self._track(so)
         rows = sampled_rows(so)
-        x = self.prepare(so, rows)
+        plp = prompt_logprobs.prompt_logprob_rows(so) if self._prompt_logprobs else None
+        x = self.prepare(so, rows, plp.flat if plp is not None else ())
         if self.broadcast_inputs is not None:
             self.broadcast_inputs(x)
         if timer is not None:
@@ -325,15 +342,23 @@ class ModelRunner:
                                   f"step ({type(e).__name__}: {e})") from e
         reqs = so.requests
         params = [reqs[i].sampling_params for i in rows]
-        sampled = self.sampler.sample(logits, params, [reqs[i].request_id for i in rows]) if rows else None
+        prompt_parts = None
+        if plp is not None:
+            prompt_parts = prompt_logprobs.compute(logits[len(rows):], plp)
+            logits = logits[:len(rows)]
+        sampled = None
+        if rows:
+            contexts = self._contexts(so, rows) if self._processed else None
+            sampled = self.sampler.sample(logits, params, [reqs[i].request_id for i in rows], contexts)
         self._prev_tokens = sampled[0] if rows else None
         self._prev_rows = {reqs[i].request_id: j for j, i in enumerate(rows)}
         done = None
         if self.device.type == "cuda":
             if sampled is not None:
                 tokens, lp = sampled
-                sampled = (tokens.to("cpu", non_blocking=True),
-                           None if lp is None else tuple(t if t is None else t.to("cpu", non_blocking=True) for t in lp))
+                sampled = (tokens.to("cpu", non_blocking=True), _to_host(lp))
+            if prompt_parts is not None:
+                prompt_parts = [_to_host(part) for part in prompt_parts]
             # Waited for even when nothing was sampled (every row mid-prompt): the staging buffer this step's
             # inputs were copied from is rewritten two steps later, so its copy must be done by then.
             done = torch.cuda.Event()
@@ -356,7 +381,55 @@ class ModelRunner:
                     logprobs = [None] * len(reqs)
                     for i, lp in zip(rows, lps):
                         logprobs[i] = lp
+            plps = prompt_logprobs.to_lists(prompt_parts, plp, len(reqs)) if plp is not None else None
             end = time.perf_counter()
-            return ModelRunnerOutput(out, end - t0, logprobs, None if timer is None else timer.result(end))
+            return ModelRunnerOutput(out, end - t0, logprobs, None if timer is None else timer.result(end),
+                                     prompt_logprobs=plps)
 
         return result
+
+    def _track(self, so: SchedulerOutput) -> None:
+        """Note the step's new requests that need processing or prompt logprobs. A request seen for the first
+        time (not resumed after a preemption) starts with no sampler state: an id may come again from a
+        fresh engine on this runner."""
+        new = so.new_req_ids
+        fresh = []
+        for r in so.requests:
+            rid = r.request_id
+            if rid in new:
+                if not r.num_preemptions:
+                    fresh.append(rid)
+                sp = r.sampling_params
+                if sp.needs_processing:
+                    self._processed.add(rid)
+                if r.prompt_logprobs is not None:
+                    self._prompt_logprobs.add(rid)
+        self.sampler.forget(fresh)
+
+    def _contexts(self, so: SchedulerOutput, rows: list[int]) -> list[RowContext | None]:
+        """RowContexts of the sampled rows that need processing. Rows with bad words or a grammar get every
+        token sampled before, the previous step's one still in flight included (read back from the device)."""
+        reqs = so.requests
+        out: list[RowContext | None] = []
+        in_flight: list[int] = []  # positions in `out` whose output lacks the previous step's token
+        for i in rows:
+            r = reqs[i]
+            if r.request_id not in self._processed:
+                out.append(None)
+                continue
+            p = r.sampling_params
+            n_out = max(len(r.output_token_ids) + r.num_pending - 1, len(r.output_token_ids))
+            if n_out > len(r.output_token_ids) and (p.bad_words_token_ids or p.structured_outputs is not None):
+                in_flight.append(len(out))
+            out.append(RowContext(r.prompt_token_ids, r.output_token_ids, n_out, r.eos_token_id))
+        if in_flight:
+            src = [self._prev_row(reqs[rows[k]].request_id) for k in in_flight]
+            for k, tok in zip(in_flight, self._prev_tokens[src].tolist()):
+                c = out[k]
+                out[k] = c._replace(output_token_ids=[*c.output_token_ids, tok])
+        return out
+
+
+def _to_host(parts: tuple | None) -> tuple | None:
+    """Tensors (None kept) copied to the host without a stream sync."""
+    return None if parts is None else tuple(t if t is None else t.to("cpu", non_blocking=True) for t in parts)

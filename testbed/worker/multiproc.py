@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,7 @@ def _timeout() -> datetime.timedelta:
 def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, load_format: str, dtype: str,
            device_type: str) -> ModelRunner:
     """Join the process group as `rank` and load this rank's shard of the model."""
-    from testbed.worker.loader import load_model
+    from testbed.worker.loader import load_model, load_tokenizer
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -66,7 +67,7 @@ def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, l
     in_use = memory_in_use(device)
     net, hf_config = load_model(model, load_format, dt, device, seed=config.seed)
     max_model_len, _, _ = model_limits(hf_config, config)
-    runner = ModelRunner(net, config, max_model_len, device, dt)
+    runner = ModelRunner(net, config, max_model_len, device, dt, partial(load_tokenizer, model) if rank == 0 else None)
     runner.memory_baseline = in_use
     runner.hf_config = hf_config  # type: ignore[attr-defined]
     return runner

@@ -93,6 +93,7 @@ class EngineStepper:
         n = so.num_reqs
         tokens = [-1] * n
         logprobs: list | None = None
+        prompt_lps: list | None = None
         errors: dict[str, str] = {}
         if n == 1:
             errors[so.requests[0].request_id] = describe(error)
@@ -113,6 +114,9 @@ class EngineStepper:
             if out.logprobs is not None:
                 logprobs = logprobs or [None] * n
                 logprobs[i] = out.logprobs[0]
+            if out.prompt_logprobs is not None:
+                prompt_lps = prompt_lps or [None] * n
+                prompt_lps[i] = out.prompt_logprobs[0]
             if out.errors:
                 errors.update(out.errors)
-        return ModelRunnerOutput(tokens, duration, logprobs, errors=errors)
+        return ModelRunnerOutput(tokens, duration, logprobs, errors=errors, prompt_logprobs=prompt_lps)
