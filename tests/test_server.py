@@ -358,7 +358,6 @@ def _error(http, path: str, body, status: int, param: str | None = "any", **kw) 
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"max_tokens": 2}, "prompt"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 300}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, "messages"),
