@@ -103,10 +103,11 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     """One constraint on the output text, with vLLM's names: a JSON schema (`json`, a dict or its JSON text),
     a regular expression, a choice among strings, an EBNF grammar (xgrammar's dialect, GBNF-like), or any
-    JSON (`json_object=True`). Exactly one is set. `disable_any_whitespace` makes JSON compact (no
-    whitespace between tokens of the syntax). Construction checks the shape (InvalidParam naming the
-    field); whether the schema, regex or grammar compiles is checked by the worker's grammar backend
-    (testbed/worker/grammar.py), the one place that imports xgrammar. A dict schema is kept as JSON text."""
+    JSON (`json_object=True`). Exactly one is set. `disable_any_whitespace` allows no free whitespace in
+    JSON (separators exactly ", " and ": ", as xgrammar and vLLM write them). Construction checks the shape
+    (InvalidParam naming the field); whether the schema, regex or grammar compiles is checked by the
+    worker's grammar backend (testbed/worker/grammar.py), the one place that imports xgrammar. A dict
+    schema is kept as JSON text."""
 
     json: str | dict | None = None
     regex: str | None = None

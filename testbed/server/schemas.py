@@ -4,9 +4,10 @@ Fields follow the OpenAI API plus vLLM's extra sampling parameters (top_k, min_p
 repetition_penalty, ignore_eos, stop_token_ids, allowed_token_ids, bad_words, prompt_logprobs,
 include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens, truncate_prompt_tokens,
 return_token_ids, structured_outputs and the guided_* forms of it). Unknown fields are kept aside
-(`model_extra`) for the handler to name in one warning and otherwise ignore, as vLLM does; fields that
-exist here but are not built (tools, tool_choice other than "none", best_of > n) are refused by the
-handlers with a 400. Every string anywhere in a body must be valid Unicode (no lone surrogate); range
+(`model_extra`) for the handler to name in one warning and otherwise ignore, as vLLM does (OpenAI's
+`user`, an end-user id for abuse monitoring, is one of them). Every field here is honoured; the values
+that are not built (tools, tool_choice other than "none", best_of other than n, a priority without
+priority scheduling) are refused by the handlers with a 400 naming the field. Every string anywhere in a body must be valid Unicode (no lone surrogate); range
 checks live in SamplingParams and the handlers, so each failure names its parameter.
 """
 from __future__ import annotations
@@ -101,7 +102,6 @@ class _GenerationRequest(_Body):
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False
     priority: int = 0
-    user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

@@ -257,7 +257,7 @@ async def run_server(args: argparse.Namespace) -> int:
         raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
     state = ServerState(client, tokenizer, served, model, ServerMetrics(served, cfg.data_parallel_size),
                         ready.max_model_len, ready.vocab_size, ready.num_gpu_blocks, ready.block_size,
-                        cfg.max_num_waiting, args.api_key, TokenTexts(tokenizer))
+                        cfg.max_num_waiting, args.api_key, TokenTexts(tokenizer), cfg.policy)
     client.on_stats = state.on_stats
     app = build_app(state, args.max_request_bytes)
     what = (f"engine core pid {ready.pid}" if topology is None else

@@ -85,6 +85,9 @@ def sampling_params(state: ServerState, req, max_tokens: int | None, logprobs: i
         raise bad_request("bad_words need the model's tokenizer; this model has none (dummy weights)", "bad_words")
     try:
         check_priority(req.priority)
+        if req.priority and state.scheduling_policy != "priority":
+            raise bad_request(f"priority={req.priority} needs priority scheduling, which this server does not use "
+                              "(start it with --scheduling-policy priority, or drop priority)", "priority")
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,

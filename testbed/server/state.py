@@ -41,6 +41,7 @@ class ServerState:
     max_num_waiting: int | None = None
     api_key: str | None = None
     token_texts: TokenTexts | None = None
+    scheduling_policy: str = "fcfs"  # a request's priority counts only under "priority"
     arrivals: dict[str, float] = field(default_factory=dict)  # core request id -> arrival, until scheduled
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer_pool: ThreadPoolExecutor = field(
