@@ -1,8 +1,9 @@
 """Helpers for the real-engine tests (test_llm, test_tp, test_replay): tiny random HF checkpoints,
-Hugging Face greedy references, and a driver that staggers request arrivals across engine steps."""
+Hugging Face greedy references (with logits processors), and a driver that staggers request arrivals across engine steps."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
@@ -33,12 +34,26 @@ def random_prompts(lengths: Sequence[int], vocab: int, seed: int = 0) -> list[li
     return [[g.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(hf, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    """transformers' `generate` (do_sample=False): new tokens, ending with EOS where the model emits it."""
+def hf_greedy(hf, prompt: Sequence[int], max_new_tokens: int, **processors) -> list[int]:
+    """transformers' `generate` (do_sample=False) with these logits-processor arguments: new tokens, ending
+    with EOS where the model emits it."""
     with torch.no_grad():
         out = hf.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=max_new_tokens, do_sample=False)
+                          max_new_tokens=max_new_tokens, do_sample=False, **processors)
     return out[0, len(prompt):].tolist()
+
+
+class OpenAIPenalties:
+    """OpenAI's frequency and presence penalties over the generated tokens, as a transformers logits
+    processor (transformers has none)."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids, scores):
+        for tok, n in Counter(input_ids[0, self.prompt_len:].tolist()).items():
+            scores[0, tok] -= self.frequency * n + self.presence
+        return scores
 
 
 def run_staggered(llm, prompts: Sequence[Sequence[int]], arrival_steps: Sequence[int], params, prefix: str = "r",

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "testbed"
 # What testbed/engine/ may import besides itself: no clock (time), no sleep, no sockets (socket, zmq,
 # asyncio), no processes, no files, no torch or simpy. Extend only with modules that do no I/O.
 ENGINE_ALLOWED = {"__future__", "abc", "bisect", "collections", "dataclasses", "enum", "functools", "heapq",
-                  "itertools", "math", "numpy", "operator", "typing"}
+                  "itertools", "json", "math", "numpy", "operator", "typing"}
 
 
 def module_name(path: Path) -> str:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
 
 import pytest
 import torch
-from transformers import LogitsProcessor
 
 from testbed import LLM, SamplingParams
 from testbed.engine.request import StructuredOutputsParams
+
+from llm_helpers import OpenAIPenalties, hf_greedy
 
 BUDGET = 32  # max_num_batched_tokens: longer prompts are prefilled in chunks
 NEW = 16
@@ -41,26 +41,6 @@ def hf(smol_dir):
 @pytest.fixture(scope="module")
 def tok(smol):
     return smol.get_tokenizer()
-
-
-def hf_generate(hf, prompt: list[int], max_new_tokens: int, **kw) -> list[int]:
-    """transformers' greedy `generate` with these processor arguments: the new tokens (EOS ends them)."""
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          max_new_tokens=max_new_tokens, do_sample=False, **kw)
-    return out[0, len(prompt):].tolist()
-
-
-class OpenAIPenalties(LogitsProcessor):
-    """OpenAI's frequency and presence penalties over the generated tokens (transformers has none)."""
-
-    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
-        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
-
-    def __call__(self, input_ids, scores):
-        for tok, n in Counter(input_ids[0, self.prompt_len:].tolist()).items():
-            scores[0, tok] -= self.frequency * n + self.presence
-        return scores
 
 
 def _engine(smol: LLM, async_scheduling: bool) -> LLM:
@@ -99,7 +79,7 @@ def test_processed_greedy_matches_transformers_generate(smol, hf, tok, async_sch
     ]
     outs = llm.generate([p for p, _, _ in cases], [sp for _, sp, _ in cases])
     for (prompt, sp, kw), out in zip(cases, outs):
-        assert out.outputs[0].token_ids == hf_generate(hf, prompt, NEW, **kw), sp
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW, **kw), sp
     changed = [o.outputs[0].token_ids != b.outputs[0].token_ids for o, b in zip(outs, [base[0], base[1], base[0],
                                                                                      base[2], base[3], base[3], base[2]])]
     assert all(changed), changed  # every processed row differs from plain greedy
@@ -119,7 +99,7 @@ def test_min_tokens_keeps_eos_away_as_min_new_tokens_does(smol, hf, tok):
     (out,) = smol.generate([prompt], [_greedy(max_tokens=m + 8, min_tokens=m)])
     c = out.outputs[0]
     assert len(c.token_ids) >= m and eos not in c.token_ids[:m]
-    assert c.token_ids == hf_generate(hf, prompt, m + 8, min_new_tokens=m, eos_token_id=eos)
+    assert c.token_ids == hf_greedy(hf, prompt, m + 8, min_new_tokens=m, eos_token_id=eos)
 
 
 def test_prompt_logprobs_match_transformers(smol, hf, tok):
