@@ -83,7 +83,8 @@ def test_processing_acts_as_transformers_processors(client, tok, hf):
     paris = [tok.encode(w, add_special_tokens=False) for w in ("Paris", " Paris")]
     cases = [  # (our request, transformers generate's processor arguments)
         (dict(logit_bias={str(base[0]): -100}), dict(sequence_bias=[[[base[0]], -100.0]])),
-        (dict(presence_penalty=2.0, frequency_penalty=2.0), dict(logits_processor=[OpenAIPenalties(len(ids), 2.0, 2.0)])),
+        (dict(presence_penalty=2.0), dict(logits_processor=[OpenAIPenalties(len(ids), 0.0, 2.0)])),
+        (dict(frequency_penalty=2.0), dict(logits_processor=[OpenAIPenalties(len(ids), 2.0, 0.0)])),
         (dict(extra_body={"repetition_penalty": 2.0}), dict(repetition_penalty=2.0)),
         (dict(extra_body={"allowed_token_ids": list(range(300, 700))}),
          dict(prefix_allowed_tokens_fn=lambda b, i: list(range(300, 700)))),
