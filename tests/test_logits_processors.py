@@ -177,6 +177,18 @@ def test_processed_rows_beside_fast_rows():
         assert lps[1][0] == pytest.approx(raw[b].item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_left_with_no_token_is_reported_and_spares_the_others(temperature):
+    """allowed_token_ids = [EOS] under min_tokens excludes every token: that row is -1 (never a draw from NaN
+    probabilities, which fails on the CPU and asserts on a GPU); the rows beside it sample as usual."""
+    logits = _logits(3, 9)
+    params = [SamplingParams(temperature=temperature, seed=1, allowed_token_ids=[EOS], min_tokens=2),
+              SamplingParams(temperature=temperature, seed=1, allowed_token_ids=[3, EOS], min_tokens=2),
+              SamplingParams(temperature=0.0)]
+    tokens, _ = Sampler(CPU)(logits, params, ["a", "b", "c"], [_ctx([1], []), _ctx([1], []), None])
+    assert tokens == [-1, 3, int(logits[2].argmax())]
+
+
 def test_a_row_that_needs_processing_needs_a_context():
     with pytest.raises(ValueError, match="RowContext"):
         Sampler(CPU)(_logits(1), [SamplingParams(logit_bias={1: 1.0})], ["a"], [None])

@@ -65,8 +65,27 @@ SAMPLING = {
     "return_token_ids": (st.booleans(), wrong_type),
     "priority": (st.integers(-(2**63), 2**63 - 1), hostile_int),
     "model": (st.just("SmolLM2-135M-Instruct"), st.one_of(text, hostile_text)),
-    "user": (text, hostile_text),
-    "logit_bias": (wrong_type, wrong_type),  # not a field here: ignored
+    "user": (text, hostile_text),  # not a field: ignored with a warning
+    "presence_penalty": (st.floats(-2, 2), hostile_float),
+    "frequency_penalty": (st.floats(-2, 2), hostile_float),
+    "repetition_penalty": (st.floats(0.01, 5), st.one_of(hostile_float, st.just(0))),
+    "min_p": (st.floats(0, 1), hostile_float),
+    "logit_bias": (st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3),
+                   st.dictionaries(st.one_of(text, hostile_text), st.one_of(hostile_float, wrong_type), min_size=1,
+                                   max_size=2)),
+    "allowed_token_ids": (st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4), hostile_ids),
+    "bad_words": (st.lists(text.filter(str.strip), max_size=2), st.lists(st.one_of(hostile_text, st.just("")),
+                                                                          min_size=1, max_size=2)),
+    "prompt_logprobs": (st.integers(0, 20), st.one_of(hostile_int, st.just(21))),
+    "truncate_prompt_tokens": (st.sampled_from([-1, 1, 3, 200]), st.one_of(hostile_int, st.just(0))),
+    "guided_choice": (st.lists(text.filter(bool), min_size=1, max_size=3),
+                      st.lists(st.one_of(hostile_text, st.just("")), max_size=2)),
+    "guided_regex": (st.sampled_from(["[a-z]+", "(yes|no)", "[0-9]{1,3}"]), st.one_of(hostile_text, text)),
+    "guided_json": (st.sampled_from([{"type": "object"}, {"type": "integer", "maximum": 9}, '{"type": "string"}']),
+                    st.one_of(hostile_text, text, wrong_type)),
+    "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                        st.one_of(wrong_type, st.fixed_dictionaries({"type": st.one_of(text, hostile_text)}),
+                                  st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": wrong_type}))),
     "max_tokens": (st.integers(1, 3), st.one_of(hostile_int, st.sampled_from([0, -1, 300]))),
 }
 COMPLETION = {
@@ -143,7 +162,7 @@ def test_fuzz_request_bodies_never_5xx_nor_kill_the_engine(server, http, request
     path, body = request
     status, events = send(http, path, body)
     event(f"{path} {status}{' stream' if events else ''}")
-    assert status < 500, (path, body, status)
+    assert status < 500, f"{path} {status}: {json.dumps(body)}"
     if events:
         assert events[-1] == "[DONE]", events[-3:]
         errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]

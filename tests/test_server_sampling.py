@@ -283,6 +283,14 @@ def test_what_is_not_built_is_refused_by_name(client, endpoint, kw, param):
     assert e.value.status_code == 400 and e.value.param == param and param in e.value.message
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constraints_that_exclude_every_token_get_a_400(client, temperature):
+    """allowed_token_ids that the grammar never allows leave no token: a 400 saying so, and the engine goes on."""
+    with pytest.raises(openai.BadRequestError, match="no token is left to sample"):
+        _completion(client, temperature=temperature, extra_body={"allowed_token_ids": [0], "guided_choice": ["0"]})
+    assert _completion(client, max_tokens=2).choices[0].finish_reason == "length"
+
+
 def test_tool_choice_none_and_best_of_n_are_served(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, tool_choice="none", tools=[])
     assert r.choices[0].message.content is not None

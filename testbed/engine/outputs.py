@@ -54,6 +54,11 @@ class SchedulerOutput:
         return not self.requests
 
 
+# The error of a request whose logits processing left no token to draw (the executor ends it, the engine goes on).
+NO_TOKEN_LEFT = ("no token is left to sample: allowed_token_ids, bad_words, min_tokens and the output constraint "
+                 "(response_format, structured_outputs or guided_*) together exclude every token; relax one of them")
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """What an executor returns: one sampled token per scheduled request (-1 where the request was

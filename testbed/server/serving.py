@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Any
 
+from testbed.engine.outputs import NO_TOKEN_LEFT
 from testbed.engine.request import (InvalidParam, SamplingParams, StructuredOutputsParams, check_priority,
                                     child_seed, truncate_prompt)
 from testbed.server import protocol as P
@@ -284,6 +285,8 @@ class GenerationRun:
             raise APIError(503 if "waiting" in str(out.stop_reason) else 400, f"request rejected: {out.stop_reason}")
         if out.finish_reason == "error":  # the executor failed on this request; the engine goes on
             self._finish(c, "error", None, now)
+            if out.stop_reason == NO_TOKEN_LEFT:  # the request's own constraints contradict each other
+                raise bad_request(NO_TOKEN_LEFT)
             raise APIError(500, f"generation failed: {out.stop_reason}", None, "generation_failed")
         if out.prompt_logprobs is not None:
             c.prompt_logprobs = out.prompt_logprobs

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from testbed.engine.config import EngineConfig
-from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from testbed.engine.outputs import NO_TOKEN_LEFT, ModelRunnerOutput, SchedulerOutput
 from testbed.worker import prompt_logprobs
 from testbed.worker.context import reset_context, set_context
 from testbed.worker.logits_processors import RowContext
@@ -355,8 +355,9 @@ class ModelRunner:
         done = None
         if self.device.type == "cuda":
             if sampled is not None:
-                tokens, lp = sampled
-                sampled = (tokens.to("cpu", non_blocking=True), _to_host(lp))
+                tokens, lp, stuck = sampled
+                sampled = (tokens.to("cpu", non_blocking=True), _to_host(lp),
+                           None if stuck is None else stuck.to("cpu", non_blocking=True))
             if prompt_parts is not None:
                 prompt_parts = [_to_host(part) for part in prompt_parts]
             # Waited for even when nothing was sampled (every row mid-prompt): the staging buffer this step's
@@ -372,11 +373,14 @@ class ModelRunner:
             if timer is not None:
                 timer.synced()
             out = [-1] * len(reqs)
-            logprobs = None
+            logprobs = errors = None
             if sampled is not None:
                 tokens, lps = self.sampler.to_lists(sampled, params)
                 for i, tok in zip(rows, tokens):
                     out[i] = tok
+                    if tok < 0:  # its logits processing left no token
+                        errors = errors or {}
+                        errors[reqs[i].request_id] = NO_TOKEN_LEFT
                 if lps is not None:
                     logprobs = [None] * len(reqs)
                     for i, lp in zip(rows, lps):
@@ -384,7 +388,7 @@ class ModelRunner:
             plps = prompt_logprobs.to_lists(prompt_parts, plp, len(reqs)) if plp is not None else None
             end = time.perf_counter()
             return ModelRunnerOutput(out, end - t0, logprobs, None if timer is None else timer.result(end),
-                                     prompt_logprobs=plps)
+                                     errors, plps)
 
         return result
 

@@ -6,7 +6,9 @@ do not depend on what else is in the batch. Rows that need processing (penalties
 allowed_token_ids, bad words, min_tokens, a grammar: SamplingParams.needs_processing) go through
 LogitsProcessors first, greedy ones included; the others take the fast path untouched. Logprobs are of
 the model's raw distribution (before processing, temperature, top-k, top-p, min-p), as vLLM reports
-them, each with the token's rank in it (1 = most likely).
+them, each with the token's rank in it (1 = most likely). A processed row left with no token (its
+constraints exclude every one) is drawn from a uniform row instead, so the device never sees NaN
+probabilities, and reported as token -1.
 """
 from __future__ import annotations
 
@@ -75,20 +77,25 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
                  contexts: Sequence[RowContext | None] | None = None) -> tuple[list[int], list | None]:
-        """logits [n, vocab] -> (token per row, per-row logprobs or None)."""
+        """logits [n, vocab] -> (token per row (-1: no token left), per-row logprobs or None)."""
         return self.to_lists(self.sample(logits, params, request_ids, contexts), params)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
-               contexts: Sequence[RowContext | None] | None = None) -> tuple[torch.Tensor, tuple | None]:
-        """Draw on the device without reading anything back: (tokens [n], logprob tensors or None).
-        The logprob tensors are `gather_logprobs`' with k the largest asked. `contexts`: a RowContext for
+               contexts: Sequence[RowContext | None] | None = None
+               ) -> tuple[torch.Tensor, tuple | None, torch.Tensor | None]:
+        """Draw on the device without reading anything back: (tokens [n], logprob tensors or None, the rows
+        processing left with no token [n] bool or None). The logprob tensors are `gather_logprobs'` with k
+        the largest asked. `contexts`: a RowContext for
         each row that needs processing (None elsewhere), or None when no row does (the fast path: no scan).
         Greedy rows take the argmax of the logits as they come (upcasting is exact, so bf16 and float32
         agree); processing and probabilities are in float32."""
         raw = logits
         proc = [] if contexts is None else [j for j, p in enumerate(params) if p.needs_processing]
+        stuck = None
         if proc:
             logits = self._process(raw, proc, params, request_ids, contexts)
+            stuck = (logits == float("-inf")).all(dim=-1)
+            logits = logits.masked_fill(stuck.unsqueeze(1), 0.0)  # a valid draw, discarded by to_lists
         tokens = argmax(logits)
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if random_rows:
@@ -112,9 +119,9 @@ class Sampler:
         if proc:
             self.processors.record(tokens if len(proc) == len(params) else tokens.index_select(0, _on(tokens, proc)))
         if all(p.logprobs is None for p in params):
-            return tokens, None
+            return tokens, None, stuck
         k = max(p.logprobs or 0 for p in params)
-        return tokens, gather_logprobs(torch.log_softmax(raw.float(), dim=-1), tokens, k)
+        return tokens, gather_logprobs(torch.log_softmax(raw.float(), dim=-1), tokens, k), stuck
 
     def _process(self, logits: torch.Tensor, proc: list[int], params, request_ids, contexts) -> torch.Tensor:
         """float32 logits with the rows in `proc` processed (a copy: the raw logits stay for logprobs)."""
@@ -132,12 +139,14 @@ class Sampler:
         return x
 
     @staticmethod
-    def to_lists(sampled: tuple[torch.Tensor, tuple | None], params: list[SamplingParams]
+    def to_lists(sampled: tuple[torch.Tensor, tuple | None, torch.Tensor | None], params: list[SamplingParams]
                  ) -> tuple[list[int], list | None]:
-        """Host lists from `sample`'s tensors (waits for them): tokens and, per row, None or
-        (token logprob, rank, [(token id, logprob), ...] of the row's top `logprobs`)."""
-        tokens, lp = sampled
+        """Host lists from `sample`'s tensors (waits for them): tokens (-1 where no token was left) and, per
+        row, None or (token logprob, rank, [(token id, logprob), ...] of the row's top `logprobs`)."""
+        tokens, lp, stuck = sampled
         token_list = tokens.tolist()
+        if stuck is not None:
+            token_list = [-1 if s else t for t, s in zip(token_list, stuck.tolist())]
         if lp is None:
             return token_list, None
         return token_list, logprob_lists(lp, [p.logprobs for p in params])
