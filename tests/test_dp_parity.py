@@ -99,19 +99,36 @@ def test_dp_replay_and_recorded_simulation_make_the_same_decisions(tmp_path, cap
 @pytest.mark.smollm2
 @pytest.mark.timeout(300)
 def test_llm_with_two_replicas_generates_what_one_does():
+    """Every sampling parameter reaches the replicas: plain greedy, logits processing, a grammar and prompt
+    logprobs give what one engine gives."""
     from testbed import LLM, SamplingParams
+    from testbed.engine.request import StructuredOutputsParams
     prompts = ["The capital of France is", "Water boils at", "The largest planet is", "One plus one is"]
     sp = SamplingParams(temperature=0.0, max_tokens=6)
+    processed = [SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.8, prompt_logprobs=1),
+                 SamplingParams(temperature=0.0, max_tokens=6, logit_bias={216: -100}),  # the first token
+                 SamplingParams(temperature=0.0, max_tokens=6, bad_words=["the"]),
+                 SamplingParams(temperature=1.0, seed=3, max_tokens=6,
+                                structured_outputs=StructuredOutputsParams(choice=["hot", "cold"]))]
+
+    def run(llm) -> list:
+        outs = llm.generate(prompts, sp) + llm.generate(prompts, processed)
+        return [(o.outputs[0].text, o.prompt_logprobs) for o in outs]
+
     one = LLM(max_model_len=256, num_gpu_blocks=64)
     try:
-        want = [o.outputs[0].text for o in one.generate(prompts, sp)]
+        want = run(one)
     finally:
         one.shutdown()
+    assert want[7][0] in ("hot", "cold") and want[4][1] is not None
+    assert all(w[0] != p[0] for w, p in zip(want[4:], want[:4]))  # processing changed every output
     two = LLM(max_model_len=256, num_gpu_blocks=64, data_parallel_size=2, dp_policy="round_robin")
     try:
         got = two.generate(prompts, sp)
-        assert [o.outputs[0].text for o in got] == want
+        assert [o.outputs[0].text for o in got] == [w[0] for w in want[:4]]
         assert all(o.outputs[0].finish_reason == "length" for o in got)
+        outs = two.generate(prompts, processed)
+        assert [(o.outputs[0].text, o.prompt_logprobs) for o in outs] == want[4:]
     finally:
         two.shutdown()
     assert sorted({row[1] for row in two.records().requests}) == [0, 1]
