@@ -1,4 +1,5 @@
-"""Shared fixtures for the engine tests: request factory, a token-fixed executor and a checked step loop."""
+"""Shared fixtures: for the engine tests a request factory, a token-fixed executor and a checked step loop;
+for the server tests the openai and httpx clients of a module's server."""
 from __future__ import annotations
 
 import zlib
@@ -116,3 +117,19 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# ---- clients of a module's real server: a module that defines a `server` fixture (a ServerProcess) gets these
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client for the module's server (no retries: a failure shows at once)."""
+    import openai
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx client for the module's server, with its API key."""
+    import httpx
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as h:
+        yield h

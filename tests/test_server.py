@@ -30,17 +30,6 @@ def server(tmp_path_factory):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as h:
-        yield h
-
-
 def count_tokens(http, **body) -> int:
     r = http.post("/tokenize", json=body)
     assert r.status_code == 200, r.text

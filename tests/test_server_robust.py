@@ -25,12 +25,6 @@ def server(tmp_path_factory):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as h:
-        yield h
-
-
 # ---- strategies: a valid body (edge values included), then 0-2 of its fields poisoned ----------------------
 VOCAB = 49152
 HUGE = [2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70, 10**30, -(2**63), -(2**63) - 1, -(2**64)]

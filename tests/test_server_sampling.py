@@ -11,7 +11,6 @@ import math
 import re
 import uuid
 
-import httpx
 import jsonschema
 import openai
 import pydantic
@@ -37,17 +36,6 @@ def server(tmp_path_factory):
     # one OpenMP thread: tiny CPU steps, no spinning against the client on 2 cores
     with running_server(log_dir=tmp_path_factory.mktemp("serve-sampling"), env={"OMP_NUM_THREADS": "1"}) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as h:
-        yield h
 
 
 @pytest.fixture(scope="module")
