@@ -55,18 +55,19 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     structured_outputs: StructuredOutput | None = None
 
 
+# AddRequest fields that are SamplingParams fields of the same name (the engine's share of them)
+SAMPLING_FIELDS = tuple(f for f in AddRequest.__struct_fields__
+                        if f not in ("seq", "request_id", "prompt_token_ids", "arrival_time", "priority",
+                                     "structured_outputs"))
+
+
 def engine_fields(sp: SamplingParams) -> dict[str, Any]:
     """The AddRequest fields of what the engine honours in `sp` (seed and priority are per request: the
     caller gives them)."""
     so = sp.structured_outputs
-    return dict(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
-                min_tokens=sp.min_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-                logprobs=sp.logprobs, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-                repetition_penalty=sp.repetition_penalty, min_p=sp.min_p, logit_bias=sp.logit_bias,
-                allowed_token_ids=sp.allowed_token_ids, bad_words_token_ids=sp.bad_words_token_ids,
-                prompt_logprobs=sp.prompt_logprobs,
-                structured_outputs=None if so is None else StructuredOutput(so.kind, so.spec,
-                                                                            so.disable_any_whitespace))
+    fields = {f: getattr(sp, f) for f in SAMPLING_FIELDS if f != "seed"}
+    fields["structured_outputs"] = None if so is None else StructuredOutput(so.kind, so.spec, so.disable_any_whitespace)
+    return fields
 
 
 def sampling_params(m: AddRequest) -> SamplingParams:
@@ -74,13 +75,7 @@ def sampling_params(m: AddRequest) -> SamplingParams:
     w = m.structured_outputs
     so = None if w is None else StructuredOutputsParams(**{w.kind: w.spec},
                                                         disable_any_whitespace=w.disable_any_whitespace)
-    return SamplingParams(temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, seed=m.seed,
-                          max_tokens=m.max_tokens, min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids,
-                          ignore_eos=m.ignore_eos, logprobs=m.logprobs, presence_penalty=m.presence_penalty,
-                          frequency_penalty=m.frequency_penalty, repetition_penalty=m.repetition_penalty,
-                          min_p=m.min_p, logit_bias=m.logit_bias, allowed_token_ids=m.allowed_token_ids,
-                          bad_words_token_ids=m.bad_words_token_ids, prompt_logprobs=m.prompt_logprobs,
-                          structured_outputs=so)
+    return SamplingParams(**{f: getattr(m, f) for f in SAMPLING_FIELDS}, structured_outputs=so)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
