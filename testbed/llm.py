@@ -30,7 +30,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list | None
+    logprobs: list | None  # per token: (logprob, rank (1 = most likely), [(token id, logprob), ...] of the top N)
     finish_reason: str | None
     stop_reason: int | str | None = None
 

@@ -211,8 +211,8 @@ def test_async_scheduling_same_outputs_as_sync(smol, smol_dir, smol_prompts):
             assert (y.text, y.token_ids, y.finish_reason, y.stop_reason) == (x.text, x.token_ids, x.finish_reason,
                                                                              x.stop_reason)
             assert (x.logprobs is None) == (y.logprobs is None)
-            for (lx, tx), (ly, ty) in zip(x.logprobs or [], y.logprobs or []):
-                assert ly == pytest.approx(lx, abs=1e-4) and [t for t, _ in ty] == [t for t, _ in tx]
+            for (lx, rx, tx), (ly, ry, ty) in zip(x.logprobs or [], y.logprobs or []):
+                assert ly == pytest.approx(lx, abs=1e-4) and [t for t, _ in ty] == [t for t, _ in tx] and ry == rx
                 assert [v for _, v in ty] == pytest.approx([v for _, v in tx], abs=1e-4)
         assert llm.engine.block_manager.num_used_blocks == 0
     finally:
@@ -343,15 +343,17 @@ def test_logprobs_match_hf_log_softmax(smol, smol_prompts, hf_smol):
             logits = hf_smol(torch.tensor([prompt + c.token_ids])).logits[0].float()
         ref = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
         assert len(c.logprobs) == len(c.token_ids) == 8
-        for j, (tok, (chosen, top)) in enumerate(zip(c.token_ids, c.logprobs)):
+        for j, (tok, (chosen, rank, top)) in enumerate(zip(c.token_ids, c.logprobs)):
             assert abs(chosen - ref[j, tok].item()) < 1e-4, f"token {j}"
+            assert rank == int((ref[j] > ref[j, tok] + 1e-4).sum()) + 1, f"token {j}"  # 1 = most likely
             for tid, lp in top:
                 assert abs(lp - ref[j, tid].item()) < 1e-4
             assert [t for t, _ in top] == ref[j].topk(len(top)).indices.tolist()
-        assert abs(c.cumulative_logprob - sum(lp for lp, _ in c.logprobs)) < 1e-6
+        assert abs(c.cumulative_logprob - sum(lp for lp, _, _ in c.logprobs)) < 1e-6
     greedy, sampled = (o.outputs[0] for o in outs)
-    assert all(len(top) == 3 and top[0][0] == tok for tok, (_, top) in zip(greedy.token_ids, greedy.logprobs))
-    assert all(top == [] for _, top in sampled.logprobs)
+    assert all(len(top) == 3 and top[0][0] == tok and rank == 1
+               for tok, (_, rank, top) in zip(greedy.token_ids, greedy.logprobs))
+    assert all(top == [] for _, _, top in sampled.logprobs) and any(r > 1 for _, r, _ in sampled.logprobs)
 
 
 # ---- bad input -------------------------------------------------------------------------------------
