@@ -1,9 +1,9 @@
 """`testbed serve`: an OpenAI-compatible API server (FastAPI + uvicorn) over an engine-core process.
 
-api.py (routes) -> completions.py / chat.py (request shapes) -> serving.py (GenerationRun: choices,
-detokenizer.py, stop strings, metrics.py) -> client.py (ZMQ client, per-request queues) ==ZMQ +
-msgspec (protocol.py)==> engine_proc.py (EngineCore + executor loop). serve.py launches both;
-the `testbed bench serve` client is testbed/bench/.
+api.py (routes) -> completions.py / chat.py (request shapes; params.py turns a body into SamplingParams)
+-> serving.py (GenerationRun: choices, detokenizer.py, stop strings, metrics.py) -> client.py (ZMQ client,
+per-request queues) ==ZMQ + msgspec (protocol.py)==> engine_proc.py (EngineCore + executor loop).
+serve.py launches both; the `testbed bench serve` client is testbed/bench/.
 
 Data parallelism: dp_client.py (in place of client.py) ==> dp_coordinator.py (DPCoordinator routes
 each request) ==> dp_engine_proc.py (one process per replica), messages in dp_protocol.py; replicas

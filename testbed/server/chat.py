@@ -10,8 +10,8 @@ from starlette.responses import JSONResponse, Response
 
 from testbed.engine.request import MAX_LOGPROBS
 from testbed.server.schemas import ChatCompletionRequest, ChatMessage, bad_request
-from testbed.server.serving import (GenerationRun, floor_logprob, prompt_logprobs_json, request_params,
-                                    truncate_prompts)
+from testbed.server.params import request_params, truncate_prompts
+from testbed.server.serving import GenerationRun, floor_logprob, prompt_logprobs_json
 from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 

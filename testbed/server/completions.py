@@ -8,8 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from testbed.server.schemas import CompletionRequest, bad_request
-from testbed.server.serving import (Choice, GenerationRun, floor_logprob as _floor, prompt_logprobs_json,
-                                    request_params, truncate_prompts)
+from testbed.server.params import request_params, truncate_prompts
+from testbed.server.serving import Choice, GenerationRun, floor_logprob as _floor, prompt_logprobs_json
 from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 
