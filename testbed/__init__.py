@@ -8,6 +8,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from testbed.engine.request import SamplingParams
         return SamplingParams
+    if name == "sweep":
+        from testbed.sweeps import sweep
+        return sweep
     if name == "LLM":
         from testbed.llm import LLM
         return LLM

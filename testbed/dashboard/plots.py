@@ -38,9 +38,10 @@ class Series:
 
 
 def to_png(fig: Figure, dpi: int = 100) -> bytes:
-    """PNG bytes of a figure (closed afterwards, so a long-running dashboard does not pile up figures)."""
+    """PNG bytes of a figure (closed afterwards, so a long-running dashboard does not pile up figures). The
+    metadata is fixed (no software string; PNGs carry no date), so the bytes depend only on the figure."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
     return buf.getvalue()
 

@@ -1,0 +1,145 @@
+"""Run the experiment notebooks headless: jupytext percent scripts executed by nbclient (`make experiments`).
+
+    python -m testbed.notebooks experiments [NOTEBOOK.py ...] --output runs/experiments [-p full=True]
+
+Each notebook NAME.py runs in a fresh kernel started in the repository root and writes everything into
+OUTPUT/NAME/, the executed notebook NAME.ipynb (figures and tables rendered) included. Parameters follow
+papermill: the cell tagged `parameters` holds the defaults, and the values given here go into a cell
+tagged `injected-parameters` right after it (`output_dir` always), so the notebook reads as it ran.
+Invariant: for the same notebook, parameters and seed, the executed notebook is byte for byte the same
+(cell ids are numbered, no timing is recorded, and the notebooks print nothing that varies).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+from typing import Any
+
+PARAMETERS_TAG = "parameters"
+INJECTED_TAG = "injected-parameters"
+
+
+class NotebookError(RuntimeError):
+    """A notebook failed to run; the message names it, the failing cell and where its partial output went."""
+
+
+def find_notebooks(paths: list[str | Path]) -> list[Path]:
+    """Notebooks named by `paths`: files as given, folders as their `[0-9]*.py` files in name order."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out.extend(sorted(p.glob("[0-9]*.py")))
+        elif p.is_file() and p.suffix == ".py":
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"{p}: not a notebook (.py percent script) or a folder of them")
+    if not out:
+        raise FileNotFoundError(f"no notebooks ([0-9]*.py) in {', '.join(map(str, paths))}")
+    return out
+
+
+def read_notebook(path: str | Path):
+    """The notebook of a jupytext percent script, with cell ids numbered (nbformat would draw random ones)."""
+    import jupytext
+    nb = jupytext.read(path, fmt="py:percent")
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"cell-{i}"
+    return nb
+
+
+def parameter_names(nb) -> list[str]:
+    """Names assigned in the notebook's `parameters` cell (there must be exactly one)."""
+    cells = [c for c in nb.cells if PARAMETERS_TAG in c.get("metadata", {}).get("tags", [])]
+    if len(cells) != 1:
+        raise ValueError(f"a notebook needs exactly one cell tagged {PARAMETERS_TAG!r} (found {len(cells)}); tag it "
+                         "with `# %% tags=[\"parameters\"]`")
+    names = []
+    for node in ast.parse(cells[0].source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        names += [t.id for t in targets if isinstance(t, ast.Name)]
+    return names
+
+
+def inject_parameters(nb, parameters: dict[str, Any]) -> None:
+    """Add the cell tagged `injected-parameters` after the `parameters` cell, as papermill does; every name must
+    be a parameter of the notebook and every value a Python literal."""
+    import nbformat
+    known = parameter_names(nb)
+    unknown = sorted(set(parameters) - set(known))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {', '.join(unknown)}; this notebook takes {', '.join(known)}")
+    lines = ["# Parameters"]
+    for name, value in parameters.items():
+        text = repr(value)
+        if ast.literal_eval(text) != value:
+            raise ValueError(f"parameter {name}={value!r} is not a Python literal")
+        lines.append(f"{name} = {text}")
+    cell = nbformat.v4.new_code_cell("\n".join(lines), metadata={"tags": [INJECTED_TAG]})
+    at = next(i for i, c in enumerate(nb.cells) if PARAMETERS_TAG in c.get("metadata", {}).get("tags", []))
+    cell["id"] = "injected-parameters"
+    nb.cells.insert(at + 1, cell)
+
+
+def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str, Any] | None = None, *,
+                     cwd: str | Path = ".", timeout: float = 900) -> Path:
+    """Execute one notebook with `parameters` (plus `output_dir` = `output`) in a fresh kernel started in
+    `cwd`; write the executed notebook to `output`/NAME.ipynb, also when a cell fails (NotebookError then)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    import matplotlib.pyplot  # noqa: F401  builds matplotlib's font cache here, so no kernel prints that notice
+
+    src, out = Path(path), Path(output)
+    nb = read_notebook(src)
+    inject_parameters(nb, {"output_dir": str(out), **(parameters or {})})
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / f"{src.stem}.ipynb"
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(Path(cwd).resolve())}})
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        raise NotebookError(f"{src}: a cell failed (the executed notebook up to it: {target}):\n{e}") from None
+    finally:
+        nbformat.write(nb, target)
+    return target
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare word is a string
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m testbed.notebooks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("notebooks", nargs="+", help="notebook files (.py percent scripts) or folders of them")
+    ap.add_argument("--output", "-o", default="runs/experiments", help="folder for every notebook's outputs")
+    ap.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
+                    help="override a parameter (a Python literal: full=True, rates=[2,4]); repeatable")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one cell may run")
+    args = ap.parse_args(argv)
+    try:
+        params = {}
+        for p in args.parameter:
+            name, sep, value = p.partition("=")
+            if not sep or not name.isidentifier():
+                raise ValueError(f"-p {p!r}: expected NAME=VALUE")
+            params[name] = _literal(value)
+        for nb in find_notebooks(args.notebooks):
+            print(f"running {nb} ...", flush=True)
+            target = execute_notebook(nb, Path(args.output) / nb.stem, params, timeout=args.timeout)
+            print(f"wrote {target}", flush=True)
+    except (ValueError, OSError, NotebookError) as e:
+        print(f"testbed.notebooks: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
