@@ -65,7 +65,7 @@ if full:
     source = Path("../shared/traces/azure_llm_2023_conv.csv")
     if not source.is_file():
         raise FileNotFoundError(f"full=True reads {source} (the public traces beside the repository); it is missing")
-    limit, rates = None, [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]
+    limit, rates = None, list(range(1, 21))
 else:
     source, limit, rates = Path("traces/azure_conv_10min.jsonl"), 1000, [2, 4, 6, 8, 10, 12, 14, 16]
 requests = load_trace(source, limit=limit)
