@@ -48,6 +48,7 @@ import pandas as pd
 from testbed import experiment, sweep
 from testbed.presets import get_model_spec
 from testbed.rundir import read_run
+from testbed.sim.prefix_reuse import prefix_reuse
 from testbed.sim.trace import load_trace
 
 out, env = experiment.start(output_dir, seeds={"arrivals": seed})
@@ -58,8 +59,8 @@ env
 #
 # A prompt block can be served from the cache only if an earlier request had the same prefix up to and
 # including that block. Counting such blocks over the trace, in arrival order, bounds the hit rate of any
-# cache (tokens, 512 per hash block, the last block of a prompt partial). Requests longer than the model's
-# context are rejected by every configuration, so they are left out here as they are from the hit rate.
+# cache (`testbed.sim.prefix_reuse`, from `hash_ids` alone). Requests longer than the model's context are
+# rejected by every configuration, so they are left out here as they are from the hit rate.
 
 # %%
 trace = Path("../shared/traces/mooncake_synthetic.jsonl") if full else Path("traces/mooncake_synthetic_tail500.jsonl")
@@ -68,16 +69,8 @@ if not trace.is_file():
 max_model_len = get_model_spec(model).max_position_embeddings
 requests = load_trace(trace)
 served = [r for r in requests if r.input_tokens + r.output_tokens <= max_model_len]
-seen: set[tuple[int, ...]] = set()
-reusable = total = 0
-for r in served:
-    k = 0
-    while k < len(r.hash_ids) and tuple(r.hash_ids[:k + 1]) in seen:
-        k += 1
-    seen.update(tuple(r.hash_ids[:i + 1]) for i in range(len(r.hash_ids)))
-    reusable += min(k * r.hash_block_size, r.input_tokens)
-    total += r.input_tokens
-bound = reusable / total
+reuse = prefix_reuse(served)
+bound, total = reuse.hit_rate, reuse.prompt_tokens
 print(f"{len(requests)} requests, {len(requests) - len(served)} longer than {model}'s {max_model_len} tokens; the "
       f"others have {total} prompt tokens (mean {total / len(served):.0f}); hit-rate bound with one unlimited cache: "
       f"{bound:.2%}")
