@@ -43,8 +43,6 @@ interactive_fraction = 0.3  # share of requests with priority 0 (the rest 1)
 attainment_target = 0.9  # capacity = highest rate at which this share of requests meets both SLOs
 
 # %%
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -61,13 +59,8 @@ env
 # ## The derived workload
 
 # %%
-if full:
-    source = Path("../shared/traces/azure_llm_2023_conv.csv")
-    if not source.is_file():
-        raise FileNotFoundError(f"full=True reads {source} (the public traces beside the repository); it is missing")
-    limit, rates = None, list(range(1, 21))
-else:
-    source, limit, rates = Path("traces/azure_conv_10min.jsonl"), 1000, [2, 4, 6, 8, 10, 12, 14, 16]
+source = experiment.trace_path(full, "traces/azure_conv_10min.jsonl", "azure_llm_2023_conv.csv")
+limit, rates = (None, list(range(1, 21))) if full else (1000, [2, 4, 6, 8, 10, 12, 14, 16])
 requests = load_trace(source, limit=limit)
 rng = np.random.default_rng(seed)
 for r, interactive in zip(requests, rng.random(len(requests)) < interactive_fraction):

@@ -39,8 +39,6 @@ policies = ["round_robin", "least_loaded", "kv_aware", "prefix_affinity"]
 load = 0.7  # offered load per replica, as a fraction of one replica's saturation rate
 
 # %%
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -63,9 +61,7 @@ env
 # rejected by every configuration, so they are left out here as they are from the hit rate.
 
 # %%
-trace = Path("../shared/traces/mooncake_synthetic.jsonl") if full else Path("traces/mooncake_synthetic_tail500.jsonl")
-if not trace.is_file():
-    raise FileNotFoundError(f"{trace} is missing (full=True reads the public traces beside the repository)")
+trace = experiment.trace_path(full, "traces/mooncake_synthetic_tail500.jsonl", "mooncake_synthetic.jsonl")
 max_model_len = get_model_spec(model).max_position_embeddings
 requests = load_trace(trace)
 served = [r for r in requests if r.input_tokens + r.output_tokens <= max_model_len]

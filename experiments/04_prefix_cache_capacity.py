@@ -32,8 +32,6 @@ load = 0.5  # offered load, as a fraction of the replica's saturation rate
 idle_load = 0.02  # a rate low enough that no two requests are in flight together (the bound's setting)
 
 # %%
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 import pandas as pd
 
@@ -49,9 +47,7 @@ env
 # ## The bound from `hash_ids`
 
 # %%
-trace = Path("../shared/traces/mooncake_synthetic.jsonl") if full else Path("traces/mooncake_synthetic_tail500.jsonl")
-if not trace.is_file():
-    raise FileNotFoundError(f"{trace} is missing (full=True reads the public traces beside the repository)")
+trace = experiment.trace_path(full, "traces/mooncake_synthetic_tail500.jsonl", "mooncake_synthetic.jsonl")
 max_model_len = get_model_spec(model).max_position_embeddings
 requests = load_trace(trace)
 served = [r for r in requests if r.input_tokens + r.output_tokens <= max_model_len]  # the others are rejected

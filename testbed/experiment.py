@@ -55,6 +55,16 @@ def start(output_dir: str | Path, seeds: dict[str, int]) -> tuple[Path, dict[str
     return out, env
 
 
+def trace_path(full: bool, bundled: str, public: str) -> Path:
+    """The trace a notebook reads: `bundled` (a file in the repository, the CI-sized default) or, with `full`,
+    `public` among the public traces beside the repository (../shared/traces); FileNotFoundError if missing."""
+    path = Path("../shared/traces") / public if full else Path(bundled)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing" + (" (full=True reads the public traces in ../shared/traces, "
+                                                        "beside the repository)" if full else ""))
+    return path
+
+
 def save_figure(fig, path: str | Path) -> None:
     """Write `fig` as a PNG with fixed metadata (no software string or date), close it, and show it in the
     notebook; the bytes depend only on the figure and the matplotlib version."""
