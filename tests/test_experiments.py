@@ -56,7 +56,8 @@ def experiments_run(tmp_path_factory) -> Path:
 
 def test_every_notebook_runs_headless_and_ends_with_a_figure_and_a_table(experiments_run):
     names = [p.stem for p in find_notebooks([NOTEBOOKS])]
-    assert names[:3] == ["01_sim_vs_real", "02_scheduler_knobs", "03_dp_routing"]
+    assert names[:5] == ["01_sim_vs_real", "02_scheduler_knobs", "03_dp_routing", "04_prefix_cache_capacity",
+                         "05_tensor_parallelism"]
     assert sorted(p.name for p in experiments_run.iterdir()) == sorted(names)
     for name in names:
         folder = experiments_run / name
