@@ -29,7 +29,7 @@ test: $(ALL) chromium
 	$(BIN)/python -m pytest -q
 
 # Every notebook with its CI-sized defaults; one: `make experiments NOTEBOOKS=experiments/02_scheduler_knobs.py`,
-# the full experiment: `make experiments PARAMS="-p full=True"`.
+# the full experiments: `make experiments PARAMS="-p full=True -p jobs=8 --timeout 14400"`.
 NOTEBOOKS ?= experiments
 experiments: $(EXP)
 	$(BIN)/python -m testbed.notebooks $(NOTEBOOKS) --output $(EXPERIMENTS_OUT) $(PARAMS)

@@ -92,7 +92,7 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
     `cwd`; write the executed notebook to `output`/NAME.ipynb, also when a cell fails (NotebookError then)."""
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
     import matplotlib.pyplot  # noqa: F401  builds matplotlib's font cache here, so no kernel prints that notice
 
@@ -107,6 +107,10 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
         client.execute()
     except CellExecutionError as e:
         raise NotebookError(f"{src}: a cell failed (the executed notebook up to it: {target}):\n{e}") from None
+    except CellTimeoutError:
+        raise NotebookError(f"{src}: a cell ran longer than --timeout {timeout:g} s (the executed notebook up to it: "
+                            f"{target}); a full experiment on a small machine needs more, e.g. --timeout 14400, "
+                            "or more --parameter jobs=N on more cores") from None
     finally:
         nbformat.write(nb, target)
     return target
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", "-o", default="runs/experiments", help="folder for every notebook's outputs")
     ap.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
                     help="override a parameter (a Python literal: full=True, rates=[2,4]); repeatable")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds one cell may run")
+    ap.add_argument("--timeout", type=float, default=900,
+                    help="seconds one cell may run (default 900: plenty for the CI-sized defaults; raise it for full=True)")
     args = ap.parse_args(argv)
     try:
         params = {}

@@ -115,6 +115,12 @@ def test_notebook_runner_errors_are_one_line(tmp_path, capsys):
     assert "01_broken.py: a cell failed" in err and "boom" in err
     nb = nbformat.read(tmp_path / "out" / "01_broken" / "01_broken.ipynb", as_version=4)  # kept for reading
     assert outputs(nb)[-1] == ["error"]
+    slow = tmp_path / "02_slow.py"
+    slow.write_text('# %% tags=["parameters"]\noutput_dir = "x"\n\n# %%\nimport time\ntime.sleep(60)\n')
+    assert main([str(slow), "-o", str(tmp_path / "out"), "--timeout", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "02_slow.py: a cell ran longer than --timeout 2 s" in err and "02_slow.ipynb" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_png_bytes_depend_only_on_the_figure():
