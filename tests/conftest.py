@@ -1,7 +1,15 @@
 """Shared fixtures: for the engine tests a request factory, a token-fixed executor and a checked step loop;
-for the server tests the openai and httpx clients of a module's server."""
+for the server tests the openai and httpx clients of a module's server; a small local Ray cluster on 127.0.0.1."""
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 import zlib
 from pathlib import Path
 from typing import Sequence
@@ -133,3 +141,42 @@ def http(server):
     import httpx
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as h:
         yield h
+
+
+@pytest.fixture
+def ray_cluster(tmp_path, monkeypatch):
+    """A one-node Ray cluster on 127.0.0.1 (3 CPUs, no dashboard, a 100 MB object store), run by
+    `ray start --block` in its own process group, which the test ends. It has its own auth token
+    (RAY_AUTH_TOKEN, also for this test's processes): the default ~/.ray/auth_token is shared by every
+    cluster of the user, and another one started meanwhile would replace it."""
+    ray = shutil.which("ray", path=os.path.dirname(sys.executable))
+    if ray is None:
+        pytest.fail("the ray CLI is missing: install the 'ray' extra (pip install -e '.[ray]')")
+    from server_helpers import free_port
+    port, log = free_port(), tmp_path / "ray.log"
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    cmd = [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus",
+           "3", "--num-gpus", "0", "--include-dashboard", "false", "--object-store-memory", str(100 << 20),
+           "--temp-dir", temp, "--disable-usage-stats"]
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        deadline = time.monotonic() + 180
+        while "block forever" not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, f"ray did not start:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):  # its daemons share its process group
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                pass
+        shutil.rmtree(temp, ignore_errors=True)

@@ -1,19 +1,14 @@
 """Data parallelism beyond one process tree: two "nodes" on 127.0.0.1 (an API server node with one
 replica and a `--headless` node with the other, meeting over TCP at --data-parallel-rpc-port), and
-a local Ray cluster (`ray start --head` bound to 127.0.0.1, small and torn down by the test) with
-`--data-parallel-backend ray`. Both replicas serve in each; bundled SmolLM2 on the CPU.
+a local Ray cluster (conftest's `ray_cluster`: `ray start --head` bound to 127.0.0.1, small and torn down
+by the test) with `--data-parallel-backend ray`. Both replicas serve in each; bundled SmolLM2 on the CPU.
 """
 from __future__ import annotations
 
 import asyncio
 import os
-import secrets
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -66,44 +61,6 @@ def test_a_headless_node_serves_the_second_replica(tmp_path, monkeypatch):
         if node.poll() is None:
             node.kill()
             node.wait()
-
-
-@pytest.fixture
-def ray_cluster(tmp_path, monkeypatch):
-    """A one-node Ray cluster on 127.0.0.1 (3 CPUs, no dashboard, a 100 MB object store), run by
-    `ray start --block` in its own process group, which the test ends. It has its own auth token
-    (RAY_AUTH_TOKEN, also for this test's processes): the default ~/.ray/auth_token is shared by every
-    cluster of the user, and another one started meanwhile would replace it."""
-    ray = shutil.which("ray", path=os.path.dirname(sys.executable))
-    if ray is None:
-        pytest.fail("the ray CLI is missing: install the 'ray' extra (pip install -e '.[ray]')")
-    port, log = free_port(), tmp_path / "ray.log"
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    cmd = [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus",
-           "3", "--num-gpus", "0", "--include-dashboard", "false", "--object-store-memory", str(100 << 20),
-           "--temp-dir", temp, "--disable-usage-stats"]
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
-    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    try:
-        deadline = time.monotonic() + 180
-        while "block forever" not in log.read_text(errors="replace"):
-            assert proc.poll() is None and time.monotonic() < deadline, f"ray did not start:\n{log.read_text()[-3000:]}"
-            time.sleep(0.5)
-        yield f"127.0.0.1:{port}"
-    finally:
-        for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):  # its daemons share its process group
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                pass
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_ray_backend_places_both_replicas_as_actors(tmp_path, ray_cluster, monkeypatch):

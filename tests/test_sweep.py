@@ -45,6 +45,19 @@ def test_rows_follow_the_configurations_and_do_not_depend_on_the_pool(tmp_path):
     assert summary["ttft_s"]["p99"] == parallel.loc[2, "ttft_s.p99"]
 
 
+@pytest.mark.timeout(300)
+def test_a_sweep_runs_on_a_ray_cluster(ray_cluster):
+    """Ray's multiprocessing pool on a real (local) cluster: the same table as in this process."""
+    import ray
+    from ray.util.multiprocessing import Pool
+    try:
+        with Pool(processes=2, ray_address=ray_cluster) as pool:
+            on_ray = sweep(configs(), TRACE, pool=pool)
+    finally:
+        ray.shutdown()
+    pd.testing.assert_frame_equal(on_ray, sweep(configs(), TRACE))
+
+
 def test_settings_columns_hold_the_values_used_and_like_takes_a_runs_cache(tmp_path):
     first = sweep([{**BASE, "name": "src", "request_rate": 5.0}], TRACE, output=tmp_path)
     table = sweep([{**BASE, "num_gpu_blocks": None, "like": str(tmp_path / "src"), "name": "copy"},
