@@ -12,7 +12,10 @@
 # With prefix caching on every replica, which DP routing policy serves the Mooncake trace best as the
 # number of replicas grows from 4 to 64: `round_robin`, `least_loaded` (vLLM's score), `kv_aware` (lowest
 # projected KV use) or `prefix_affinity` (the replica most likely to hold the prompt's longest prefix)?
-# Simulator only (`testbed simulate --data-parallel-size N --dp-policy P --enable-prefix-caching`).
+# Simulator only (`testbed simulate --data-parallel-size N --dp-policy P --enable-prefix-caching`), which routes
+# as the real DP stack does: the coordinator decides on the replica stats it has been sent (one publication
+# after every step that changed a replica's queues, one hop late), and a request reaches its replica
+# `dp_routing_delay` after it arrived (the measured default).
 #
 # **Load.** Weak scaling: every replica gets the same offered load, `load` times the saturation rate of
 # one replica, which is measured first (one replica, every request at once). N replicas get N times that
