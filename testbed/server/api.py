@@ -1,8 +1,10 @@
-"""The FastAPI app of `testbed serve`: OpenAI routes, /health, /metrics, /tokenize, /detokenize.
+"""The FastAPI app of `testbed serve`: OpenAI routes, /health, /metrics, /tokenize, /detokenize, and
+its OpenAPI document (/openapi.json, browsable at /docs; responses.py describes every answer).
 
-Every error is answered with OpenAI's body (bad JSON and schema errors too, as 400). An outer ASGI
-middleware checks the API key (every route but /health and /metrics) and bounds the body size
-(413) before any handler runs, buffering the body it has read for the app.
+Every error is answered with OpenAI's body (bad JSON and schema errors too, as 400; a method a path
+does not take, 405 with its Allow header). An outer ASGI middleware checks the API key (every route
+but /health, /metrics and the document) and bounds the body size (413) before any handler runs,
+buffering the body it has read for the app.
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from testbed.engine.request import InvalidParam
+from testbed.server import responses as R
 from testbed.server.chat import create_chat_completion, render_chat
 from testbed.server.completions import create_completion
 from testbed.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, bad_request)
 from testbed.server.state import ServerState
 
-OPEN_PATHS = ("/health", "/metrics")
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")
 
 
 class ASCIIJSONResponse(JSONResponse):
@@ -34,8 +37,8 @@ class ASCIIJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
-def error_response(e: APIError) -> JSONResponse:
-    return ASCIIJSONResponse(e.body(), status_code=e.status)
+def error_response(e: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return ASCIIJSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 class GuardMiddleware:
@@ -81,9 +84,14 @@ class GuardMiddleware:
 
 
 def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
-    app = FastAPI(title="testbed", docs_url=None, redoc_url=None, openapi_url=None)
+    from testbed import __version__
+    app = FastAPI(title="testbed", version=__version__, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", description="OpenAI-compatible API of `testbed serve` (vLLM's "
+                  "extensions included). Every error has OpenAI's body: {\"error\": {message, type, param, code}}.")
     app.state.server = state
     app.add_middleware(GuardMiddleware, api_key=state.api_key, max_bytes=max_request_bytes)
+    keyed = state.api_key is not None
+    R.document(app, keyed)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -101,9 +109,10 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return error_response(APIError(e.status_code, str(e.detail), None, None))
+        return error_response(APIError(e.status_code, str(e.detail), None, None), e.headers)  # 405 keeps Allow
 
-    @app.get("/health")
+    @app.get("/health", response_model=R.HealthResponse,
+             responses={503: {"model": R.ErrorResponse, "description": "No engine serves (`engine_dead`)"}})
     async def health() -> Response:
         """200 while a replica serves (with the dead ones listed when some died), 503 once none does."""
         if state.client.is_dead:
@@ -112,28 +121,33 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
         dead = state.client.dead_engines
         if dead:
             return JSONResponse({"status": "degraded", "dead_engines": {str(r): why for r, why in sorted(dead.items())}})
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {R.PROMETHEUS_TEXT: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition (README: Metrics)"}})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=R.ModelList, responses=R.openapi_responses(api_key=keyed))
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "testbed",
             "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
             "vocab_size": state.vocab_size}]})
 
-    @app.post("/v1/completions")
+    generation = R.openapi_responses(R.BAD_REQUEST, R.MODEL_NOT_FOUND, R.GENERATION_ERRORS, api_key=keyed, stream=True)
+    plain = R.openapi_responses(R.BAD_REQUEST, R.MODEL_NOT_FOUND, api_key=keyed)
+
+    @app.post("/v1/completions", response_model=R.CompletionResponse, responses=generation)
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await create_completion(state, req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=R.ChatCompletionResponse, responses=generation)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=R.TokenizeResponse, responses=plain)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         state.check_model(req.model)
         if req.messages is not None:
@@ -144,7 +158,7 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
             raise bad_request("give either prompt (text) or messages (chat)", "prompt")
         return JSONResponse({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=R.DetokenizeResponse, responses=plain)
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:
         state.check_model(req.model)
         if state.tokenizer is None:

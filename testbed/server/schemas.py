@@ -19,7 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from testbed.engine.request import check_text
 
 
-class _Body(BaseModel):
+class _Strict(BaseModel):
+    """Values of the documented JSON types only (no 1.0 or true for an integer, no 1 for a boolean), so the
+    OpenAPI document says exactly what is accepted."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class _Body(_Strict):
     """A request body whose every string (keys, values, unknown fields included) is encodable text."""
 
     @model_validator(mode="before")
@@ -56,7 +63,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param, "invalid_value")
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
@@ -127,7 +134,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     model_config = ConfigDict(extra="allow")
 
     role: str
