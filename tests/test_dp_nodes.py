@@ -28,7 +28,7 @@ def serve_both(url: str) -> list[float]:
             assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
     asyncio.run(go())
     text = httpx.get(f"{url}/metrics").text
-    return [metric(text, "testbed:request_success_total", engine=str(e), finished_reason="length") for e in (0, 1)]
+    return [metric(text, "vllm:request_success_total", engine=str(e), finished_reason="length") for e in (0, 1)]
 
 
 def headless(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:

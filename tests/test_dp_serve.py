@@ -69,14 +69,14 @@ def test_each_stats_policy_spreads_concurrent_requests_over_both_replicas(tmp_pa
                 prompts = [[1000 + 97 * i + k for k in range(40)] for i in range(4)]
                 await asyncio.gather(*(complete(h, srv.url, p) for p in prompts))
                 text = (await h.get(f"{srv.url}/metrics")).text
-                done = per_engine(text, "testbed:request_success_total", finished_reason="length")
+                done = per_engine(text, "vllm:request_success_total", finished_reason="length")
                 assert sum(done) == 4 and min(done) >= 1, f"{policy}: {done}"
                 if policy == "prefix_affinity":  # a prompt sharing a 2-block prefix follows that prefix's replica
-                    before = per_engine(text, "testbed:prefix_cache_hits_total")
+                    before = per_engine(text, "vllm:prefix_cache_hits_total")
                     await complete(h, srv.url, prompts[0][:32] + [7] * 8)
-                    text = await wait_for(h, srv.url, lambda t: sum(per_engine(t, "testbed:prefix_cache_hits_total"))
+                    text = await wait_for(h, srv.url, lambda t: sum(per_engine(t, "vllm:prefix_cache_hits_total"))
                                           > sum(before))
-                    assert sum(per_engine(text, "testbed:prefix_cache_hits_total")) - sum(before) == 32
+                    assert sum(per_engine(text, "vllm:prefix_cache_hits_total")) - sum(before) == 32
         asyncio.run(scenario())
     finally:
         assert srv.terminate() == 0, srv.log_text()
@@ -112,15 +112,15 @@ def test_round_robin_streams_aborts_and_survives_a_dead_replica(tmp_path):
                 await r.aclose()
                 assert events[-1] == "[DONE]" and len([e for e in events[:-1] if e["choices"]]) >= 2
             text = (await h.get(f"{url}/metrics")).text
-            assert per_engine(text, "testbed:request_success_total", finished_reason="length") == [1, 1]
-            assert per_engine(text, "testbed:generation_tokens_total") == [5, 5]
+            assert per_engine(text, "vllm:request_success_total", finished_reason="length") == [1, 1]
+            assert per_engine(text, "vllm:generation_tokens_total") == [5, 5]
 
             # abort: a client that goes away stops its request on the replica that runs it (the next, 0),
             # which records it as aborted (its own log), long before its 240 tokens
             r, lines = await stream(h, 240)
             rid = (await first_token(lines))[0]["id"] + "-0"
             await r.aclose()
-            await wait_for(h, url, lambda t: per_engine(t, "testbed:request_success_total",
+            await wait_for(h, url, lambda t: per_engine(t, "vllm:request_success_total",
                                                          finished_reason="abort") == [1, 0])
             deadline = time.monotonic() + 30
             while not any(row[0] == rid for row in logged(logs / "requests.0.jsonl")):
@@ -152,9 +152,9 @@ def test_round_robin_streams_aborts_and_survives_a_dead_replica(tmp_path):
                 out = await complete(h, url, PROMPT, 3)
                 assert out["usage"]["completion_tokens"] == 3
             text = (await h.get(f"{url}/metrics")).text
-            assert per_engine(text, "testbed:request_success_total", finished_reason="error")[1] == 1
-            assert per_engine(text, "testbed:request_success_total", finished_reason="length")[0] == 1 + 1 + 3
-            assert per_engine(text, "testbed:num_requests_running") == [0, 0]
+            assert per_engine(text, "vllm:request_success_total", finished_reason="error")[1] == 1
+            assert per_engine(text, "vllm:request_success_total", finished_reason="length")[0] == 1 + 1 + 3
+            assert per_engine(text, "vllm:num_requests_running") == [0, 0]
 
             # the last replica dies: the engine as a whole is dead, its request ends with an error, and the
             # server exits 1 (the default of --keep-alive-on-engine-death)

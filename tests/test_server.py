@@ -293,7 +293,7 @@ def test_prefix_cache_cached_tokens(client, http):
     assert n > 32
     assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
     page = http.get("/metrics").text
-    assert metric(page, "testbed:prefix_cache_hits_total") >= (n - 1) // 16 * 16
+    assert metric(page, "vllm:prefix_cache_hits_total") >= (n - 1) // 16 * 16
 
 
 METRIC_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
@@ -306,16 +306,16 @@ METRIC_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_
 def test_metrics_names_and_values_move(client, server):
     page = httpx.get(f"{server.url}/metrics").text  # open without the key
     for name in METRIC_NAMES:
-        metric(page, f"testbed:{name}")
-    before = {n: metric(page, f"testbed:{n}") for n in METRIC_NAMES}
-    length_before = metric(page, "testbed:request_success_total", finished_reason="length")
+        metric(page, f"vllm:{name}")
+    before = {n: metric(page, f"vllm:{n}") for n in METRIC_NAMES}
+    length_before = metric(page, "vllm:request_success_total", finished_reason="length")
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
                                   extra_body={"ignore_eos": True})
     after_page = httpx.get(f"{server.url}/metrics").text
-    after = {n: metric(after_page, f"testbed:{n}") for n in METRIC_NAMES}
+    after = {n: metric(after_page, f"vllm:{n}") for n in METRIC_NAMES}
     assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == r.usage.prompt_tokens
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == 3
-    assert metric(after_page, "testbed:request_success_total", finished_reason="length") == length_before + 1
+    assert metric(after_page, "vllm:request_success_total", finished_reason="length") == length_before + 1
     for n in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
               "request_queue_time_seconds_count"):
         assert after[n] == before[n] + 1
@@ -521,13 +521,13 @@ def test_50_clients_disconnect_mid_stream(server, http):
     deadline = time.monotonic() + 60
     while True:
         page = http.get("/metrics").text
-        usage = metric(page, "testbed:kv_cache_usage_perc")
-        running = metric(page, "testbed:num_requests_running")
+        usage = metric(page, "vllm:kv_cache_usage_perc")
+        running = metric(page, "vllm:num_requests_running")
         if usage == 0 and running == 0:
             break
         assert time.monotonic() < deadline, f"KV usage stuck at {usage} with {running} running"
         time.sleep(0.2)
-    assert metric(page, "testbed:request_success_total", finished_reason="abort") >= 50
+    assert metric(page, "vllm:request_success_total", finished_reason="abort") >= 50
     t0 = time.monotonic()
     r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
     assert r.status_code == 200 and time.monotonic() - t0 < 5
@@ -538,7 +538,7 @@ def test_non_streaming_disconnect_aborts(server, http):
         httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True},
                    headers=server.headers, timeout=1.5)
     deadline = time.monotonic() + 30
-    while metric(http.get("/metrics").text, "testbed:num_requests_running") != 0:
+    while metric(http.get("/metrics").text, "vllm:num_requests_running") != 0:
         assert time.monotonic() < deadline, "the abandoned request kept running"
         time.sleep(0.2)
-    assert metric(http.get("/metrics").text, "testbed:kv_cache_usage_perc") == 0
+    assert metric(http.get("/metrics").text, "vllm:kv_cache_usage_perc") == 0

@@ -68,7 +68,7 @@ def test_waiting_bound_503_then_sigterm_drains_in_flight(tmp_path):
                 assert r.status_code == 503, r.text
                 assert r.json()["error"]["code"] == "waiting_queue_full"
             deadline = time.monotonic() + 30  # the engine reports B as waiting after its next step
-            while metric((await h.get(f"{url}/metrics")).text, "testbed:num_requests_waiting") != 1:
+            while metric((await h.get(f"{url}/metrics")).text, "vllm:num_requests_waiting") != 1:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.1)
             ev_a, ev_b = await read_rest(*a), await read_rest(*b)
@@ -221,8 +221,8 @@ def marked_request_fails(model, config, **kw):
 
 
 def test_a_failing_request_leaves_the_engine_up_and_engine_death_stops_the_server(tmp_path, tests_on_path):
-    srv = ServerProcess("--executor-factory", f"{Path(__file__).stem}:marked_request_fails",
-                        log_dir=tmp_path).wait_ready()
+    srv = ServerProcess("--executor-factory", f"{Path(__file__).stem}:marked_request_fails", "--metrics-prefix",
+                        "testbed", log_dir=tmp_path).wait_ready()
     url = srv.url
     engine = srv.engine_pid()
 
@@ -247,6 +247,7 @@ def test_a_failing_request_leaves_the_engine_up_and_engine_death_stops_the_serve
             page = (await h.get(f"{url}/metrics")).text
             assert metric(page, "testbed:request_success_total", finished_reason="error") == 2
             assert metric(page, "testbed:num_requests_running") == 0
+            assert "vllm:" not in page  # --metrics-prefix testbed names every family testbed:
 
     async def engine_death() -> None:
         """By default the server exits 1 once the engine core dies, after ending what was in flight."""

@@ -35,7 +35,7 @@ def test_queued_outputs_merge_into_one_delta_per_choice():
         ca, cb = changed
         assert ca.delta_ids == [5, 6, 9] and [lp for lp, _, _ in ca.delta_logprobs] == [-0.1, -0.3, -0.4]
         assert cb.delta_ids == [7, 8] and cb.finish_reason == "length" and not ca.finished
-        assert run.state.metrics.engine(0).generation_tokens._value.get() == 5
+        assert run.state.metrics.engine(0).request_generation_tokens._sum.get() == 2  # b ended after 2 tokens
 
         q.put_nowait(CoreOutput(a, [4], True, "length"))
         q.put_nowait(CoreOutput(a, [3]))  # after the finish: ignored, never applied twice

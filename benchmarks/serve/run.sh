@@ -20,7 +20,7 @@ for i in $(seq 200); do sleep 2; curl -s -o /dev/null -w "%{http_code}" localhos
 python3 -m testbed.cli bench serve --url http://127.0.0.1:8000 --dataset random --num-prompts 500 --random-input-len 512 --random-output-len 128 --seed 1 -o /tmp/run0 --disable-tqdm | grep -E "Output token" | sed 's/^/warm-up: /'
 python3 -m testbed.cli bench serve --url http://127.0.0.1:8000 --dataset random --num-prompts 500 --random-input-len 512 --random-output-len 128 --server-log-steps /tmp/steps -o /tmp/run1 --disable-tqdm
 for r in ${AZURE_RATES-4 8 16}; do python3 -m testbed.cli bench serve --url http://127.0.0.1:8000 traces/azure_conv_10min.jsonl --request-rate $r --num-prompts 200 --server-log-steps /tmp/steps -o /tmp/az$r --disable-tqdm; done
-curl -s localhost:8000/metrics | grep -E "^testbed:(num_requests|kv_cache|request_success|num_preemptions)"
+curl -s localhost:8000/metrics | grep -E "^vllm:(num_requests|kv_cache|request_success|num_preemptions)"
 kill -TERM %1; wait %1; echo "serve exit code $?"
 tail -5 $OUT/serve.log
 tar czf $OUT/runs.tgz -C /tmp run1 $(for r in ${AZURE_RATES-4 8 16}; do echo az$r; done)

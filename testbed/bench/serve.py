@@ -76,7 +76,8 @@ def _get_json(url: str, api_key: str | None) -> dict:
 
 
 def scrape_counters(base: str) -> dict[str, float]:
-    """Totals of the server's testbed:* counters (empty when /metrics is unavailable)."""
+    """Totals of the server's counters over every engine, by name without the prefix (`vllm:` by default,
+    `testbed:` under --metrics-prefix testbed; a vLLM server's too); empty when /metrics is unavailable."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
     try:
@@ -84,8 +85,9 @@ def scrape_counters(base: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for fam in text_string_to_metric_families(text):
             for sample in fam.samples:
-                if sample.name.endswith("_total"):
-                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+                prefix, _, name = sample.name.partition(":")
+                if prefix in ("vllm", "testbed") and name.endswith("_total"):
+                    out[name] = out.get(name, 0.0) + sample.value
         return out
     except (httpx.HTTPError, ValueError):
         return {}
@@ -187,10 +189,10 @@ def run_bench(args: argparse.Namespace) -> tuple[Path | None, dict]:
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     rec = build_records(results, requests, t0_wall, t_end_wall, args.server_log_steps)
     summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, args.slo_ttft, args.slo_tpot,
-                        int(delta.get("testbed:prefix_cache_queries_total", 0)),
-                        int(delta.get("testbed:prefix_cache_hits_total", 0)))
+                        int(delta.get("prefix_cache_queries_total", 0)),
+                        int(delta.get("prefix_cache_hits_total", 0)))
     if not rec.steps:
-        summary["num_preemptions"] = int(delta.get("testbed:num_preemptions_total", 0))
+        summary["num_preemptions"] = int(delta.get("num_preemptions_total", 0))
     errors = [r.error for r in results if r.error]
     summary.update(duration_s=duration, num_failed=sum(r.finish_reason == "error" for r in results),
                    first_error=errors[0] if errors else None)

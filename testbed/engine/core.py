@@ -37,6 +37,16 @@ class ReplicaStats:
     num_added: int | None = None
 
 
+@dataclass(slots=True)
+class TokenCounts:
+    """Cumulative token counts of one engine, as vLLM's counters count them: the prompts of the requests whose
+    first token is out (and the part of those read from the prefix cache), and every token sampled."""
+
+    prompt: int = 0
+    cached_prompt: int = 0
+    generation: int = 0
+
+
 class EngineCore:
     """Admission (with stated rejections), scheduling, token bookkeeping and stop checks.
 
@@ -60,6 +70,7 @@ class EngineCore:
         self.records = Recorder()
         self.num_waiting_tokens = 0
         self.num_added = 0  # add_request calls, rejections included (ReplicaStats.num_added)
+        self.token_counts = TokenCounts()
         self._last_update = float("-inf")
 
     # ---- admission -----------------------------------------------------------------------------
@@ -160,16 +171,21 @@ class EngineCore:
                 # a chunk extends the list where it ends (one recomputed after a preemption is already there)
                 if chunk is not None and req.prompt_logprobs is not None and chunk[0] == len(req.prompt_logprobs):
                     req.prompt_logprobs.extend(chunk[1])
+        counts = self.token_counts
+        sampled = 0
         for req, tok, lp in zip(so.requests, out.sampled_token_ids, lps if lps is not None else repeat(None)):
             if tok < 0 or req.status >= finished_min:
                 continue
             req.num_pending -= 1
             req.append_output(tok)
+            sampled += 1
             if lp is not None and req.logprobs is not None:
                 req.logprobs.append(lp)
             if req.first_token_time is None:
                 req.first_token_time = now
                 plp = req.prompt_logprobs  # handed out once, with the first token
+                counts.prompt += req.num_prompt_tokens
+                counts.cached_prompt += max(req.num_cached_tokens, 0)
             else:
                 itl_append(now - req.last_token_time)
                 plp = None
@@ -183,6 +199,7 @@ class EngineCore:
             elif stream or plp is not None:
                 outputs.append(RequestOutput(req.request_id, [tok], False, None, None, req.num_cached_tokens,
                                              None if lp is None else [lp], plp))
+        counts.generation += sampled
         if out.errors:
             for rid, reason in out.errors.items():
                 req = self.requests.get(rid)

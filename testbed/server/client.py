@@ -146,6 +146,11 @@ class EngineClient:
         return self.proc.pid if self.proc is not None else None
 
     @property
+    def engine_blocks(self) -> dict[int, int]:
+        """Each replica's KV-cache size in blocks, once started (one replica here)."""
+        return {0: self.ready.num_gpu_blocks} if self.ready is not None else {}
+
+    @property
     def dead_engines(self) -> dict[int, str]:
         """Dead replicas and why (one replica here: it, once dead)."""
         return {0: self.dead_reason} if self.dead_reason is not None else {}

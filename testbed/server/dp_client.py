@@ -137,6 +137,10 @@ class DPEngineClient(EngineClient):
             await asyncio.to_thread(self.replicas.stop, timeout)
 
     @property
+    def engine_blocks(self) -> dict[int, int]:
+        return {r: ready.num_gpu_blocks for r, ready in self.readies.items()}
+
+    @property
     def dead_engines(self) -> dict[int, str]:
         return dict(self.dead)
 

@@ -100,9 +100,10 @@ def first_scheduled(core: EngineCore, so, start: float) -> dict[str, float]:
 
 
 def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
-    bm, sched = core.block_manager, core.scheduler
+    bm, sched, tokens = core.block_manager, core.scheduler, core.token_counts
     return P.SchedulerStats(sched.num_running, sched.num_waiting, bm.usage, sched.num_preemptions,
-                            bm.prefix_queries, bm.prefix_hits, acked_seq)
+                            bm.prefix_queries, bm.prefix_hits, acked_seq, tokens.prompt, tokens.cached_prompt,
+                            tokens.generation)
 
 
 def to_wire(o: RequestOutput) -> P.CoreOutput:

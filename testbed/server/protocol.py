@@ -112,7 +112,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class SchedulerStats(msgspec.Struct, array_like=True):
     """Gauges and cumulative counters of the core, sampled after a step. `acked_seq` is the last
-    AddRequest the snapshot includes."""
+    AddRequest the snapshot includes. The token counts are EngineCore.token_counts."""
 
     num_running: int
     num_waiting: int
@@ -121,6 +121,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     acked_seq: int
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -61,6 +61,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="keep the API server up (answering 503) when the engine core dies, instead of exiting 1 "
                         "(with data parallelism: when every replica or the coordinator died; while one "
                         "replica serves, the server always stays up)")
+    g.add_argument("--metrics-prefix", choices=("vllm", "testbed"), default="vllm",
+                   help="prefix of the /metrics families: vllm (vLLM's names, for its dashboards, autoscalers and "
+                        "routers) or testbed (default: %(default)s)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -255,9 +258,13 @@ async def run_server(args: argparse.Namespace) -> int:
     if not math.isfinite(args.shutdown_timeout) or args.shutdown_timeout < 0:
         await client.shutdown()
         raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
-    state = ServerState(client, tokenizer, served, model, ServerMetrics(served, cfg.data_parallel_size),
-                        ready.max_model_len, ready.vocab_size, ready.num_gpu_blocks, ready.block_size,
-                        cfg.max_num_waiting, args.api_key, TokenTexts(tokenizer), cfg.policy)
+    cache = {"block_size": str(cfg.block_size), "cache_dtype": "auto", "enable_prefix_caching":
+             str(cfg.enable_prefix_caching), "gpu_memory_utilization": str(cfg.gpu_memory_utilization)}
+    metrics = ServerMetrics(served, cfg.data_parallel_size, ready.max_model_len, args.metrics_prefix,
+                            client.engine_blocks, cache)
+    state = ServerState(client, tokenizer, served, model, metrics, ready.max_model_len, ready.vocab_size,
+                        ready.num_gpu_blocks, ready.block_size, cfg.max_num_waiting, args.api_key,
+                        TokenTexts(tokenizer), cfg.policy)
     client.on_stats = state.on_stats
     app = build_app(state, args.max_request_bytes)
     what = (f"engine core pid {ready.pid}" if topology is None else

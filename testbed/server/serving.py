@@ -16,6 +16,7 @@ from testbed.engine.request import SamplingParams, child_seed
 from testbed.server import protocol as P
 from testbed.server.client import EngineDeadError, RequestStream
 from testbed.detokenizer import IncrementalDetokenizer
+from testbed.server.metrics import FinishedRequest
 from testbed.server.schemas import APIError, bad_request
 from testbed.server.state import ServerState
 
@@ -52,8 +53,10 @@ class Choice:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = None  # logprobs of prompt tokens 1.. (with the first output)
+        self.num_generated = 0  # tokens the engine sampled (stop strings may keep fewer in the text)
+        self.scheduled_time: float | None = None  # the engine's first scheduling (ServerState.on_stats)
         self.first_token_time: float | None = None
-        self.last_token_time = 0.0
+        self.last_token_time: float | None = None
         self.delta_text = ""
         self.delta_ids: list[int] = []
         self.delta_logprobs: list = []
@@ -86,6 +89,7 @@ class GenerationRun:
         self.by_id = {c.request_id: c for c in self.choices}
         self.stream = RequestStream(request_id)
         self.num_unfinished = len(self.choices)
+        self.unfinished_per_prompt = [sp.n] * len(prompts)
 
     def _check_length(self, prompt: list[int], max_tokens: int | None) -> None:
         st, n = self.state, len(prompt)
@@ -106,7 +110,7 @@ class GenerationRun:
     def start(self) -> None:
         """Admit every choice or none: 503 when the engine is dead or the waiting bound is reached. A
         failure part way (the engine died) aborts the choices already sent, so none runs orphaned and
-        no waiting slot or arrival entry is left behind."""
+        no waiting slot or live entry is left behind."""
         st, client = self.state, self.state.client
         if client.is_dead:
             raise APIError(503, f"engine core is dead: {client.dead_reason}", None, "engine_dead")
@@ -119,7 +123,7 @@ class GenerationRun:
             for c in self.choices:
                 self._add(c)
                 sent.append(c.request_id)
-                st.arrivals[c.request_id] = self.arrival
+                st.live[c.request_id] = c
         except BaseException as e:
             client.abort(sent)
             self._fail_all()
@@ -173,6 +177,15 @@ class GenerationRun:
             raise APIError(500, f"generation failed: {out.stop_reason}", None, "generation_failed")
         if out.prompt_logprobs is not None:
             c.prompt_logprobs = out.prompt_logprobs
+        if out.new_token_ids:
+            c.num_generated += len(out.new_token_ids)
+            if c.first_token_time is None:
+                c.first_token_time = now
+                c.num_cached_tokens = out.num_cached_tokens
+                m.ttft.observe(now - self.arrival)
+            else:
+                m.itl.observe(now - c.last_token_time)
+            c.last_token_time = now
         before = c.detok.num_tokens
         stopped = c.detok.add(out.new_token_ids)
         n = c.detok.num_tokens - before
@@ -181,16 +194,6 @@ class GenerationRun:
         c.token_ids.extend(ids)
         c.delta_logprobs.extend(lps)
         c.logprobs.extend(lps)
-        if n:
-            if c.first_token_time is None:
-                c.first_token_time = now
-                c.num_cached_tokens = out.num_cached_tokens
-                m.ttft.observe(now - self.arrival)
-                m.prompt_tokens.inc(len(self.prompts[c.prompt_index]))
-            else:
-                m.itl.observe(now - c.last_token_time)
-            c.last_token_time = now
-            m.generation_tokens.inc(n)
         if stopped:
             st.client.abort([c.request_id])  # frees its KV blocks now
             self._finish(c, "stop", c.detok.stop_reason, now)
@@ -205,11 +208,19 @@ class GenerationRun:
     def _finish(self, c: Choice, reason: str, stop_reason, now: float) -> None:
         c.finish_reason, c.stop_reason = reason, stop_reason
         self.num_unfinished -= 1
-        self.state.arrivals.pop(c.request_id, None)
+        self.state.live.pop(c.request_id, None)
         m = self.metrics(c)
-        m.request_success[reason if reason in m.request_success else "error"].inc()
-        if reason in ("stop", "length"):
-            m.e2e.observe(now - self.arrival)
+        prompt = len(self.prompts[c.prompt_index])
+        max_tokens = self.sp.max_tokens if self.sp.max_tokens is not None else self.state.max_model_len - prompt
+        m.observe_finished(FinishedRequest(reason, self.arrival, now, c.scheduled_time, c.first_token_time,
+                                           c.last_token_time, prompt, c.num_cached_tokens, c.num_generated,
+                                           max_tokens))
+        left = self.unfinished_per_prompt
+        left[c.prompt_index] -= 1
+        if left[c.prompt_index] == 0:
+            n = self.sp.n
+            siblings = self.choices[c.prompt_index * n:(c.prompt_index + 1) * n]
+            m.observe_parent(n, max(s.num_generated for s in siblings))
 
     def _fail_all(self) -> None:
         for c in self.choices:

@@ -42,7 +42,7 @@ class ServerState:
     api_key: str | None = None
     token_texts: TokenTexts | None = None
     scheduling_policy: str = "fcfs"  # a request's priority counts only under "priority"
-    arrivals: dict[str, float] = field(default_factory=dict)  # core request id -> arrival, until scheduled
+    live: dict[str, Any] = field(default_factory=dict)  # core request id -> its serving.Choice, until finished
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
@@ -52,13 +52,12 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     def on_stats(self, stats, scheduled: dict[str, float], engine: int = 0) -> None:
-        """A stats snapshot of replica `engine`, with the requests it scheduled for the first time."""
-        m = self.metrics.engine(engine)
-        m.update_stats(stats)
+        """A stats snapshot of replica `engine`, with the requests it scheduled for the first time (and when)."""
+        self.metrics.engine(engine).update_stats(stats)
         for rid, t in scheduled.items():
-            arrival = self.arrivals.pop(rid, None)
-            if arrival is not None:
-                m.queue_time.observe(max(t - arrival, 0.0))
+            c = self.live.get(rid)
+            if c is not None and c.scheduled_time is None:
+                c.scheduled_time = t
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.served_model_name, self.model_path):
