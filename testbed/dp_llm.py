@@ -24,7 +24,7 @@ from typing import Sequence
 from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import RequestOutput
-from testbed.engine.request import SamplingParams
+from testbed.engine.request import PoolingParams, SamplingParams
 from testbed.server import protocol as P
 
 # request columns holding times (REQUEST_COLUMNS order: id, replica, priority, arrival, first_scheduled, ...)
@@ -61,12 +61,18 @@ class DPEngine:
     def reset_clock(self) -> None:
         self.t0 = time.time()
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sp: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sp: SamplingParams | PoolingParams,
                     arrival_time: float, priority: int = 0) -> None:
-        """Send one request to the coordinator; a rejection comes back from `step` as a finished output."""
+        """Send one request (resolved PoolingParams: an embedding) to the coordinator; a rejection comes back
+        from `step` as a finished output."""
         sent = time.time()
-        self.client.add(request_id, [int(t) for t in prompt_token_ids], self.t0 + arrival_time, stream=self.stream,
-                        seed=sp.seed, priority=priority, **P.engine_fields(sp))
+        ids, arrival = [int(t) for t in prompt_token_ids], self.t0 + arrival_time
+        if isinstance(sp, PoolingParams):
+            self.client.add(request_id, ids, arrival, stream=self.stream, max_tokens=None, priority=priority,
+                            pooling=P.Pooling(sp.pooling_type, sp.normalize))
+        else:
+            self.client.add(request_id, ids, arrival, stream=self.stream, seed=sp.seed, priority=priority,
+                            **P.engine_fields(sp))
         self.sent[request_id] = sent
 
     def has_unfinished_requests(self) -> bool:
@@ -94,7 +100,7 @@ class DPEngine:
         except EngineDeadError as e:
             raise RuntimeError(str(e)) from None
         return [RequestOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
-                              o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs) for o in outs]
+                              o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output) for o in outs]
 
     def shutdown(self) -> None:
         """Stop the coordinator and the replicas (their logs are complete afterwards)."""

@@ -1,4 +1,5 @@
-"""Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`.
+"""Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`, `.chat(messages)` and
+`.embed(prompts)` (pooled hidden states: a prompt-only request through the same scheduler).
 
 One EngineCore and one real executor in this process; `step()` is the real-mode driver of the
 sans-I/O core: schedule at the wall clock, run the model, update at the wall clock. With
@@ -14,11 +15,12 @@ from typing import Any, Sequence
 
 
 from testbed.detokenizer import IncrementalDetokenizer
-from testbed.engine.config import EngineConfig
+from testbed.engine.config import EngineConfig, PoolerConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
-from testbed.engine.request import (InvalidParam, Request, SamplingParams, check_priority, check_token_ids,
-                                    child_seed, truncate_prompt)
+from testbed.engine.request import (InvalidParam, PoolingParams, Request, SamplingParams, check_priority,
+                                    check_token_ids, child_seed, truncate_prompt)
+from testbed.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from testbed.worker.stepper import EngineStepper
 
 
@@ -51,11 +53,13 @@ class GenerationOutput:
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
                  dtype: str = "auto", device: str | None = None, skip_tokenizer_init: bool = False,
-                 enforce_eager: bool = False, executor=None, **engine_args: Any) -> None:
+                 enforce_eager: bool = False, executor=None, pooler_config=None, **engine_args: Any) -> None:
         """`executor`: reuse one built earlier for the same model (a fresh engine over its KV cache, whose
         stale contents are never read: every block is written before it is attended over). Its block size
         and tensor-parallel size must match these engine arguments. `data_parallel_size` > 1 starts the
-        replica processes (no executor to reuse)."""
+        replica processes (no executor to reuse). `pooler_config` (a PoolerConfig or a dict of its fields) is
+        how `embed` pools unless its PoolingParams say otherwise."""
+        self.pooler_config = PoolerConfig.of(pooler_config)
         self.config = EngineConfig(**engine_args)
         self.dp = None
         self.engine = self.executor = self.stepper = None
@@ -136,23 +140,29 @@ class LLM:
         else:
             self.engine.abort(request_id, self.now())
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, priority: int = 0) -> RequestOutput | None:
-        """Queue one request; returns a finished 'rejected' output when the engine cannot serve it.
+        """Queue one request (PoolingParams: an embedding of the prompt, pooled as this LLM's pooler config says
+        where they do not); returns a finished 'rejected' output when the engine cannot serve it.
         Bad input raises ValueError before the request is queued: sampling parameters out of range (checked
         again here, as they may have been changed after construction), a grammar that does not compile, a priority
         outside int64 and token ids outside the vocabulary (the embedding would fail or, under TP, read zeros).
         bad_words become token ids through this LLM's tokenizer."""
         vocab = self.vocab_size
+        pooling = isinstance(params, PoolingParams)
         try:
-            if params.bad_words and self.tokenizer is not None:
-                params.update_from_tokenizer(self.tokenizer)
-            if params.structured_outputs is not None:
-                if self.tokenizer is None:
-                    raise InvalidParam("structured_outputs", "needs the model's tokenizer; this LLM has none")
-                from testbed.worker.grammar import check_structured_outputs
-                check_structured_outputs(params.structured_outputs)
-            params.verify(vocab)
+            if pooling:
+                params = PoolingParams(params.pooling_type, params.normalize, params.dimensions).resolve(
+                    self.pooler_config.pooling_type, self.pooler_config.normalize)
+            else:
+                if params.bad_words and self.tokenizer is not None:
+                    params.update_from_tokenizer(self.tokenizer)
+                if params.structured_outputs is not None:
+                    if self.tokenizer is None:
+                        raise InvalidParam("structured_outputs", "needs the model's tokenizer; this LLM has none")
+                    from testbed.worker.grammar import check_structured_outputs
+                    check_structured_outputs(params.structured_outputs)
+                params.verify(vocab)
             check_priority(priority)
             check_token_ids(prompt_token_ids, vocab)
         except InvalidParam as e:
@@ -161,8 +171,9 @@ class LLM:
         if self.dp is not None:  # a rejection comes back from step() as a finished output
             return self.dp.add_request(request_id, prompt_token_ids, params,
                                        self.now() if arrival_time is None else arrival_time, priority)
-        req = Request(request_id, prompt_token_ids, params, self.now() if arrival_time is None else arrival_time,
-                      priority=priority, eos_token_id=self.eos_token_id)
+        req = Request(request_id, prompt_token_ids, None if pooling else params,
+                      self.now() if arrival_time is None else arrival_time, priority=priority,
+                      eos_token_id=self.eos_token_id, pooling_params=params if pooling else None)
         return self.engine.add_request(req, self.now())
 
     # ---- offline generation --------------------------------------------------------------------
@@ -214,15 +225,51 @@ class LLM:
                     seqs[rid] = (gen, k, child, detok, [])
             self._drain(seqs)
         except BaseException:
-            if self.dp is not None:
-                for rid in seqs:
-                    self.dp.abort(rid)
-            else:
-                self.stepper.in_flight = None  # its tokens are not wanted; the aborts below free its blocks
-                for rid in list(self.engine.requests):
-                    self.engine.abort(rid, self.now())
+            self._abort_all(seqs)
             raise
         return results
+
+    def _abort_all(self, request_ids) -> None:
+        """End every live request (a batch call failed or was interrupted): their outputs are not wanted."""
+        if self.dp is not None:
+            for rid in request_ids:
+                self.dp.abort(rid)
+        else:
+            self.stepper.in_flight = None  # its tokens are not wanted; the aborts below free its blocks
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid, self.now())
+
+    def embed(self, prompts, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """The embedding of each prompt (a string, a token-id list, or a list of those), in input order: its
+        final hidden states pooled as `pooling_params` (or this LLM's pooler config) say. Each is a prompt-only
+        request through the same scheduler as a generation."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} pooling params for {len(prompts)} prompts")
+        results: dict[str, EmbeddingRequestOutput] = {}
+        try:
+            for prompt, pp in zip(prompts, params_list):
+                _, ids = self._tokenize(prompt)
+                rid = str(self._next_id)
+                self._next_id += 1
+                rejected = self.add_request(rid, ids, pp)
+                if rejected is not None:
+                    raise ValueError(f"prompt {len(results)}: {rejected.stop_reason}")
+                results[rid] = EmbeddingRequestOutput(rid, EmbeddingOutput([]), ids)
+            while self.has_unfinished_requests():
+                for o in self.step():
+                    if o.finish_reason in ("rejected", "error"):
+                        raise ValueError(f"request {o.request_id}: {o.stop_reason}")
+                    r = results[o.request_id]
+                    r.outputs.embedding, r.num_cached_tokens = o.pooling_output, o.num_cached_tokens
+        except BaseException:
+            self._abort_all(results)
+            raise
+        return list(results.values())
 
     def _drain(self, seqs: dict) -> None:
         while self.has_unfinished_requests():

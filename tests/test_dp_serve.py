@@ -114,6 +114,8 @@ def test_round_robin_streams_aborts_and_survives_a_dead_replica(tmp_path):
             text = (await h.get(f"{url}/metrics")).text
             assert per_engine(text, "vllm:request_success_total", finished_reason="length") == [1, 1]
             assert per_engine(text, "vllm:generation_tokens_total") == [5, 5]
+            assert per_engine(text, "vllm:request_generation_tokens_sum") == [5, 5]  # vLLM's families, per engine
+            assert per_engine(text, "vllm:cache_config_info") == [1, 1]
 
             # abort: a client that goes away stops its request on the replica that runs it (the next, 0),
             # which records it as aborted (its own log), long before its 240 tokens

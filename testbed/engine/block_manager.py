@@ -80,11 +80,13 @@ class BlockManager:
         """Longest cached prefix of a request's prompt: (block ids, tokens covered). Pure lookup.
 
         At least one token is always left to compute, so the model produces a first token. A request still
-        gathering prompt logprobs reads nothing from the cache (its cached positions would give none), as vLLM."""
+        gathering prompt logprobs reads nothing from the cache (its cached positions would give none), as vLLM,
+        nor does one pooled by MEAN (its mean needs the hidden states of every prompt token)."""
         if not self.enable_prefix_caching:
             return [], 0
         plp = req.prompt_logprobs
-        if plp is not None and len(plp) < req.num_prompt_tokens - 1:
+        if (plp is not None and len(plp) < req.num_prompt_tokens - 1) or (
+                req.pooling_params is not None and req.pooling_params.pooling_type == "MEAN"):
             return [], 0
         hashes = self.ensure_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

@@ -88,3 +88,36 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class PoolerConfig:
+    """How pooling (embedding) requests are pooled unless a request says otherwise, with vLLM's names:
+    `pooling_type` LAST (the last prompt token's final hidden state) or MEAN (their average over the
+    prompt), `normalize` (L2). `LLM(pooler_config=...)` and `testbed serve --pooler-config JSON` take one."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        from testbed.engine.request import InvalidParam, PoolingParams
+        try:
+            self.pooling_type = PoolingParams(self.pooling_type, self.normalize).pooling_type
+        except InvalidParam as e:
+            raise ConfigError(f"--pooler-config: {e}") from None
+
+    @classmethod
+    def of(cls, value) -> "PoolerConfig":
+        """A PoolerConfig from one, a dict of its fields, its JSON text, or None (the defaults)."""
+        import json
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"--pooler-config: not JSON ({e}); e.g. '{{\"pooling_type\": \"MEAN\"}}'") from None
+        if not isinstance(value, dict) or set(value) - {"pooling_type", "normalize"}:
+            raise ConfigError(f"--pooler-config: give an object with pooling_type (LAST or MEAN) and normalize, "
+                              f"got {value!r}")
+        return cls(**value)

@@ -71,25 +71,28 @@ class EngineCore:
         self.num_waiting_tokens = 0
         self.num_added = 0  # add_request calls, rejections included (ReplicaStats.num_added)
         self.token_counts = TokenCounts()
+        self.num_pooling = 0  # live pooling requests: while 0, steps skip the pooling pass
         self._last_update = float("-inf")
 
     # ---- admission -----------------------------------------------------------------------------
     def rejection_reason(self, req: Request) -> str | None:
         """Why a request can never be served here, or None."""
         n, mml = req.num_prompt_tokens, self.max_model_len
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is None and n >= mml:
+        pooling = req.pooling_params is not None
+        max_tokens = 0 if pooling else req.sampling_params.max_tokens
+        if (max_tokens is None and n >= mml) or (pooling and n > mml):
             return f"prompt has {n} tokens but max_model_len is {mml}; shorten it or raise --max-model-len"
-        if max_tokens is not None and n + max_tokens > mml:
+        if max_tokens and n + max_tokens > mml:
             return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len "
                     f"({mml}); shorten the prompt, lower max_tokens or raise --max-model-len")
         bm = self.block_manager
-        need = bm.blocks_needed(min(n + (max_tokens or mml), mml))
+        total = mml if max_tokens is None else min(n + max_tokens, mml)  # the longest it can grow
+        need = bm.blocks_needed(total)
         if need > bm.num_blocks:
             return (f"needs {need} KV blocks but the cache has {bm.num_blocks}; raise --num-gpu-blocks or "
                     f"--gpu-memory-utilization, or shorten the request")
         mnbt = self.config.max_num_batched_tokens
-        longest = max(n, min(n + (max_tokens or mml), mml) - 1)  # prompt + outputs recomputed after a preemption
+        longest = max(n, total - 1)  # prompt + outputs recomputed after a preemption
         if not self.config.enable_chunked_prefill and longest > mnbt:
             return (f"with chunked prefill off, the prompt plus outputs recomputed after a preemption ({longest} "
                     f"tokens) must fit one step's --max-num-batched-tokens ({mnbt}); raise it, lower max_tokens "
@@ -112,7 +115,9 @@ class EngineCore:
             req.finish_time = now
             self.records.record_request(req)
             return RequestOutput(req.request_id, [], True, "rejected", reason)
-        if req.sampling_params.max_tokens is None:
+        if req.pooling_params is not None:
+            self.num_pooling += 1
+        elif req.sampling_params.max_tokens is None:
             req.max_tokens = self.max_model_len - req.num_prompt_tokens
         req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
         self.requests[req.request_id] = req
@@ -132,6 +137,8 @@ class EngineCore:
         return RequestOutput(request_id, [], True, "abort", req.stop_reason, max(req.num_cached_tokens, 0))
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        if req.pooling_params is not None:
+            self.num_pooling -= 1
         if req.first_scheduled_time is None:
             self.num_waiting_tokens -= req.num_prompt_tokens
         if status == RequestStatus.FINISHED_ERROR:  # its failed step may have left its blocks half written
@@ -151,6 +158,7 @@ class EngineCore:
                 self.num_waiting_tokens -= req.num_prompt_tokens
         so.step_state = (now, self.block_manager.num_used_blocks, self.scheduler.num_waiting,
                          self.scheduler.num_running)
+        so.has_pooling = self.num_pooling > 0
         return so
 
     def update(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float) -> list[RequestOutput]:
@@ -172,6 +180,8 @@ class EngineCore:
                 if chunk is not None and req.prompt_logprobs is not None and chunk[0] == len(req.prompt_logprobs):
                     req.prompt_logprobs.extend(chunk[1])
         counts = self.token_counts
+        if so.has_pooling:
+            any_finished = self._finish_pooled(so, out, now, outputs)
         sampled = 0
         for req, tok, lp in zip(so.requests, out.sampled_token_ids, lps if lps is not None else repeat(None)):
             if tok < 0 or req.status >= finished_min:
@@ -218,6 +228,27 @@ class EngineCore:
             so.sum_context_tokens, so.sum_attn_pairs, used, self.block_manager.num_blocks, waiting, running_n,
             len(so.preempted_req_ids)))
         return outputs
+
+    def _finish_pooled(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float,
+                       outputs: list[RequestOutput]) -> bool:
+        """End the pooling requests whose last prompt token this step computed, with the executor's pooled
+        output (None from an executor that runs no model); whether any ended. Their row's token, if the
+        executor gave one, is not theirs to keep (they end first); one the executor failed on ends as an error
+        with the others."""
+        pooled, counts, ended, failed = out.pooler_output, self.token_counts, False, out.errors or {}
+        for i, req in enumerate(so.requests):
+            if (req.pooling_params is None or req.finished or req.request_id in failed
+                    or so.num_computed_before[i] + so.num_new_tokens[i] < req.num_prompt_tokens):
+                continue
+            req.num_pending -= 1
+            req.first_token_time = req.last_token_time = now
+            counts.prompt += req.num_prompt_tokens
+            counts.cached_prompt += max(req.num_cached_tokens, 0)
+            self._finish(req, RequestStatus.FINISHED_STOPPED, now)
+            outputs.append(RequestOutput(req.request_id, [], True, "stop", None, req.num_cached_tokens,
+                                         pooling_output=None if pooled is None else pooled[i]))
+            ended = True
+        return ended
 
     def step(self, now: float, executor: Executor) -> tuple[SchedulerOutput, list[RequestOutput]]:
         """schedule + execute + update, with the step ending at now + the executor's duration."""

@@ -33,6 +33,7 @@ class SchedulerOutput:
     sum_attn_pairs: int = 0
     max_context_tokens: int = 0
     num_structured_reqs: int = 0  # requests sampling under a grammar (structured outputs) this step
+    has_pooling: bool = False  # a pooling request is live: the runner pools rows that end their prompt
     step_state: tuple = ()  # (scheduled at, used blocks, waiting, running) for the step record
 
     @property
@@ -74,6 +75,7 @@ class ModelRunnerOutput:
     errors: dict[str, str] | None = None
     # per request: None or (first prompt position p, logprobs of prompt tokens p + 1, ... in the logprobs' shape)
     prompt_logprobs: list | None = None
+    pooler_output: list | None = None  # per request: None or the pooled vector (a pooling request's last chunk)
 
 
 @dataclass(slots=True)
@@ -88,6 +90,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_logprobs: list | None = None
     prompt_logprobs: list | None = None  # with the first token: logprobs of prompt tokens 1.. (SamplingParams.prompt_logprobs)
+    pooling_output: list[float] | None = None  # a pooling request's pooled hidden states (finished with it)
 
 
 def check_stop(req: Request, token: int) -> RequestStatus | None:

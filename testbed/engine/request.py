@@ -383,6 +383,38 @@ def truncate_prompt(ids: Sequence[int], truncate_prompt_tokens: int | None, max_
     return ids[-k:]
 
 
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass
+class PoolingParams:
+    """Settings of a pooling (embedding) request, with vLLM's names: the model's final hidden states pooled
+    over the prompt, at its last token (LAST, vLLM's default for decoder models) or averaged over every prompt
+    token (MEAN), then L2-normalised unless `normalize` is False. `pooling_type` None takes the LLM's or the
+    server's pooler config (vLLM sets it per model; here a request may also name it). `dimensions` (a
+    Matryoshka truncation) is refused, as vLLM refuses it for models not trained for it. `resolve` fills the
+    unset fields from a pooler config; the engine then sees a prompt-only request (no token is sampled)."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+                raise InvalidParam("pooling_type", f"must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+            self.pooling_type = self.pooling_type.upper()
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise InvalidParam("normalize", f"must be a boolean, got {self.normalize!r}")
+        if self.dimensions is not None:
+            raise InvalidParam("dimensions", "is not supported: the served model was not trained for Matryoshka "
+                                             "representations, so its embeddings cannot be shortened; leave it out")
+
+    def resolve(self, pooling_type: str = "LAST", normalize: bool = True) -> "PoolingParams":
+        """A copy with every unset field taken from the given pooler config."""
+        return PoolingParams(self.pooling_type or pooling_type, normalize if self.normalize is None else self.normalize)
+
+
 def check_text(text: str, param: str) -> None:
     """Text must be encodable as UTF-8: a lone surrogate (JSON "\\ud800") cannot be tokenized."""
     try:
@@ -402,6 +434,8 @@ class Request:
     catch up to it (the unified token budget). `num_pending` counts tokens sampled in scheduled steps
     whose values the core has not seen yet (placeholders: with async scheduling the next step may
     compute on them before they arrive). Timestamps are driver-supplied `now` values.
+    A pooling request (`pooling_params`, no `sampling_params`) is prompt-only: its length limit is its prompt,
+    and it ends, with no token, in the step that computes its last prompt token.
     """
 
     __slots__ = (
@@ -410,20 +444,27 @@ class Request:
         "status", "stop_reason", "num_preemptions", "block_hashes", "first_scheduled_time",
         "first_token_time", "last_token_time", "finish_time", "replica", "max_tokens", "logprobs",
         "num_tokens", "length_limit", "token_stops", "num_pending", "prompt_logprobs", "structured",
+        "pooling_params",
     )
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         arrival_time: float,
         priority: int = 0,
         eos_token_id: int | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
+        if (sampling_params is None) == (pooling_params is None):
+            raise ValueError(f"request {request_id!r}: give sampling_params (generation) or pooling_params "
+                             "(embedding), exactly one")
         check_priority(priority)
+        # its unset fields take the defaults (LAST, normalised) unless the caller resolved them from a pooler config
+        self.pooling_params = None if pooling_params is None else pooling_params.resolve()
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -432,10 +473,13 @@ class Request:
         self.priority = priority
         self.eos_token_id = eos_token_id
         self.output_token_ids: list[int] = []
-        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        pooling = pooling_params is not None
+        self.logprobs: list | None = [] if not pooling and sampling_params.logprobs is not None else None
         # logprobs of prompt tokens 1.. (token 0 has none), gathered chunk by chunk until the prompt is done
-        self.prompt_logprobs: list | None = [] if sampling_params.prompt_logprobs is not None else None
-        self.structured = sampling_params.structured_outputs is not None  # the worker masks it with a grammar
+        self.prompt_logprobs: list | None = (
+            [] if not pooling and sampling_params.prompt_logprobs is not None else None)
+        # the worker masks it with a grammar
+        self.structured = not pooling and sampling_params.structured_outputs is not None
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.status = RequestStatus.WAITING
@@ -447,12 +491,15 @@ class Request:
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.replica = 0
-        self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
+        if pooling:
+            self.max_tokens = 0  # prompt only: its pooled hidden states are the output
+        else:
+            self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
         self.num_tokens = self.num_prompt_tokens  # prompt + output; kept in step with output_token_ids
-        self.num_pending = 0  # sampled tokens in flight (scheduled, not yet appended)
+        self.num_pending = 0  # sampled tokens (or a pooled output) in flight: scheduled, not yet applied
         self.length_limit = self.num_prompt_tokens + self.max_tokens  # the core caps it at max_model_len
-        self.token_stops = bool((eos_token_id is not None and not sampling_params.ignore_eos)
-                                or sampling_params.stop_token_ids)
+        self.token_stops = not pooling and bool((eos_token_id is not None and not sampling_params.ignore_eos)
+                                                or sampling_params.stop_token_ids)
 
     def append_output(self, token: int) -> None:
         self.output_token_ids.append(token)

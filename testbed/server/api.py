@@ -1,5 +1,6 @@
-"""The FastAPI app of `testbed serve`: OpenAI routes, /health, /metrics, /tokenize, /detokenize, and
-its OpenAPI document (/openapi.json, browsable at /docs; responses.py describes every answer).
+"""The FastAPI app of `testbed serve`: OpenAI routes (completions, chat, embeddings, models), /health,
+/metrics, /tokenize, /detokenize, and its OpenAPI document (/openapi.json, browsable at /docs;
+responses.py describes every answer).
 
 Every error is answered with OpenAI's body (bad JSON and schema errors too, as 400; a method a path
 does not take, 405 with its Allow header). An outer ASGI middleware checks the API key (every route
@@ -23,8 +24,9 @@ from testbed.engine.request import InvalidParam
 from testbed.server import responses as R
 from testbed.server.chat import create_chat_completion, render_chat
 from testbed.server.completions import create_completion
+from testbed.server.embeddings import create_embedding
 from testbed.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest, bad_request)
+                                    EmbeddingRequest, TokenizeRequest, bad_request)
 from testbed.server.state import ServerState
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")
@@ -146,6 +148,11 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=R.ChatCompletionResponse, responses=generation)
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(state, req, raw)
+
+    @app.post("/v1/embeddings", response_model=R.EmbeddingResponse,
+              responses=R.openapi_responses(R.BAD_REQUEST, R.MODEL_NOT_FOUND, R.GENERATION_ERRORS, api_key=keyed))
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+        return await create_embedding(state, req, raw)
 
     @app.post("/tokenize", response_model=R.TokenizeResponse, responses=plain)
     async def tokenize(req: TokenizeRequest) -> JSONResponse:

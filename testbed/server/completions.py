@@ -14,21 +14,22 @@ from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 
 
-def parse_prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str | None]]:
-    """(token ids per prompt, text per prompt or None when given as ids)."""
+def parse_prompts(state: ServerState, prompt, param: str = "prompt",
+                  add_special_tokens: bool = True) -> tuple[list[list[int]], list[str | None]]:
+    """(token ids per prompt, text per prompt or None when given as ids); `param` names the field in errors."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
-        raise bad_request("the prompt is empty; give a string, a list of strings or token ids", "prompt")
+        raise bad_request(f"the {param} is empty; give a string, a list of strings or token ids", param)
     elif isinstance(prompt[0], int):
         prompt = [prompt]
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            ids.append(state.tokenize(p))
+            ids.append(state.tokenize(p, add_special_tokens))
             texts.append(p)
         else:
-            state.check_token_ids(p, "prompt")
+            state.check_token_ids(p, param)
             ids.append(list(p))
             texts.append(None)
     return ids, texts

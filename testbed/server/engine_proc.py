@@ -21,7 +21,7 @@ import zmq
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
-from testbed.engine.request import Request, check_token_ids
+from testbed.engine.request import PoolingParams, Request, check_token_ids
 from testbed.server import config_arg, freeze_startup_heap, run_process
 from testbed.server import protocol as P
 from testbed.worker.stepper import EngineStepper
@@ -76,9 +76,12 @@ def add_to_core(core: EngineCore, m: P.AddRequest, eos: int | None, vocab_size: 
     """Queue one request; a bad one is rejected (with the reason) rather than killing the engine. The API
     server validated it already; it is checked again so that no input can reach a step unchecked."""
     try:
-        sp = P.sampling_params(m).verify(vocab_size)
+        if m.pooling is not None:
+            sp, pp = None, PoolingParams(m.pooling.pooling_type, m.pooling.normalize)
+        else:
+            sp, pp = P.sampling_params(m).verify(vocab_size), None
         check_token_ids(m.prompt_token_ids, vocab_size)
-        req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, eos)
+        req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, eos, pp)
         return core.add_request(req, now)
     except (ValueError, TypeError) as e:
         return RequestOutput(m.request_id, [], True, "rejected", str(e))
@@ -108,7 +111,7 @@ def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
 
 def to_wire(o: RequestOutput) -> P.CoreOutput:
     return P.CoreOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
-                        o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs)
+                        o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output)
 
 
 class EngineProc:

@@ -25,10 +25,18 @@ class StructuredOutput(msgspec.Struct, array_like=True):
     disable_any_whitespace: bool = False
 
 
+class Pooling(msgspec.Struct, array_like=True):
+    """A pooling (embedding) request's resolved PoolingParams."""
+
+    pooling_type: str
+    normalize: bool
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    """One sequence to generate. `seq` numbers adds so the API server knows which ones a stats
-    snapshot already includes (its waiting-bound estimate). Stop strings, detokenization options and
-    bad words as text stay in the API server (bad words cross as token ids)."""
+    """One sequence to generate, or with `pooling` one prompt to embed (the sampling fields unused). `seq`
+    numbers adds so the API server knows which ones a stats snapshot already includes (its waiting-bound
+    estimate). Stop strings, detokenization options and bad words as text stay in the API server (bad words
+    cross as token ids)."""
 
     seq: int
     request_id: str
@@ -53,12 +61,13 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     bad_words_token_ids: list[list[int]] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutput | None = None
+    pooling: Pooling | None = None
 
 
 # AddRequest fields that are SamplingParams fields of the same name (the engine's share of them)
 SAMPLING_FIELDS = tuple(f for f in AddRequest.__struct_fields__
                         if f not in ("seq", "request_id", "prompt_token_ids", "arrival_time", "priority",
-                                     "structured_outputs"))
+                                     "structured_outputs", "pooling"))
 
 
 def engine_fields(sp: SamplingParams) -> dict[str, Any]:
@@ -108,6 +117,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first token: prompt tokens 1..
+    pooling_output: list[float] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

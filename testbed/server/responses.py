@@ -128,6 +128,26 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class Embedding(BaseModel):
+    index: int
+    object: Literal["embedding"]
+    embedding: list[float] | str  # encoding_format base64: little-endian float32 bytes
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: EmbeddingUsage
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int

@@ -12,7 +12,7 @@ checks live in SamplingParams and the handlers, so each failure names its parame
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -150,6 +150,21 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's embeddings body plus vLLM's extras (add_special_tokens, normalize, priority). How the hidden
+    states are pooled is the server's --pooler-config; `dimensions` is refused (no Matryoshka model here)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    priority: int = 0
 
 
 class TokenizeRequest(_Body):

@@ -61,6 +61,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="keep the API server up (answering 503) when the engine core dies, instead of exiting 1 "
                         "(with data parallelism: when every replica or the coordinator died; while one "
                         "replica serves, the server always stays up)")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='how /v1/embeddings pools the final hidden states (vLLM\'s flag): {"pooling_type": "LAST" '
+                        'or "MEAN", "normalize": true or false} (default: LAST, normalised)')
     g.add_argument("--metrics-prefix", choices=("vllm", "testbed"), default="vllm",
                    help="prefix of the /metrics families: vllm (vLLM's names, for its dashboards, autoscalers and "
                         "routers) or testbed (default: %(default)s)")
@@ -209,7 +212,7 @@ async def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from testbed.cli_args import engine_config
-    from testbed.engine.config import ConfigError
+    from testbed.engine.config import ConfigError, PoolerConfig
     from testbed.server import freeze_startup_heap
     from testbed.server.api import build_app
     from testbed.server.client import EngineClient
@@ -219,6 +222,7 @@ async def run_server(args: argparse.Namespace) -> int:
     from testbed.worker.executor import resolve_model
 
     cfg = engine_config(args)
+    pooler = PoolerConfig.of(args.pooler_config)
     topology = dp_topology(args, cfg.data_parallel_size)
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ConfigError(f"--model: given both as MODEL ({args.model_tag}) and --model ({args.model}); give one")
@@ -264,7 +268,7 @@ async def run_server(args: argparse.Namespace) -> int:
                             client.engine_blocks, cache)
     state = ServerState(client, tokenizer, served, model, metrics, ready.max_model_len, ready.vocab_size,
                         ready.num_gpu_blocks, ready.block_size, cfg.max_num_waiting, args.api_key,
-                        TokenTexts(tokenizer), cfg.policy)
+                        TokenTexts(tokenizer), cfg.policy, pooler_config=pooler)
     client.on_stats = state.on_stats
     app = build_app(state, args.max_request_bytes)
     what = (f"engine core pid {ready.pid}" if topology is None else

@@ -1,7 +1,8 @@
-"""The generation machinery shared by /v1/completions and /v1/chat/completions.
+"""The generation machinery shared by /v1/completions and /v1/chat/completions (and /v1/embeddings).
 
 A GenerationRun holds the choices of one HTTP request (prompts x n): one core request each, all
-routed to one output stream, each with its own detokenizer (its SamplingParams come from params.py). It
+routed to one output stream, each with its own detokenizer (its SamplingParams come from params.py). Given
+PoolingParams instead, each prompt is one prompt-only core request whose choice ends with its embedding. It
 checks the prompts' lengths, admits (or refuses with 503) as a whole, applies outputs (stop strings abort the core request),
 observes the latency metrics, and aborts whatever is unfinished when it is closed early.
 Invariant: every choice finishes exactly once, with one finish_reason.
@@ -12,7 +13,7 @@ import time
 from typing import Any
 
 from testbed.engine.outputs import NO_TOKEN_LEFT
-from testbed.engine.request import SamplingParams, child_seed
+from testbed.engine.request import PoolingParams, SamplingParams, child_seed
 from testbed.server import protocol as P
 from testbed.server.client import EngineDeadError, RequestStream
 from testbed.detokenizer import IncrementalDetokenizer
@@ -53,6 +54,7 @@ class Choice:
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.prompt_logprobs: list | None = None  # logprobs of prompt tokens 1.. (with the first output)
+        self.embedding: list[float] | None = None  # a pooling request's result
         self.num_generated = 0  # tokens the engine sampled (stop strings may keep fewer in the text)
         self.scheduled_time: float | None = None  # the engine's first scheduling (ServerState.on_stats)
         self.first_token_time: float | None = None
@@ -67,45 +69,55 @@ class Choice:
 
 
 class GenerationRun:
-    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], sp: SamplingParams,
-                 priority: int = 0) -> None:
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
+                 sp: SamplingParams | PoolingParams, priority: int = 0) -> None:
         self.state, self.request_id, self.prompts, self.sp = state, request_id, prompts, sp
         self.priority = priority
         self.arrival = time.time()
-        if sp.stop and state.tokenizer is None:
+        self.pooling = isinstance(sp, PoolingParams)
+        self.n = 1 if self.pooling else sp.n
+        if not self.pooling and sp.stop and state.tokenizer is None:
             raise bad_request("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
-        if len(prompts) * sp.n > MAX_CHOICES:
-            raise bad_request(f"{len(prompts)} prompts x n={sp.n} asks for {len(prompts) * sp.n} sequences; this "
-                              f"server generates at most {MAX_CHOICES} per request: split it", "n")
+        if len(prompts) * self.n > MAX_CHOICES:
+            what = "inputs" if self.pooling else f"prompts x n={self.n} asks for {len(prompts) * self.n} sequences"
+            raise bad_request(f"{len(prompts)} {what}; this server takes at most {MAX_CHOICES} per request: split "
+                              "it", "input" if self.pooling else "n")
         for p in prompts:
-            self._check_length(p, sp.max_tokens)
+            self._check_length(p, 0 if self.pooling else sp.max_tokens)
         self.choices: list[Choice] = []
         for pi, prompt in enumerate(prompts):
-            for i in range(sp.n):
-                idx = pi * sp.n + i
-                detok = IncrementalDetokenizer(state.tokenizer, prompt, sp.stop, sp.include_stop_str_in_output,
-                                               sp.skip_special_tokens, sp.spaces_between_special_tokens)
+            for i in range(self.n):
+                idx = pi * self.n + i
+                detok = (IncrementalDetokenizer(None, prompt) if self.pooling else
+                         IncrementalDetokenizer(state.tokenizer, prompt, sp.stop, sp.include_stop_str_in_output,
+                                                sp.skip_special_tokens, sp.spaces_between_special_tokens))
                 self.choices.append(Choice(idx, f"{request_id}-{idx}", pi, detok))
         self.by_id = {c.request_id: c for c in self.choices}
         self.stream = RequestStream(request_id)
         self.num_unfinished = len(self.choices)
-        self.unfinished_per_prompt = [sp.n] * len(prompts)
+        self.unfinished_per_prompt = [self.n] * len(prompts)
 
     def _check_length(self, prompt: list[int], max_tokens: int | None) -> None:
+        """max_tokens 0: a prompt-only (pooling) request, which may fill max_model_len."""
         st, n = self.state, len(prompt)
+        param = "input" if self.pooling else "prompt"
         if n == 0:
-            raise bad_request("the prompt is empty; give at least one token", "prompt")
+            raise bad_request(f"the {param} is empty; give at least one token", param)
+        if max_tokens == 0 and n > st.max_model_len:
+            raise bad_request(f"This model's maximum context length is {st.max_model_len} tokens, but the input has "
+                              f"{n} tokens; shorten it", param)
         if max_tokens is None and n >= st.max_model_len:
             raise bad_request(f"This model's maximum context length is {st.max_model_len} tokens, but the prompt has "
                               f"{n} tokens; shorten it", "messages")
-        if max_tokens is not None and n + max_tokens > st.max_model_len:
+        if max_tokens and n + max_tokens > st.max_model_len:
             raise bad_request(f"This model's maximum context length is {st.max_model_len} tokens. However, you "
                               f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the "
                               "completion). Please reduce the prompt or max_tokens.", "max_tokens")
-        blocks = -(-min(n + (max_tokens or st.max_model_len), st.max_model_len) // st.block_size)
+        total = st.max_model_len if max_tokens is None else min(n + max_tokens, st.max_model_len)
+        blocks = -(-total // st.block_size)
         if blocks > st.num_gpu_blocks:
             raise bad_request(f"the request needs {blocks} KV-cache blocks but the server has {st.num_gpu_blocks}; "
-                              "shorten it", "max_tokens")
+                              "shorten it", param if self.pooling else "max_tokens")
 
     def start(self) -> None:
         """Admit every choice or none: 503 when the engine is dead or the waiting bound is reached. A
@@ -133,6 +145,11 @@ class GenerationRun:
 
     def _add(self, c: Choice) -> None:
         sp = self.sp
+        if self.pooling:
+            self.state.client.add(c.request_id, self.prompts[c.prompt_index], self.arrival, stream=self.stream,
+                                  max_tokens=None, priority=self.priority,
+                                  pooling=P.Pooling(sp.pooling_type, sp.normalize))
+            return
         self.state.client.add(c.request_id, self.prompts[c.prompt_index], self.arrival, stream=self.stream,
                               seed=child_seed(sp.seed, c.index % sp.n), priority=self.priority, **P.engine_fields(sp))
 
@@ -177,6 +194,8 @@ class GenerationRun:
             raise APIError(500, f"generation failed: {out.stop_reason}", None, "generation_failed")
         if out.prompt_logprobs is not None:
             c.prompt_logprobs = out.prompt_logprobs
+        if out.pooling_output is not None:
+            c.embedding = out.pooling_output
         if out.new_token_ids:
             c.num_generated += len(out.new_token_ids)
             if c.first_token_time is None:
@@ -211,14 +230,15 @@ class GenerationRun:
         self.state.live.pop(c.request_id, None)
         m = self.metrics(c)
         prompt = len(self.prompts[c.prompt_index])
-        max_tokens = self.sp.max_tokens if self.sp.max_tokens is not None else self.state.max_model_len - prompt
+        max_tokens = (None if self.pooling else self.sp.max_tokens if self.sp.max_tokens is not None
+                      else self.state.max_model_len - prompt)
         m.observe_finished(FinishedRequest(reason, self.arrival, now, c.scheduled_time, c.first_token_time,
                                            c.last_token_time, prompt, c.num_cached_tokens, c.num_generated,
                                            max_tokens))
         left = self.unfinished_per_prompt
         left[c.prompt_index] -= 1
-        if left[c.prompt_index] == 0:
-            n = self.sp.n
+        if left[c.prompt_index] == 0 and not self.pooling:
+            n = self.n
             siblings = self.choices[c.prompt_index * n:(c.prompt_index + 1) * n]
             m.observe_parent(n, max(s.num_generated for s in siblings))
 
@@ -247,7 +267,7 @@ class GenerationRun:
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
-        n = self.sp.n
+        n = self.n
         cached = sum(self.choices[pi * n].num_cached_tokens for pi in range(len(self.prompts)))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}

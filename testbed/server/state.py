@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
+from testbed.engine.config import PoolerConfig
 from testbed.engine.request import InvalidParam, check_token_ids
 from testbed.server.client import EngineClient
 from testbed.detokenizer import TokenTexts
@@ -42,6 +43,7 @@ class ServerState:
     api_key: str | None = None
     token_texts: TokenTexts | None = None
     scheduling_policy: str = "fcfs"  # a request's priority counts only under "priority"
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)  # how /v1/embeddings pools
     live: dict[str, Any] = field(default_factory=dict)  # core request id -> its serving.Choice, until finished
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer_pool: ThreadPoolExecutor = field(

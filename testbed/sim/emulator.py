@@ -5,7 +5,9 @@ real-GPU timing on a machine without one (`testbed serve --emulate`).
 Timing: a step ends at (its schedule time + predicted step time); the executor sleeps whatever of that the
 engine's own host work has not already used. Under async scheduling a step starts on the "device" when the
 previous one ends, as on a GPU. Tokens: each request echoes its prompt, one token per step (never EOS), so
-text prompts give readable output and requests end at max_tokens or a stop condition.
+text prompts give readable output and requests end at max_tokens or a stop condition. Embeddings (pooling
+requests) are synthetic too, of the model's hidden size: the prompt's token ids counted modulo it (MEAN), or
+the last one's position set (LAST), normalised as asked; equal prompts get equal vectors.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class EmulatedExecutor:
                                                                       config.tensor_parallel_size)
         self.eos_token_id = None
         self.vocab_size = spec.vocab_size
+        self.hidden_size = spec.hidden_size
         self.clock, self.sleep = clock, sleep
         self._device_free = 0.0  # when the emulated device finishes its last launched step
 
@@ -53,6 +56,23 @@ class EmulatedExecutor:
                 out.append(int(r.prompt_token_ids[r.num_output_tokens % r.num_prompt_tokens]))
         return out
 
+    def _pooled(self, so: SchedulerOutput) -> list | None:
+        """The synthetic embedding of each pooling request whose prompt ends in this step (module docstring)."""
+        if not so.has_pooling:
+            return None
+        out: list = [None] * so.num_reqs
+        for i, (r, before, n) in enumerate(zip(so.requests, so.num_computed_before, so.num_new_tokens)):
+            pp = r.pooling_params
+            if pp is None or before + n < r.num_prompt_tokens:
+                continue
+            vec = [0.0] * self.hidden_size
+            for t in (r.prompt_token_ids if pp.pooling_type == "MEAN" else r.prompt_token_ids[-1:]):
+                vec[int(t) % self.hidden_size] += 1.0
+            norm = sum(v * v for v in vec) ** 0.5 if pp.normalize else float(len(r.prompt_token_ids)
+                                                                            if pp.pooling_type == "MEAN" else 1)
+            out[i] = [v / norm for v in vec]
+        return out
+
     def _predict(self, so: SchedulerOutput) -> float:
         return self.cost.step_time(so) if self.cost is not None else 0.0
 
@@ -62,20 +82,20 @@ class EmulatedExecutor:
         wait = start + d - self.clock()
         if wait > 0:
             self.sleep(wait)
-        return ModelRunnerOutput(self._tokens(so), d)
+        return ModelRunnerOutput(self._tokens(so), d, pooler_output=self._pooled(so))
 
     def execute_async(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Launch: the step starts when the emulated device is free; the returned function waits for its end."""
         d = self._predict(so)
         end = max(self._device_free, self.clock()) + d
         self._device_free = end
-        tokens = self._tokens(so)
+        tokens, pooled = self._tokens(so), self._pooled(so)
 
         def result() -> ModelRunnerOutput:
             wait = end - self.clock()
             if wait > 0:
                 self.sleep(wait)
-            return ModelRunnerOutput(tokens, d)
+            return ModelRunnerOutput(tokens, d, pooler_output=pooled)
 
         return result
 

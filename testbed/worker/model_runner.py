@@ -27,6 +27,7 @@ from testbed.worker import prompt_logprobs
 from testbed.worker.context import reset_context, set_context
 from testbed.worker.logits_processors import RowContext
 from testbed.worker.model import LlamaForCausalLM
+from testbed.worker.pooler import Pooler
 from testbed.worker.sampler import Sampler
 from testbed.worker.stepper import ExecutorFailure
 from testbed.worker.timing import StepTimer
@@ -50,8 +51,12 @@ class StepInputs:
 
 def sampled_rows(so: SchedulerOutput) -> list[int]:
     """Indices of the requests that sample a token this step: those whose scheduled tokens reach the end of
-    what they have (a prompt's last chunk, a decode, or a placeholder under async scheduling)."""
+    what they have (a prompt's last chunk, a decode, or a placeholder under async scheduling), pooling
+    requests aside (their prompt's hidden states are pooled instead)."""
     before, counts = so.num_computed_before, so.num_new_tokens
+    if so.has_pooling:
+        return [i for i, r in enumerate(so.requests)
+                if before[i] + counts[i] >= r.num_tokens and r.pooling_params is None]
     return [i for i, r in enumerate(so.requests) if before[i] + counts[i] >= r.num_tokens]
 
 
@@ -69,6 +74,7 @@ class ModelRunner:
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
         self.sampler = Sampler(device, config.seed, load_tokenizer)
+        self.pooler = Pooler()
         self._processed: set[str] = set()  # live requests whose logits need processing
         self._prompt_logprobs: set[str] = set()  # live requests that ask for prompt logprobs
         self.num_gpu_blocks = 0
@@ -318,6 +324,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if so.finished_req_ids:
             self.sampler.forget(so.finished_req_ids)
+            self.pooler.forget(so.finished_req_ids)
             self._processed.difference_update(so.finished_req_ids)
             self._prompt_logprobs.difference_update(so.finished_req_ids)
         if so.new_req_ids:
@@ -334,6 +341,7 @@ class ModelRunner:
             if timer is not None:
                 timer.mark()
             logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+            pooled = self.pooler.pool(hidden, so) if so.has_pooling else None
         except Exception as e:
             if self.broadcast_inputs is None:
                 raise
@@ -360,6 +368,8 @@ class ModelRunner:
                            None if stuck is None else stuck.to("cpu", non_blocking=True))
             if prompt_parts is not None:
                 prompt_parts = [_to_host(part) for part in prompt_parts]
+            if pooled is not None:
+                pooled = [v if v is None else v.to("cpu", non_blocking=True) for v in pooled]
             # Waited for even when nothing was sampled (every row mid-prompt): the staging buffer this step's
             # inputs were copied from is rewritten two steps later, so its copy must be done by then.
             done = torch.cuda.Event()
@@ -388,7 +398,8 @@ class ModelRunner:
             plps = prompt_logprobs.to_lists(prompt_parts, plp, len(reqs)) if plp is not None else None
             end = time.perf_counter()
             return ModelRunnerOutput(out, end - t0, logprobs, None if timer is None else timer.result(end),
-                                     errors, plps)
+                                     errors, plps, pooler_output=None if pooled is None else
+                                     [v if v is None else v.tolist() for v in pooled])
 
         return result
 
@@ -404,7 +415,7 @@ class ModelRunner:
                 if not r.num_preemptions:
                     fresh.append(rid)
                 sp = r.sampling_params
-                if sp.needs_processing:
+                if sp is not None and sp.needs_processing:  # a pooling request has none
                     self._processed.add(rid)
                 if r.prompt_logprobs is not None:
                     self._prompt_logprobs.add(rid)

@@ -94,6 +94,7 @@ class EngineStepper:
         tokens = [-1] * n
         logprobs: list | None = None
         prompt_lps: list | None = None
+        pooled: list | None = None
         errors: dict[str, str] = {}
         if n == 1:
             errors[so.requests[0].request_id] = describe(error)
@@ -117,6 +118,10 @@ class EngineStepper:
             if out.prompt_logprobs is not None:
                 prompt_lps = prompt_lps or [None] * n
                 prompt_lps[i] = out.prompt_logprobs[0]
+            if out.pooler_output is not None:
+                pooled = pooled or [None] * n
+                pooled[i] = out.pooler_output[0]
             if out.errors:
                 errors.update(out.errors)
-        return ModelRunnerOutput(tokens, duration, logprobs, errors=errors, prompt_logprobs=prompt_lps)
+        return ModelRunnerOutput(tokens, duration, logprobs, errors=errors, prompt_logprobs=prompt_lps,
+                                 pooler_output=pooled)
