@@ -52,7 +52,7 @@ def test_a_headless_node_serves_the_second_replica(tmp_path, monkeypatch):
         dup, dup_log = headless(tmp_path, "dup", *dp, "--data-parallel-start-rank", "1")
         assert dup.wait(120) != 0
         assert "already taken" in dup_log.read_text()
-        assert httpx.get(f"{head.url}/health").text == "" and serve_both(head.url) == [4, 4]
+        assert httpx.get(f"{head.url}/health").json() == {"status": "ok"} and serve_both(head.url) == [4, 4]
         assert head.terminate() == 0, head.log_text()
         assert node.wait(60) == 0, node_log.read_text()[-3000:]  # the coordinator told the node to stop
     finally:
