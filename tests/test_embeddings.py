@@ -69,7 +69,7 @@ def test_pooling_request_too_long_is_rejected_and_params_are_checked():
     with pytest.raises(ValueError, match="exactly one"):
         Request("x", [1, 2], None, 0.0)
     with pytest.raises(ConfigError, match="pooling_type"):
-        PoolerConfig.of('{"pooling_type": "CLS"}')
+        PoolerConfig.of({"pooling_type": "CLS"})
 
 
 # ---- LLM.embed against transformers ------------------------------------------------------------------

@@ -108,15 +108,9 @@ class PoolerConfig:
 
     @classmethod
     def of(cls, value) -> "PoolerConfig":
-        """A PoolerConfig from one, a dict of its fields, its JSON text, or None (the defaults)."""
-        import json
+        """A PoolerConfig from one, a dict of its fields, or None (the defaults)."""
         if value is None or isinstance(value, cls):
             return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(f"--pooler-config: not JSON ({e}); e.g. '{{\"pooling_type\": \"MEAN\"}}'") from None
         if not isinstance(value, dict) or set(value) - {"pooling_type", "normalize"}:
             raise ConfigError(f"--pooler-config: give an object with pooling_type (LAST or MEAN) and normalize, "
                               f"got {value!r}")

@@ -166,6 +166,18 @@ def run_headless_node(args: argparse.Namespace) -> int:
                         cfg.tensor_parallel_size, args.device, _log)
 
 
+def json_flag(value: str | None, flag: str, example: str):
+    """The JSON value of a flag (None when not given); ConfigError with an example when it is not JSON."""
+    import json
+    from testbed.engine.config import ConfigError
+    if value is None:
+        return None
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise ConfigError(f"{flag}: not JSON ({e}); e.g. {example}") from None
+
+
 def _log(msg: str) -> None:
     print(f"testbed serve: {msg}", file=sys.stderr, flush=True)
 
@@ -222,7 +234,7 @@ async def run_server(args: argparse.Namespace) -> int:
     from testbed.worker.executor import resolve_model
 
     cfg = engine_config(args)
-    pooler = PoolerConfig.of(args.pooler_config)
+    pooler = PoolerConfig.of(json_flag(args.pooler_config, "--pooler-config", '{"pooling_type": "MEAN"}'))
     topology = dp_topology(args, cfg.data_parallel_size)
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ConfigError(f"--model: given both as MODEL ({args.model_tag}) and --model ({args.model}); give one")
