@@ -24,6 +24,14 @@ from testbed.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from testbed.worker.stepper import EngineStepper
 
 
+def progress_bar(enabled: bool, total: int, desc: str):
+    """A tqdm bar of `total` items on stderr, or None when not enabled."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="prompt", dynamic_ncols=True)
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence (vLLM's CompletionOutput)."""
@@ -53,14 +61,24 @@ class GenerationOutput:
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
                  dtype: str = "auto", device: str | None = None, skip_tokenizer_init: bool = False,
-                 enforce_eager: bool = False, executor=None, pooler_config=None, **engine_args: Any) -> None:
-        """`executor`: reuse one built earlier for the same model (a fresh engine over its KV cache, whose
-        stale contents are never read: every block is written before it is attended over). Its block size
-        and tensor-parallel size must match these engine arguments. `data_parallel_size` > 1 starts the
-        replica processes (no executor to reuse). `pooler_config` (a PoolerConfig or a dict of its fields) is
-        how `embed` pools unless its PoolingParams say otherwise."""
+                 enforce_eager: bool = False, executor=None, pooler_config=None, trust_remote_code: bool = False,
+                 revision: str | None = None, tokenizer_revision: str | None = None, download_dir: str | None = None,
+                 **engine_args: Any) -> None:
+        """`model`: a folder, a .gguf file, a hub id found in the local Hugging Face cache (at `revision`, under
+        `download_dir` if given; nothing is downloaded), a preset with `load_format="dummy"`, or None for the
+        bundled SmolLM2. `engine_args`: this engine's EngineConfig fields and vLLM's common engine arguments
+        (llm_args.py honours, fixes or refuses each). `executor`: reuse one built earlier for the same model (a
+        fresh engine over its KV cache, whose stale contents are never read: every block is written before it
+        is attended over); its block size and tensor-parallel size must match these engine arguments.
+        `data_parallel_size` > 1 starts the replica processes (no executor to reuse). `pooler_config` (a
+        PoolerConfig or a dict of its fields) is how `embed` pools unless its PoolingParams say otherwise.
+        `trust_remote_code` lets the tokenizer run code shipped with the model."""
+        from testbed.llm_args import engine_config
+        from testbed.worker.executor import resolve_model
         self.pooler_config = PoolerConfig.of(pooler_config)
-        self.config = EngineConfig(**engine_args)
+        self.config = engine_config(engine_args)
+        if executor is None:
+            model = resolve_model(model, load_format, revision, download_dir)
         self.dp = None
         self.engine = self.executor = self.stepper = None
         if self.config.data_parallel_size > 1:
@@ -90,7 +108,9 @@ class LLM:
         self.tokenizer = None
         if not skip_tokenizer_init and load_format != "dummy":
             from testbed.worker.loader import load_tokenizer
-            self.tokenizer = load_tokenizer(tokenizer or model_path)
+            source = model_path if tokenizer is None else resolve_model(tokenizer, "auto", tokenizer_revision,
+                                                                        download_dir)
+            self.tokenizer = load_tokenizer(source, trust_remote_code)
         self._t0 = time.perf_counter()
         self._next_id = 0
 
@@ -190,8 +210,9 @@ class LLM:
         return None, [int(t) for t in prompt]
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[GenerationOutput]:
-        """Generate for each prompt (a string, a token-id list, or a list of those) in input order."""
+                 use_tqdm: bool = True) -> list[GenerationOutput]:
+        """Generate for each prompt (a string, a token-id list, or a list of those) in input order; `use_tqdm`
+        shows a progress bar of finished prompts on stderr (as vLLM's)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -223,7 +244,7 @@ class LLM:
                                                    ) if self.tokenizer else None
                     gen.outputs.append(CompletionOutput(k, "", [], None, [] if child.logprobs is not None else None, None))
                     seqs[rid] = (gen, k, child, detok, [])
-            self._drain(seqs)
+            self._drain(seqs, progress_bar(use_tqdm, len(results), "Processed prompts"))
         except BaseException:
             self._abort_all(seqs)
             raise
@@ -240,10 +261,10 @@ class LLM:
                 self.engine.abort(rid, self.now())
 
     def embed(self, prompts, *, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """The embedding of each prompt (a string, a token-id list, or a list of those), in input order: its
         final hidden states pooled as `pooling_params` (or this LLM's pooler config) say. Each is a prompt-only
-        request through the same scheduler as a generation."""
+        request through the same scheduler as a generation. `use_tqdm`: a progress bar on stderr."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = pooling_params or PoolingParams()
@@ -260,18 +281,26 @@ class LLM:
                 if rejected is not None:
                     raise ValueError(f"prompt {len(results)}: {rejected.stop_reason}")
                 results[rid] = EmbeddingRequestOutput(rid, EmbeddingOutput([]), ids)
+            bar = progress_bar(use_tqdm, len(results), "Processed prompts")
             while self.has_unfinished_requests():
                 for o in self.step():
                     if o.finish_reason in ("rejected", "error"):
                         raise ValueError(f"request {o.request_id}: {o.stop_reason}")
                     r = results[o.request_id]
                     r.outputs.embedding, r.num_cached_tokens = o.pooling_output, o.num_cached_tokens
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.close()
         except BaseException:
             self._abort_all(results)
             raise
         return list(results.values())
 
-    def _drain(self, seqs: dict) -> None:
+    def _drain(self, seqs: dict, bar) -> None:
+        left = {}  # unfinished sequences per prompt, for the progress bar
+        for gen, *_ in seqs.values():
+            left[gen.request_id] = left.get(gen.request_id, 0) + 1
         while self.has_unfinished_requests():
             for o in self.step():
                 if o.finish_reason == "rejected":  # data parallel: a replica refused it
@@ -298,15 +327,28 @@ class LLM:
                         reason, stop_reason = "stop", detok.stop_reason
                 if finished:
                     c.finish_reason, c.stop_reason = reason, stop_reason
+                    left[gen.request_id] -= 1
+                    if left[gen.request_id] == 0 and bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list[GenerationOutput]:
-        """Generate replies to one conversation (a list of {role, content}) or a list of them."""
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list | None = None) -> list[GenerationOutput]:
+        """Generate replies to one conversation (a list of OpenAI messages, whose content may be a list of text
+        parts) or a list of them, through the tokenizer's chat template (or `chat_template`), given
+        `chat_template_kwargs` as template variables."""
+        from testbed.chat_utils import apply_chat_template
+        if tools is not None:
+            raise ValueError("tools: tool calling is not supported by this engine; leave it out")
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template (not available with dummy weights)")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in convs:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = apply_chat_template(self.tokenizer, conv, add_generation_prompt, continue_final_message,
+                                       chat_template, chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

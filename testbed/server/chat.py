@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from testbed.chat_utils import apply_chat_template
 from testbed.engine.request import MAX_LOGPROBS
 from testbed.server.schemas import ChatCompletionRequest, ChatMessage, bad_request
 from testbed.server.params import request_params, truncate_prompts
@@ -22,26 +23,10 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
     if tok is None:
         raise bad_request("this model has no tokenizer (dummy weights), so no chat template; use /v1/completions "
                           "with prompt token ids", "messages")
-    if not messages:
-        raise bad_request("messages must hold at least one message", "messages")
-    rendered = []
-    for i, m in enumerate(messages):
-        d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            texts = []
-            for part in m.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise bad_request(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                                      f"supported, got {part.get('type')!r}", "messages")
-                texts.append(part["text"])
-            d["content"] = "\n".join(texts)
-        elif m.content is None:
-            d["content"] = ""
-        rendered.append(d)
     try:
-        text = tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # noqa: BLE001 - jinja and template errors come in many types
-        raise bad_request(f"messages: the chat template cannot render them: {e}", "messages") from None
+        text = apply_chat_template(tok, [m.model_dump(exclude_none=True) for m in messages], add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
     return tok(text, add_special_tokens=False).input_ids
 
 

@@ -41,7 +41,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p, None)
     g = p.add_argument_group("server")
     g.add_argument("--served-model-name", default=None, help="name in the API (default: the model's folder name)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    g.add_argument("--revision", default=None, help="with a hub id: the revision in the local Hugging Face cache")
+    g.add_argument("--download-dir", default=None,
+                   help="the Hugging Face cache a hub id is read from (default: $HF_HUB_CACHE, $HF_HOME/hub, "
+                        "~/.cache/huggingface/hub); nothing is downloaded")
+    g.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run code shipped with it")
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when there is one)")
@@ -160,7 +165,7 @@ def run_headless_node(args: argparse.Namespace) -> int:
     from testbed.worker.executor import resolve_model
     cfg = engine_config(args)
     topo = dp_topology(args, cfg.data_parallel_size)  # ConfigError unless data-parallel
-    model = resolve_model(args.model_tag or args.model, args.load_format)
+    model = resolve_model(args.model_tag or args.model, args.load_format, args.revision, args.download_dir)
     addr = f"tcp://{topo.address}:{topo.rpc_port}"
     return run_headless(args.data_parallel_start_rank, topo.size_local, addr, engine_proc_config(args, cfg, model),
                         cfg.tensor_parallel_size, args.device, _log)
@@ -182,10 +187,10 @@ def _log(msg: str) -> None:
     print(f"testbed serve: {msg}", file=sys.stderr, flush=True)
 
 
-def _load_tokenizer(path: str):
+def _load_tokenizer(path: str, trust_remote_code: bool = False):
     from testbed.worker.loader import load_tokenizer
     try:
-        return load_tokenizer(path)
+        return load_tokenizer(path, trust_remote_code)
     except FileNotFoundError as e:
         _log(f"warning: {e}; text prompts and chat are refused, token-id prompts work")
         return None
@@ -238,7 +243,7 @@ async def run_server(args: argparse.Namespace) -> int:
     topology = dp_topology(args, cfg.data_parallel_size)
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ConfigError(f"--model: given both as MODEL ({args.model_tag}) and --model ({args.model}); give one")
-    model = resolve_model(args.model_tag or args.model, args.load_format)
+    model = resolve_model(args.model_tag or args.model, args.load_format, args.revision, args.download_dir)
     proc_cfg = engine_proc_config(args, cfg, model)
     served = args.served_model_name or os.path.basename(os.path.normpath(model))
 
@@ -251,8 +256,9 @@ async def run_server(args: argparse.Namespace) -> int:
     else:
         from testbed.server.dp_client import DPEngineClient
         client = DPEngineClient(proc_cfg, topology)
-    tokenizer_path = args.tokenizer or model
-    tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path))
+    tokenizer_path = model if args.tokenizer is None else resolve_model(args.tokenizer, "auto", None,
+                                                                        args.download_dir)
+    tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path, args.trust_remote_code))
     start = asyncio.ensure_future(client.start())
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait((start, stopper), return_when=asyncio.FIRST_COMPLETED)

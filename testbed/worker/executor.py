@@ -13,11 +13,17 @@ from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, 
 DEFAULT_MODEL_NAMES = ("", "default", "smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> str:
-    """The bundled SmolLM2 folder for an empty/default name (real weights), else `model` unchanged."""
+def resolve_model(model: str | None, load_format: str = "auto", revision: str | None = None,
+                  download_dir: str | None = None) -> str:
+    """The bundled SmolLM2 folder for an empty/default name (real weights), a hub id's folder in the local
+    Hugging Face cache (worker/hub.py), else `model` unchanged (a folder, a file, or a preset with dummy weights)."""
     if load_format != "dummy" and (model is None or model.lower() in DEFAULT_MODEL_NAMES):
         from testbed.worker.smollm2 import default_model_dir
         return str(default_model_dir())
+    if load_format != "dummy" and model is not None:
+        from testbed.worker.hub import is_hub_id, resolve_hub_id
+        if is_hub_id(model):
+            return resolve_hub_id(model, revision, download_dir)
     return model or "SmolLM2-135M"
 
 

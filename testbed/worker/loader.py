@@ -173,15 +173,17 @@ def load_model(model: str, load_format: str = "auto", dtype: torch.dtype = torch
     return net, hf_config
 
 
-def load_tokenizer(model: str):
-    """HF tokenizer of a local folder or .gguf file (offline); presets (dummy weights) have none."""
+def load_tokenizer(model: str, trust_remote_code: bool = False):
+    """HF tokenizer of a local folder or .gguf file (offline); presets (dummy weights) have none.
+    `trust_remote_code` lets a tokenizer run the code it ships with."""
     from transformers import AutoTokenizer
     path = Path(model).expanduser()
     if path.is_dir() and any((path / f).is_file() for f in _TOKENIZER_FILES):
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     gguf = _find_gguf(path) if path.exists() else None
     if gguf is not None:
-        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
     raise FileNotFoundError(f"no tokenizer for {model!r}: expected a local folder with tokenizer.json / "
                             "tokenizer_config.json or a .gguf file (dummy-weight presets have no tokenizer; "
                             "pass prompt token ids instead)")
