@@ -42,7 +42,8 @@ class DPEngine:
         self.log_dir = tempfile.mkdtemp(prefix="testbed-dp-records-")
         proc = EngineProcConfig(engine=config.to_dict(), model=self.model_path, load_format=load_format, dtype=dtype,
                                 device=device, enforce_eager=enforce_eager, log_steps=self.log_dir)
-        self.client = DPEngineClient(proc, DPTopology(config.data_parallel_size))
+        self.client = DPEngineClient(proc, DPTopology(config.data_parallel_size), self._on_stats)
+        self.scheduled: dict[str, float] = {}  # request id -> when a replica first scheduled it (its time.time())
         self.loop = asyncio.new_event_loop()
         try:
             self.ready = self.loop.run_until_complete(self.client.start())
@@ -54,6 +55,9 @@ class DPEngine:
         self.sent: dict[str, float] = {}
         self.t0 = time.time()
         self.closed = False
+
+    def _on_stats(self, stats, scheduled: dict[str, float], engine: int) -> None:
+        self.scheduled.update(scheduled)
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -100,7 +104,7 @@ class DPEngine:
         except EngineDeadError as e:
             raise RuntimeError(str(e)) from None
         return [RequestOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
-                              o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output) for o in outs]
+                              o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output, o.timing) for o in outs]
 
     def shutdown(self) -> None:
         """Stop the coordinator and the replicas (their logs are complete afterwards)."""

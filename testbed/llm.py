@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 
 from testbed.detokenizer import IncrementalDetokenizer
 from testbed.engine.config import EngineConfig, PoolerConfig
 from testbed.engine.core import EngineCore
-from testbed.engine.outputs import RequestOutput
+from testbed.engine.outputs import RequestOutput as EngineOutput
 from testbed.engine.request import (InvalidParam, PoolingParams, Request, SamplingParams, check_priority,
                                     check_token_ids, child_seed, truncate_prompt)
-from testbed.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from testbed.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics,
+                             RequestOutput)
 from testbed.worker.stepper import EngineStepper
 
 
@@ -30,32 +30,6 @@ def progress_bar(enabled: bool, total: int, desc: str):
         return None
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="prompt", dynamic_ncols=True)
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence (vLLM's CompletionOutput)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list | None  # per token: (logprob, rank (1 = most likely), [(token id, logprob), ...] of the top N)
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class GenerationOutput:
-    """All sequences of one prompt (vLLM's RequestOutput)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
-    num_cached_tokens: int = 0
-    prompt_logprobs: list | None = None  # None for the first prompt token, then (logprob, rank, top) per token
 
 
 class LLM:
@@ -111,7 +85,7 @@ class LLM:
             source = model_path if tokenizer is None else resolve_model(tokenizer, "auto", tokenizer_revision,
                                                                         download_dir)
             self.tokenizer = load_tokenizer(source, trust_remote_code)
-        self._t0 = time.perf_counter()
+        self._t0, self._wall0 = time.perf_counter(), time.time()
         self._next_id = 0
 
     def now(self) -> float:
@@ -122,7 +96,7 @@ class LLM:
         """Make this moment time 0 (a replay's timeline starts at its first arrival)."""
         if self.dp is not None:
             self.dp.reset_clock()
-        self._t0 = time.perf_counter()
+        self._t0, self._wall0 = time.perf_counter(), time.time()
 
     def shutdown(self) -> None:
         """End the worker processes (TP ranks, or the DP coordinator and replicas)."""
@@ -140,7 +114,7 @@ class LLM:
         return self.tokenizer
 
     # ---- the real-mode driver ------------------------------------------------------------------
-    def step(self, now: float | None = None, timeout: float | None = None) -> list[RequestOutput]:
+    def step(self, now: float | None = None, timeout: float | None = None) -> list[EngineOutput]:
         """One engine step scheduled at `now` (default: the wall clock), updated at the wall clock
         once the model ran (with async scheduling: the previous step is updated after this one is
         launched); nothing happens when nothing is schedulable or in flight. With data parallelism
@@ -161,7 +135,7 @@ class LLM:
             self.engine.abort(request_id, self.now())
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | PoolingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> RequestOutput | None:
+                    arrival_time: float | None = None, priority: int = 0) -> EngineOutput | None:
         """Queue one request (PoolingParams: an embedding of the prompt, pooled as this LLM's pooler config says
         where they do not); returns a finished 'rejected' output when the engine cannot serve it.
         Bad input raises ValueError before the request is queued: sampling parameters out of range (checked
@@ -210,7 +184,7 @@ class LLM:
         return None, [int(t) for t in prompt]
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for each prompt (a string, a token-id list, or a list of those) in input order; `use_tqdm`
         shows a progress bar of finished prompts on stderr (as vLLM's)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
@@ -219,8 +193,8 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        results: list[GenerationOutput] = []
-        seqs: dict[str, tuple[GenerationOutput, int, SamplingParams, IncrementalDetokenizer | None, list]] = {}
+        results: list[RequestOutput] = []
+        seqs: dict[str, tuple[RequestOutput, int, SamplingParams, IncrementalDetokenizer | None, list]] = {}
         try:
             for prompt, sp in zip(prompts, params_list):
                 text, ids = self._tokenize(prompt)
@@ -228,15 +202,16 @@ class LLM:
                     ids = list(truncate_prompt(ids, sp.truncate_prompt_tokens, self.max_model_len))
                 except InvalidParam as e:
                     raise ValueError(f"prompt {len(results)}: {e}") from None
-                gen = GenerationOutput(str(self._next_id), text, ids)
+                gen = RequestOutput(str(self._next_id), text, ids)
                 self._next_id += 1
                 results.append(gen)
+                gen.metrics = RequestMetrics(self._wall(self.now()), None, None, None, None)
                 for k in range(sp.n):
                     # the prompt's logprobs are the same for every sequence: the first one computes them
                     child = sp if sp.n == 1 else dataclasses.replace(
                         sp, n=1, seed=child_seed(sp.seed, k), prompt_logprobs=sp.prompt_logprobs if k == 0 else None)
                     rid = gen.request_id if sp.n == 1 else f"{gen.request_id}-{k}"
-                    rejected = self.add_request(rid, ids, child)
+                    rejected = self.add_request(rid, ids, child, gen.metrics.arrival_time - self._wall(0.0))
                     if rejected is not None:
                         raise ValueError(f"prompt {len(results) - 1}: {rejected.stop_reason}")
                     detok = IncrementalDetokenizer(self.tokenizer, ids, child.stop, child.include_stop_str_in_output,
@@ -249,6 +224,34 @@ class LLM:
             self._abort_all(seqs)
             raise
         return results
+
+    def _wall(self, t: float) -> float:
+        """time.time() of a time on this LLM's clock (now())."""
+        return t + (self.dp.t0 if self.dp is not None else self._wall0)
+
+    def _observe(self, m: RequestMetrics, request_id: str, o: EngineOutput, finished: bool) -> None:
+        """Fold one output of one of a prompt's sequences into the prompt's metrics: token and finish times as
+        this LLM receives them (its clock, in time.time()), the first scheduling as the engine saw it."""
+        now = self._wall(self.now())
+        if m.first_scheduled_time is None or o.new_token_ids or finished:
+            scheduled = self._first_scheduled(request_id, o)
+            if scheduled is not None and (m.first_scheduled_time is None or scheduled < m.first_scheduled_time):
+                m.first_scheduled_time, m.time_in_queue = scheduled, scheduled - m.arrival_time
+        if o.new_token_ids:
+            m.first_token_time = now if m.first_token_time is None else m.first_token_time
+            m.last_token_time = now
+        if finished:
+            m.finished_time = now
+            if self.dp is not None:
+                self.dp.scheduled.pop(request_id, None)
+
+    def _first_scheduled(self, request_id: str, o: EngineOutput) -> float | None:
+        """When the engine first scheduled a request (time.time()), None while it has not."""
+        if self.dp is not None:
+            return self.dp.scheduled.get(request_id)
+        req = self.engine.requests.get(request_id)
+        t = req.first_scheduled_time if req is not None else (o.timing[0] if o.timing else None)
+        return None if t is None else self._wall(t)
 
     def _abort_all(self, request_ids) -> None:
         """End every live request (a batch call failed or was interrupted): their outputs are not wanted."""
@@ -325,6 +328,7 @@ class LLM:
                     c.text += detok.delta(final=True)
                     if detok.stop_reason is not None:
                         reason, stop_reason = "stop", detok.stop_reason
+                self._observe(gen.metrics, o.request_id, o, finished)
                 if finished:
                     c.finish_reason, c.stop_reason = reason, stop_reason
                     left[gen.request_id] -= 1
@@ -336,7 +340,7 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list | None = None) -> list[GenerationOutput]:
+             tools: list | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of OpenAI messages, whose content may be a list of text
         parts) or a list of them, through the tokenizer's chat template (or `chat_template`), given
         `chat_template_kwargs` as template variables."""

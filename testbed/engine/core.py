@@ -37,6 +37,11 @@ class ReplicaStats:
     num_added: int | None = None
 
 
+def times(req: Request) -> tuple:
+    """A finished request's (first scheduled, first token, last token, finished) times: RequestOutput.timing."""
+    return req.first_scheduled_time, req.first_token_time, req.last_token_time, req.finish_time
+
+
 @dataclass(slots=True)
 class TokenCounts:
     """Cumulative token counts of one engine, as vLLM's counters count them: the prompts of the requests whose
@@ -114,7 +119,7 @@ class EngineCore:
             req.stop_reason = reason
             req.finish_time = now
             self.records.record_request(req)
-            return RequestOutput(req.request_id, [], True, "rejected", reason)
+            return RequestOutput(req.request_id, [], True, "rejected", reason, timing=times(req))
         if req.pooling_params is not None:
             self.num_pooling += 1
         elif req.sampling_params.max_tokens is None:
@@ -134,7 +139,8 @@ class EngineCore:
         self._finish(req, RequestStatus.FINISHED_ABORTED, now)
         if was_running:
             self.scheduler.drop_finished()
-        return RequestOutput(request_id, [], True, "abort", req.stop_reason, max(req.num_cached_tokens, 0))
+        return RequestOutput(request_id, [], True, "abort", req.stop_reason, max(req.num_cached_tokens, 0),
+                             timing=times(req))
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         if req.pooling_params is not None:
@@ -205,7 +211,8 @@ class EngineCore:
                 self._finish(req, status, now)
                 any_finished = True
                 outputs.append(RequestOutput(req.request_id, [tok], True, status.finish_reason, req.stop_reason,
-                                             req.num_cached_tokens, None if lp is None else [lp], plp))
+                                             req.num_cached_tokens, None if lp is None else [lp], plp,
+                                             timing=times(req)))
             elif stream or plp is not None:
                 outputs.append(RequestOutput(req.request_id, [tok], False, None, None, req.num_cached_tokens,
                                              None if lp is None else [lp], plp))
@@ -217,7 +224,8 @@ class EngineCore:
                     req.stop_reason = reason
                     self._finish(req, RequestStatus.FINISHED_ERROR, now)
                     any_finished = True
-                    outputs.append(RequestOutput(rid, [], True, "error", reason, max(req.num_cached_tokens, 0)))
+                    outputs.append(RequestOutput(rid, [], True, "error", reason, max(req.num_cached_tokens, 0),
+                                                 timing=times(req)))
         if any_finished:
             self.scheduler.drop_finished()
         start, used, waiting, running_n = so.step_state
@@ -246,7 +254,7 @@ class EngineCore:
             counts.cached_prompt += max(req.num_cached_tokens, 0)
             self._finish(req, RequestStatus.FINISHED_STOPPED, now)
             outputs.append(RequestOutput(req.request_id, [], True, "stop", None, req.num_cached_tokens,
-                                         pooling_output=None if pooled is None else pooled[i]))
+                                         pooling_output=None if pooled is None else pooled[i], timing=times(req)))
             ended = True
         return ended
 

@@ -91,6 +91,7 @@ class RequestOutput:
     new_logprobs: list | None = None
     prompt_logprobs: list | None = None  # with the first token: logprobs of prompt tokens 1.. (SamplingParams.prompt_logprobs)
     pooling_output: list[float] | None = None  # a pooling request's pooled hidden states (finished with it)
+    timing: tuple | None = None  # finished: (first scheduled, first token, last token, finished), the core's times
 
 
 def check_stop(req: Request, token: int) -> RequestStatus | None:

@@ -111,7 +111,7 @@ def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
 
 def to_wire(o: RequestOutput) -> P.CoreOutput:
     return P.CoreOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
-                        o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output)
+                        o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output, o.timing)
 
 
 class EngineProc:

@@ -118,6 +118,7 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first token: prompt tokens 1..
     pooling_output: list[float] | None = None
+    timing: tuple[float | None, float | None, float | None, float] | None = None  # set when finished
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
