@@ -24,6 +24,17 @@ from testbed.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequest
 from testbed.worker.stepper import EngineStepper
 
 
+def pair_params(prompts, params, kind: str) -> tuple[list, list]:
+    """(the prompts as a list, one params per prompt): one prompt (a string, a dict or a token-id list) or a list
+    of them, and one params for all or a list of one each."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"got {len(params_list)} {kind} params for {len(prompts)} prompts")
+    return prompts, params_list
+
+
 def progress_bar(enabled: bool, total: int, desc: str):
     """A tqdm bar of `total` items on stderr, or None when not enabled."""
     if not enabled:
@@ -187,12 +198,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for each prompt (a string, a token-id list, or a list of those) in input order; `use_tqdm`
         shows a progress bar of finished prompts on stderr (as vLLM's)."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        prompts, params_list = pair_params(prompts, sampling_params or SamplingParams(), "sampling")
         results: list[RequestOutput] = []
         seqs: dict[str, tuple[RequestOutput, int, SamplingParams, IncrementalDetokenizer | None, list]] = {}
         try:
@@ -268,12 +274,7 @@ class LLM:
         """The embedding of each prompt (a string, a token-id list, or a list of those), in input order: its
         final hidden states pooled as `pooling_params` (or this LLM's pooler config) say. Each is a prompt-only
         request through the same scheduler as a generation. `use_tqdm`: a progress bar on stderr."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = pooling_params or PoolingParams()
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} pooling params for {len(prompts)} prompts")
+        prompts, params_list = pair_params(prompts, pooling_params or PoolingParams(), "pooling")
         results: dict[str, EmbeddingRequestOutput] = {}
         try:
             for prompt, pp in zip(prompts, params_list):

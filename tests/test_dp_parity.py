@@ -118,6 +118,7 @@ def test_llm_with_two_replicas_generates_what_one_does():
     one = LLM(max_model_len=256, num_gpu_blocks=64)
     try:
         want = run(one)
+        want_embedded = [o.outputs.embedding for o in one.embed(prompts[:2])]
     finally:
         one.shutdown()
     assert want[7][0] in ("hot", "cold") and want[4][1] is not None
@@ -129,6 +130,11 @@ def test_llm_with_two_replicas_generates_what_one_does():
         assert all(o.outputs[0].finish_reason == "length" for o in got)
         outs = two.generate(prompts, processed)
         assert [(o.outputs[0].text, o.prompt_logprobs) for o in outs] == want[4:]
+        for o in got:  # the replicas' first scheduling, the tokens' arrival here
+            m = o.metrics
+            assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+        for o, want_vec in zip(two.embed(prompts[:2]), want_embedded):  # pooling requests reach the replicas too
+            assert max(abs(a - b) for a, b in zip(o.outputs.embedding, want_vec)) < 1e-5
     finally:
         two.shutdown()
     assert sorted({row[1] for row in two.records().requests}) == [0, 1]

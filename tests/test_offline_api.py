@@ -102,3 +102,20 @@ def test_use_tqdm_shows_a_progress_bar(llm, capsys):
     assert capsys.readouterr().err == ""
     llm.embed(["a", "b", "c"])
     assert "3/3" in capsys.readouterr().err
+
+
+def test_request_output_objects_and_metrics(llm):
+    import time
+
+    from testbed import CompletionOutput, RequestMetrics, RequestOutput
+    t0 = time.time()
+    (out,) = llm.generate("Once upon a time", SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=1),
+                          use_tqdm=False)
+    assert isinstance(out, RequestOutput) and out.finished and out.prompt == "Once upon a time"
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert all(isinstance(c, CompletionOutput) and c.finished() and len(c.token_ids) == 4 for c in out.outputs)
+    m = out.metrics
+    assert isinstance(m, RequestMetrics)
+    assert t0 <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+    assert m.last_token_time <= m.finished_time <= time.time()
+    assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)

@@ -68,13 +68,16 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = None  # with vLLM's return_token_ids
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None
     prompt_token_ids: list[int] | None = None
 
 
@@ -108,13 +111,9 @@ class ChatMessageOut(BaseModel):
     content: str | None
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
