@@ -5,7 +5,8 @@ __version__ = "0.1.0"
 # vLLM's top-level names (and testbed's sweep), imported on first use (the simulator needs no torch)
 _LAZY = {"LLM": "testbed.llm", "SamplingParams": "testbed.engine.request", "PoolingParams": "testbed.engine.request",
          "RequestOutput": "testbed.outputs", "CompletionOutput": "testbed.outputs", "RequestMetrics": "testbed.outputs",
-         "EmbeddingOutput": "testbed.outputs", "EmbeddingRequestOutput": "testbed.outputs", "sweep": "testbed.sweeps"}
+         "Logprob": "testbed.outputs", "EmbeddingOutput": "testbed.outputs", "EmbeddingRequestOutput": "testbed.outputs",
+         "sweep": "testbed.sweeps"}
 
 
 def __getattr__(name: str):

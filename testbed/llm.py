@@ -13,14 +13,14 @@ import time
 from typing import Any, Sequence
 
 
-from testbed.detokenizer import IncrementalDetokenizer
+from testbed.detokenizer import IncrementalDetokenizer, TokenTexts
 from testbed.engine.config import EngineConfig, PoolerConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput as EngineOutput
 from testbed.engine.request import (InvalidParam, PoolingParams, Request, SamplingParams, check_priority,
                                     check_token_ids, child_seed, truncate_prompt)
 from testbed.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics,
-                             RequestOutput)
+                             RequestOutput, logprob_dict, prompt_logprob_dicts)
 from testbed.worker.stepper import EngineStepper
 
 
@@ -302,6 +302,7 @@ class LLM:
         return list(results.values())
 
     def _drain(self, seqs: dict, bar) -> None:
+        texts = TokenTexts(self.tokenizer) if self.tokenizer is not None else None  # logprobs' decoded tokens
         left = {}  # unfinished sequences per prompt, for the progress bar
         for gen, *_ in seqs.values():
             left[gen.request_id] = left.get(gen.request_id, 0) + 1
@@ -313,11 +314,11 @@ class LLM:
                 c = gen.outputs[k]
                 c.token_ids.extend(o.new_token_ids)
                 if o.new_logprobs and c.logprobs is not None:
-                    c.logprobs.extend(o.new_logprobs)
-                    c.cumulative_logprob = sum(lp[0] for lp in c.logprobs)
+                    c.logprobs.extend(logprob_dict(t, e, texts) for t, e in zip(o.new_token_ids, o.new_logprobs))
+                    c.cumulative_logprob = (c.cumulative_logprob or 0.0) + sum(e[0] for e in o.new_logprobs)
                 gen.num_cached_tokens = o.num_cached_tokens
                 if o.prompt_logprobs is not None:
-                    gen.prompt_logprobs = [None, *o.prompt_logprobs]
+                    gen.prompt_logprobs = prompt_logprob_dicts(gen.prompt_token_ids, o.prompt_logprobs, texts)
                 finished, reason, stop_reason = o.finished, o.finish_reason, o.stop_reason
                 if detok is not None:
                     stopped = detok.add(o.new_token_ids)

@@ -2,6 +2,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+@dataclass
+class Logprob:
+    """vLLM's Logprob: a token's log probability (of the raw distribution), its rank in that distribution (1 =
+    the most likely) and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def logprob_dict(token_id: int, entry: tuple, token_text: Callable[[int], str] | None) -> dict[int, Logprob]:
+    """vLLM's logprobs of one position, from the engine's (logprob, rank, [(token id, logprob), ...] top N):
+    the token at that position first, then the top N with ranks 1..N."""
+    lp, rank, top = entry
+    text = (lambda t: None) if token_text is None else token_text
+    out = {token_id: Logprob(lp, rank, text(token_id))}
+    for r, (t, v) in enumerate(top, 1):
+        out.setdefault(t, Logprob(v, r, text(t)))
+    return out
+
+
+def prompt_logprob_dicts(prompt_token_ids: Sequence[int], entries: list,
+                         token_text: Callable[[int], str] | None) -> list[dict[int, Logprob] | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token (nothing precedes it), then one dict a token."""
+    return [None, *(logprob_dict(t, e, token_text) for t, e in zip(prompt_token_ids[1:], entries))]
 
 
 @dataclass
@@ -21,13 +49,13 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence (vLLM's CompletionOutput)."""
+    """One generated sequence (vLLM's CompletionOutput); `logprobs` (when asked for) has one dict per token."""
 
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list | None
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -37,12 +65,13 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """Every sequence of one prompt (vLLM's RequestOutput), with the request's metrics."""
+    """Every sequence of one prompt (vLLM's RequestOutput), with the request's metrics and, when asked for,
+    the prompt's logprobs (prompt_logprob_dicts)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     metrics: RequestMetrics | None = None

@@ -119,3 +119,21 @@ def test_request_output_objects_and_metrics(llm):
     assert t0 <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
     assert m.last_token_time <= m.finished_time <= time.time()
     assert m.time_in_queue == pytest.approx(m.first_scheduled_time - m.arrival_time)
+
+
+def test_logprobs_are_vllms_logprob_dicts(llm):
+    from testbed import Logprob
+    (out,) = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                                     prompt_logprobs=1), use_tqdm=False)
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 3
+    for tok, d in zip(c.token_ids, c.logprobs):
+        assert next(iter(d)) == tok and all(isinstance(v, Logprob) for v in d.values())
+        assert d[tok].rank == 1 and d[tok].decoded_token == llm.tokenizer.decode([tok])  # greedy: the most likely
+        assert sorted(v.rank for t, v in d.items()) == [1, 2]  # the token is one of the top 2
+    assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)))
+    plp = out.prompt_logprobs
+    assert plp[0] is None and len(plp) == len(out.prompt_token_ids)
+    for t, d in zip(out.prompt_token_ids[1:], plp[1:]):
+        assert next(iter(d)) == t and d[t].rank >= 1 and d[t].decoded_token == llm.tokenizer.decode([t])
+        assert 1 in {v.rank for v in d.values()} and len(d) <= 2

@@ -118,14 +118,18 @@ def test_prompt_logprobs_match_transformers(smol, hf, tok):
             ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
         plp = o.prompt_logprobs
         assert len(plp) == len(ids) and plp[0] is None
-        for j, (lp, rank, top) in enumerate(plp[1:]):
+        for j, d in enumerate(plp[1:]):  # vLLM's {token id: Logprob}: the prompt token, then the top N
             row, t = ref[j], ids[j + 1]
+            lp, rank = d[t].logprob, d[t].rank
+            top = [i for i, v in sorted(d.items(), key=lambda kv: kv[1].rank) if v.rank <= sp.prompt_logprobs]
+            assert next(iter(d)) == t and d[t].decoded_token == tok.decode([t])
             assert lp == pytest.approx(row[t].item(), abs=2e-4)
             eps = 2e-4  # our fp32 forward and transformers' differ by ~1e-5: near-ties may swap places
             assert int((row >= row[t] + eps).sum()) + 1 <= rank <= int((row >= row[t] - eps).sum())
-            assert [i for i, _ in top] == row.topk(sp.prompt_logprobs).indices.tolist()[:len(top)]
+            assert top == row.topk(sp.prompt_logprobs).indices.tolist()[:len(top)]
             assert len(top) == sp.prompt_logprobs
-        assert o.outputs[0].logprobs is None or o.outputs[0].logprobs[0][1] >= 1
+        first = o.outputs[0]
+        assert first.logprobs is None or first.logprobs[0][first.token_ids[0]].rank >= 1
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
