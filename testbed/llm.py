@@ -157,8 +157,9 @@ class LLM:
         pooling = isinstance(params, PoolingParams)
         try:
             if pooling:
-                params = PoolingParams(params.pooling_type, params.normalize, params.dimensions).resolve(
-                    self.pooler_config.pooling_type, self.pooler_config.normalize)
+                params = PoolingParams(params.pooling_type, params.normalize, params.dimensions,
+                                       params.truncate_prompt_tokens).resolve(self.pooler_config.pooling_type,
+                                                                              self.pooler_config.normalize)
             else:
                 if params.bad_words and self.tokenizer is not None:
                     params.update_from_tokenizer(self.tokenizer)
@@ -204,10 +205,7 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params_list):
                 text, ids = self._tokenize(prompt)
-                try:
-                    ids = list(truncate_prompt(ids, sp.truncate_prompt_tokens, self.max_model_len))
-                except InvalidParam as e:
-                    raise ValueError(f"prompt {len(results)}: {e}") from None
+                ids = self._truncate(ids, sp, len(results))
                 gen = RequestOutput(str(self._next_id), text, ids)
                 self._next_id += 1
                 results.append(gen)
@@ -230,6 +228,13 @@ class LLM:
             self._abort_all(seqs)
             raise
         return results
+
+    def _truncate(self, ids: list[int], params: SamplingParams | PoolingParams, index: int) -> list[int]:
+        """The prompt as `params.truncate_prompt_tokens` keeps it (ValueError naming prompt `index`)."""
+        try:
+            return list(truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len))
+        except InvalidParam as e:
+            raise ValueError(f"prompt {index}: {e}") from None
 
     def _wall(self, t: float) -> float:
         """time.time() of a time on this LLM's clock (now())."""
@@ -279,6 +284,7 @@ class LLM:
         try:
             for prompt, pp in zip(prompts, params_list):
                 _, ids = self._tokenize(prompt)
+                ids = self._truncate(ids, pp, len(results))
                 rid = str(self._next_id)
                 self._next_id += 1
                 rejected = self.add_request(rid, ids, pp)

@@ -133,7 +133,7 @@ def server(tmp_path_factory):
 
 
 @pytest.mark.smollm2
-def test_embeddings_endpoint(server, hidden_states):
+def test_embeddings_endpoint(server, hidden_states, smol_dir):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
     out = client.embeddings.create(model="SmolLM2-135M-Instruct", input=PROMPTS)  # the client asks for base64
     assert [d.index for d in out.data] == [0, 1, 2] and out.usage.prompt_tokens == sum(h.shape[0] for h in hidden_states)
@@ -146,8 +146,21 @@ def test_embeddings_endpoint(server, hidden_states):
     b64 = httpx.post(f"{server.url}/v1/embeddings", json={"input": [[1, 2, 3]], "encoding_format": "base64"},
                      timeout=60).json()["data"][0]["embedding"]
     assert np.frombuffer(base64.b64decode(b64), dtype="<f4").shape == (576,)
+    # the last 4 tokens of the prompt, as an input of those 4 tokens; an unknown field is ignored (a warning)
+    tail = httpx.post(f"{server.url}/v1/embeddings", json={"input": PROMPTS[0], "truncate_prompt_tokens": 4,
+                                                           "encoding_format": "float", "colour": "blue"},
+                      timeout=60).json()
+    assert tail["usage"]["prompt_tokens"] == 4
+    from transformers import AutoTokenizer
+    last4_ids = AutoTokenizer.from_pretrained(smol_dir)(PROMPTS[0]).input_ids[-4:]
+    last4 = httpx.post(f"{server.url}/v1/embeddings", json={"input": [last4_ids],
+                                                            "encoding_format": "float"}, timeout=60).json()
+    assert tail["data"][0]["embedding"] == last4["data"][0]["embedding"]
+    assert "were present in the request but ignored: ['colour']" in server.log_text()
     for body, param in (({"input": "Hi", "dimensions": 8}, "dimensions"), ({"input": []}, "input"),
-                        ({"input": [[1, 49152]]}, "input"), ({"input": "x " * 300}, "input")):
+                        ({"input": [[1, 49152]]}, "input"), ({"input": "x " * 300}, "input"),
+                        ({"input": "Hi", "priority": 1}, "priority"),
+                        ({"input": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens")):
         r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     with pytest.raises(openai.NotFoundError):

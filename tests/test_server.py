@@ -284,6 +284,20 @@ def test_chat_logprobs_and_stop(client):
     assert s.choices[0].finish_reason == "stop" and s.choices[0].message.content == plain[:plain.index(stop)]
 
 
+def test_chat_continue_final_message_and_template_kwargs(client, http):
+    """The last (assistant) message is continued, not closed, and template variables are accepted (the
+    offline LLM's test shows them reach the template: both go through one function)."""
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The sky is"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                                   "chat_template_kwargs": {"unused": 1}})
+    text = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\nThe sky is")
+    assert r.usage.prompt_tokens == count_tokens(http, prompt=text, add_special_tokens=False)
+    err = http.post("/v1/chat/completions", json={"messages": messages, "continue_final_message": True})
+    assert err.status_code == 400 and "cannot both be true" in err.json()["error"]["message"]
+
+
 # ---- prefix cache and metrics ----------------------------------------------------------------------
 def test_prefix_cache_cached_tokens(client, http):
     prompt = "Once upon a time, in a land far away, there lived a curious fox who loved to read books. " * 2

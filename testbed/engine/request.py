@@ -313,10 +313,7 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParam(name, f"must be a boolean, got {getattr(self, name)!r}")
-        t = self.truncate_prompt_tokens
-        if t is not None and not (t == -1 or _int_in(t, 1, INT64_MAX)):
-            raise InvalidParam("truncate_prompt_tokens", f"must be an integer >= 1 (keep the last that many prompt "
-                                                         f"tokens) or -1 (keep max_model_len), got {t!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     def update_from_tokenizer(self, tokenizer) -> "SamplingParams":
         """Token sequences of `bad_words`, as vLLM forms them: each word as given (leading spaces stripped) and,
@@ -372,6 +369,13 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def check_truncate_prompt_tokens(t) -> None:
+    """truncate_prompt_tokens is None, -1 (keep max_model_len tokens) or a positive count."""
+    if t is not None and not (t == -1 or _int_in(t, 1, INT64_MAX)):
+        raise InvalidParam("truncate_prompt_tokens", f"must be an integer >= 1 (keep the last that many prompt "
+                                                     f"tokens) or -1 (keep max_model_len), got {t!r}")
+
+
 def truncate_prompt(ids: Sequence[int], truncate_prompt_tokens: int | None, max_model_len: int) -> Sequence[int]:
     """The last `truncate_prompt_tokens` tokens of a prompt (-1: the last max_model_len; None: all of it)."""
     k = truncate_prompt_tokens
@@ -393,11 +397,13 @@ class PoolingParams:
     token (MEAN), then L2-normalised unless `normalize` is False. `pooling_type` None takes the LLM's or the
     server's pooler config (vLLM sets it per model; here a request may also name it). `dimensions` (a
     Matryoshka truncation) is refused, as vLLM refuses it for models not trained for it. `resolve` fills the
-    unset fields from a pooler config; the engine then sees a prompt-only request (no token is sampled)."""
+    unset fields from a pooler config; the engine then sees a prompt-only request (no token is sampled).
+    `truncate_prompt_tokens` keeps the prompt's last that many tokens (-1: max_model_len), as SamplingParams'."""
 
     pooling_type: str | None = None
     normalize: bool | None = None
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type is not None:
@@ -409,10 +415,12 @@ class PoolingParams:
         if self.dimensions is not None:
             raise InvalidParam("dimensions", "is not supported: the served model was not trained for Matryoshka "
                                              "representations, so its embeddings cannot be shortened; leave it out")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     def resolve(self, pooling_type: str = "LAST", normalize: bool = True) -> "PoolingParams":
         """A copy with every unset field taken from the given pooler config."""
-        return PoolingParams(self.pooling_type or pooling_type, normalize if self.normalize is None else self.normalize)
+        return PoolingParams(self.pooling_type or pooling_type, normalize if self.normalize is None else self.normalize,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
 def check_text(text: str, param: str) -> None:

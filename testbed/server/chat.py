@@ -17,14 +17,17 @@ from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of the conversation through the chat template (400 on anything it cannot render)."""
+def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of the conversation through the model's chat template, given `chat_template_kwargs` as
+    variables (a request cannot replace the template itself); 400 on anything it cannot render."""
     tok = state.tokenizer
     if tok is None:
         raise bad_request("this model has no tokenizer (dummy weights), so no chat template; use /v1/completions "
                           "with prompt token ids", "messages")
     try:
-        text = apply_chat_template(tok, [m.model_dump(exclude_none=True) for m in messages], add_generation_prompt)
+        text = apply_chat_template(tok, [m.model_dump(exclude_none=True) for m in messages], add_generation_prompt,
+                                   continue_final_message, None, chat_template_kwargs)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     return tok(text, add_special_tokens=False).input_ids
@@ -61,7 +64,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     sp = await request_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop,
                               req.prompt_logprobs)
-    prompt = await state.run_blocking(render_chat, state, req.messages, req.add_generation_prompt)
+    prompt = await state.run_blocking(render_chat, state, req.messages, req.add_generation_prompt,
+                                      req.continue_final_message, req.chat_template_kwargs)
     prompt = truncate_prompts(state, [prompt], sp)[0]
     run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.priority)
     run.start()

@@ -10,9 +10,10 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from testbed.engine.request import InvalidParam, PoolingParams, check_priority
+from testbed.engine.request import InvalidParam, PoolingParams
 from testbed.server.completions import parse_prompts
 from testbed.server.schemas import APIError, EmbeddingRequest, bad_request
+from testbed.server.params import check_request_priority, truncate_prompts, warn_ignored_fields
 from testbed.server.serving import GenerationRun
 from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import client_closed_response, collect
@@ -25,13 +26,16 @@ def encode(vec: list[float], encoding_format: str) -> list[float] | str:
 
 async def create_embedding(state: ServerState, req: EmbeddingRequest, request: Request) -> Response:
     state.check_model(req.model)
+    warn_ignored_fields(req)
+    check_request_priority(state, req.priority)
     try:
-        check_priority(req.priority)
-        pp = PoolingParams(normalize=req.normalize, dimensions=req.dimensions).resolve(
+        pp = PoolingParams(normalize=req.normalize, dimensions=req.dimensions,
+                           truncate_prompt_tokens=req.truncate_prompt_tokens).resolve(
             state.pooler_config.pooling_type, state.pooler_config.normalize)
     except InvalidParam as e:
         raise bad_request(str(e), e.param) from None
     prompts, _ = await state.run_blocking(parse_prompts, state, req.input, "input", req.add_special_tokens)
+    prompts = truncate_prompts(state, prompts, pp)
     run = GenerationRun(state, new_id("embd"), prompts, pp, priority=req.priority)
     run.start()
     if not await collect(run, request):

@@ -1,4 +1,5 @@
-"""From an OpenAI request body to the engine's SamplingParams, for /v1/completions and /v1/chat/completions.
+"""From an OpenAI request body to the engine's SamplingParams, for /v1/completions and /v1/chat/completions
+(and the checks /v1/embeddings shares: the priority rule, prompt truncation, the unknown-field warning).
 
 Every field is validated through SamplingParams (the offline API's validator too) into a 400 naming the
 field; what is not built (best_of other than n, a priority without priority scheduling) is refused by name;
@@ -11,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from testbed.engine.request import (InvalidParam, SamplingParams, StructuredOutputsParams, check_priority,
-                                    truncate_prompt)
+from testbed.engine.request import (InvalidParam, PoolingParams, SamplingParams, StructuredOutputsParams,
+                                    check_priority, truncate_prompt)
 from testbed.server.schemas import bad_request
 from testbed.server.state import ServerState
 
@@ -77,11 +78,8 @@ def sampling_params(state: ServerState, req, max_tokens: int | None, logprobs: i
         raise bad_request("structured outputs need the model's tokenizer; this model has none (dummy weights)", source)
     if req.bad_words and state.tokenizer is None:
         raise bad_request("bad_words need the model's tokenizer; this model has none (dummy weights)", "bad_words")
+    check_request_priority(state, req.priority)
     try:
-        check_priority(req.priority)
-        if req.priority and state.scheduling_policy != "priority":
-            raise bad_request(f"priority={req.priority} needs priority scheduling, which this server does not use "
-                              "(start it with --scheduling-policy priority, or drop priority)", "priority")
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=0 if req.top_k is None else req.top_k,
@@ -125,7 +123,19 @@ async def request_params(state: ServerState, req, max_tokens: int | None, logpro
     return prepare_params(state, sp, source)
 
 
-def truncate_prompts(state: ServerState, prompts: list[list[int]], sp: SamplingParams) -> list[list[int]]:
+def check_request_priority(state: ServerState, priority) -> None:
+    """A priority fits int64 and, other than 0, needs priority scheduling (as vLLM): else a 400 naming it."""
+    try:
+        check_priority(priority)
+    except InvalidParam as e:
+        raise bad_request(str(e), e.param) from None
+    if priority and state.scheduling_policy != "priority":
+        raise bad_request(f"priority={priority} needs priority scheduling, which this server does not use "
+                          "(start it with --scheduling-policy priority, or drop priority)", "priority")
+
+
+def truncate_prompts(state: ServerState, prompts: list[list[int]], sp: SamplingParams | PoolingParams
+                     ) -> list[list[int]]:
     """truncate_prompt_tokens applied to each prompt (a 400 when it exceeds max_model_len)."""
     try:
         return [list(truncate_prompt(p, sp.truncate_prompt_tokens, state.max_model_len)) for p in prompts]

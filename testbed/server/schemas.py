@@ -148,15 +148,18 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
 
 class EmbeddingRequest(_Body):
-    """OpenAI's embeddings body plus vLLM's extras (add_special_tokens, normalize, priority). How the hidden
-    states are pooled is the server's --pooler-config; `dimensions` is refused (no Matryoshka model here)."""
+    """OpenAI's embeddings body plus vLLM's extras (add_special_tokens, normalize, truncate_prompt_tokens,
+    priority); unknown fields are ignored with a warning, as for generation. How the hidden states are pooled is
+    the server's --pooler-config; `dimensions` is refused (no Matryoshka model here)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
@@ -164,6 +167,7 @@ class EmbeddingRequest(_Body):
     dimensions: int | None = None
     add_special_tokens: bool = True
     normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
     priority: int = 0
 
 
