@@ -50,7 +50,6 @@ import pandas as pd
 from testbed import experiment, sweep
 from testbed.rundir import read_run
 from testbed.sim.trace import load_trace, write_jsonl
-from testbed.sweeps import grid
 
 out, env = experiment.start(output_dir, seeds={"arrivals_and_priorities": seed})
 env

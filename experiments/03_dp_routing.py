@@ -43,8 +43,6 @@ load = 0.7  # offered load per replica, as a fraction of one replica's saturatio
 
 # %%
 import matplotlib.pyplot as plt
-import numpy as np
-import pandas as pd
 
 from testbed import experiment, sweep
 from testbed.presets import get_model_spec

@@ -33,7 +33,6 @@ idle_load = 0.02  # a rate low enough that no two requests are in flight togethe
 
 # %%
 import matplotlib.pyplot as plt
-import pandas as pd
 
 from testbed import experiment, sweep
 from testbed.presets import get_model_spec

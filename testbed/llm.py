@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 
 from testbed.detokenizer import IncrementalDetokenizer, TokenTexts
-from testbed.engine.config import EngineConfig, PoolerConfig
+from testbed.engine.config import PoolerConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput as EngineOutput
 from testbed.engine.request import (InvalidParam, PoolingParams, Request, SamplingParams, check_priority,

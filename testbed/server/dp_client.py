@@ -29,7 +29,7 @@ import msgspec
 from testbed.engine.config import EngineConfig
 from testbed.server import dp_protocol as D
 from testbed.server import protocol as P
-from testbed.server.client import WATCH_INTERVAL_S, EngineClient, EngineDeadError, RequestStream
+from testbed.server.client import WATCH_INTERVAL_S, EngineClient, EngineDeadError
 from testbed.server.dp_coordinator import CoordinatorConfig
 from testbed.server.dp_launch import LocalReplicas
 from testbed.server.engine_proc import EngineProcConfig
