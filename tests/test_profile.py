@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from testbed.cli import main
+from testbed.engine.config import EngineConfig
 from testbed.sim.profiled import PROFILES_DIR, ProfiledCostModel
+from testbed.worker.profiler import default_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "traces/azure_conv_10min.jsonl"
@@ -78,3 +81,17 @@ def test_quick_profile_of_a_tensor_parallel_engine_times_its_broadcast_and_all_r
                  "--cost-model", str(out), "--format", "json", "--no-progress", "-o", str(tmp_path / "run")]) == 0
     summary = json.loads(capsys.readouterr().out)  # the sample's long prompts do not fit max_model_len 256
     assert summary["num_finished"] >= 1 and summary["num_finished"] + summary["num_rejected"] == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(max_model_len=st.integers(512, 262144), mnbt=st.integers(1024, 65536), max_num_seqs=st.integers(1, 1024))
+def test_every_row_of_the_full_sweep_has_a_point_within_max_model_len(max_model_len, mnbt, max_num_seqs):
+    """A row whose every point is past max_model_len would leave a profile that cannot load (a --max-model-len
+    4096 profile once swept chunks of 6144 and 8192 tokens): no chunk is longer than one sequence may be, and
+    every decode context, tail and chunk fits at the row's smallest other coordinate."""
+    cfg = EngineConfig(max_num_batched_tokens=mnbt, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    grid = default_grid(cfg, max_model_len, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    assert max(grid.chunk_tokens) == min(mnbt, max_model_len)
+    assert all(n + min(grid.chunk_contexts) <= max_model_len for n in grid.chunk_tokens)
+    assert all(c + 1 <= max_model_len for c in grid.contexts)
+    assert all(0 < d and grid.tail_base + d + 1 <= max_model_len for d in grid.tail_deltas)

@@ -76,7 +76,8 @@ def default_grid(config: EngineConfig, max_model_len: int, graph_sizes: list[int
     """The full sweep, or (quick) a few points of each kind for tests on a CPU."""
     mnbt, mns = config.max_num_batched_tokens, config.max_num_seqs
     contexts = sorted({c for c in CONTEXTS if c < max_model_len} | {max_model_len - 1})
-    chunks = sorted({n for n in CHUNKS if n <= mnbt} | {mnbt})
+    top_chunk = min(mnbt, max_model_len)  # one sequence's chunk: a longer one cannot be scheduled
+    chunks = sorted({n for n in CHUNKS if n <= top_chunk} | {top_chunk})
     batches = batch_edges(graph_sizes, mns)
     rows = sorted({b for b in ROW_BATCHES if b < mns} | {mns})
     if quick:  # a smoke test of every sweep on a CPU: tiny shapes, one timed run each
