@@ -5,6 +5,8 @@
   # CPU smoke run (short requests, a few seconds of arrivals)
   python benchmarks/dp.py --device cpu --model SmolLM2-135M --load-format dummy --trace SHORT.jsonl \\
       --rates 2 4 --num-prompts 12 --warmup 4 --engine-args "--max-model-len 512 --num-gpu-blocks 256" --out OUT
+  # no GPU: simulate an earlier benchmark's real runs again, e.g. with another profile
+  python benchmarks/dp.py --resimulate OUT --cost-model PROFILE.json --out OUT2
 
 Layouts: `--gpus` G GPUs with 1 replica each (--gpu-memory-utilization 0.9, the baseline; G = 1
 is a single engine) and with `--replicas-per-gpu` R each (0.9 / R: R replicas share a GPU, each
@@ -91,6 +93,38 @@ def replay_on_one_engine(flags: list[str], trace: str, jobs: list[tuple[float, i
         executor.shutdown()
 
 
+RUN_FLAGS = {"model": str, "load_format": str, "sim_model": str, "tp": int, "policy": str, "engine_args": str,
+             "num_prompts": int, "trace": str, "gpus": int, "replicas_per_gpu": int, "utilization": float}
+
+
+def take_run_flags(args: argparse.Namespace, earlier: Path) -> None:
+    """--resimulate: the flags that shaped an earlier benchmark's real runs replace this call's, so the simulations
+    see the same requests and engine flags; a trace recorded at another path is this checkout's of that name."""
+    path = earlier / "dp_results.json"
+    if not path.is_file():
+        raise SystemExit(f"--resimulate {earlier}: no dp_results.json there; give the --out of an earlier dp.py run")
+    recorded = json.loads(path.read_text())["args"]
+    for k, conv in RUN_FLAGS.items():
+        setattr(args, k, None if recorded[k] == "None" else conv(recorded[k]))
+    if not Path(args.trace).is_file():
+        args.trace = str(ROOT / "traces" / Path(args.trace).name)
+
+
+def earlier_runs(earlier: Path) -> list[dict]:
+    """--resimulate: the finished real runs of an earlier benchmark, read again from their run directories
+    under `earlier`/runs (wherever they were written)."""
+    from testbed.rundir import read_run
+    out = []
+    for r in json.loads((earlier / "dp_results.json").read_text())["runs"]:
+        if "real" not in r:
+            continue
+        run = read_run(earlier / "runs" / Path(r["real_dir"]).name)
+        out.append({k: r[k] for k in ("layout", "dp", "utilization", "rate")}
+                   | {"real_dir": str(run.path), "real": run.summary, "dp_timings": dp_timings(run),
+                      "manifest": run.manifest})
+    return out
+
+
 def run_in_child(target, args: tuple, timeout: float) -> None:
     """target(*args) in a spawned process (its GPU memory is freed when it exits); RuntimeError on failure."""
     proc = mp.get_context("spawn").Process(target=target, args=args)
@@ -168,10 +202,18 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds one real run may take")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no real run starts after this many seconds")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="simulations run at once")
+    ap.add_argument("--resimulate", type=Path, metavar="EARLIER_OUT",
+                    help="no real run: simulate the real runs of an earlier benchmark's --out again (on a CPU), with "
+                         "its run flags (model, trace, requests, engine flags, layouts) and this call's --cost-model "
+                         "and --gpu-name")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.gpus < 1 or args.replicas_per_gpu < 2 or args.tp < 1 or args.jobs < 1:
         ap.error("--gpus, --tp and --jobs must be >= 1 and --replicas-per-gpu >= 2")
+    if args.resimulate is not None:
+        if args.cost_model == "profile":
+            ap.error("--cost-model profile measures on the GPU; --resimulate takes auto, roofline or a profile JSON")
+        take_run_flags(args, args.resimulate)
     t_start = time.perf_counter()
     runs = args.out / "runs"
     if runs.exists() and any(runs.iterdir()):
@@ -196,52 +238,56 @@ def main() -> int:
 
     # ---- real runs --------------------------------------------------------------------------------
     from testbed.rundir import RunDirError, read_run
-    warmed = False
-    for name, dp, util in layouts:
-        tag = name.replace("/", "per")
-        t0 = time.perf_counter()
-        todo = [(rate, runs / f"real-{tag}-rate{rate:g}") for rate in args.rates]
-        failure = None
-        try:
-            if over_budget():
-                pass
-            elif dp == 1:  # one engine: built once, warmed up, every rate on it
-                jobs = [] if warmed else [(max(args.rates), args.warmup, str(runs / f"warmup-{tag}"))]
-                jobs += [(r, args.num_prompts, str(d)) for r, d in todo]
-                warmed = True
-                run_in_child(replay_on_one_engine, ([*model, *engine(1, util)], args.trace, jobs,
-                                                    str(runs / f"{tag}.log")), args.run_timeout * len(jobs))
-            else:  # a DP stack per run (its records are complete once it stopped)
-                if not warmed:
-                    testbed(["replay", args.trace, "--limit", str(args.warmup), "--request-rate", str(max(args.rates)),
-                             *model, *engine(dp, util), "-o", str(runs / f"warmup-{tag}")], args.run_timeout,
-                            runs / f"warmup-{tag}.log")
-                    warmed = True
-                for rate, d in todo:
-                    if over_budget():
-                        break
-                    testbed(["replay", args.trace, "--limit", str(args.num_prompts), "--request-rate", str(rate),
-                             *model, *engine(dp, util), "-o", str(d)], args.run_timeout, d.with_suffix(".log"))
-        except RuntimeError as e:  # the runs written before it stand
-            failure = str(e)
-            print(f"# {name}: {failure}", file=sys.stderr, flush=True)
-        for rate, d in todo:
-            entry = {"layout": name, "dp": dp, "utilization": util, "rate": rate, "real_dir": str(d)}
+    if args.resimulate is not None:
+        results["runs"] = earlier_runs(args.resimulate)
+    else:
+        warmed = False
+        for name, dp, util in layouts:
+            tag = name.replace("/", "per")
+            t0 = time.perf_counter()
+            todo = [(rate, runs / f"real-{tag}-rate{rate:g}") for rate in args.rates]
+            failure = None
             try:
-                run = read_run(d)
-            except RunDirError:
-                entry["skipped"] = failure or f"--budget-s {args.budget_s:g} spent"
-            else:
-                entry |= {"real": run.summary, "dp_timings": dp_timings(run), "manifest": run.manifest}
-                print(f"# {name} rate {rate:g}: {run.summary['output_throughput']:.1f} tok/s, "
-                      f"{run.summary['num_finished']} finished", file=sys.stderr, flush=True)
-            results["runs"].append(entry)
-        results["phases_s"][f"real {name}"] = time.perf_counter() - t0
-        print(f"# {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        save()
+                if over_budget():
+                    pass
+                elif dp == 1:  # one engine: built once, warmed up, every rate on it
+                    jobs = [] if warmed else [(max(args.rates), args.warmup, str(runs / f"warmup-{tag}"))]
+                    jobs += [(r, args.num_prompts, str(d)) for r, d in todo]
+                    warmed = True
+                    run_in_child(replay_on_one_engine, ([*model, *engine(1, util)], args.trace, jobs,
+                                                        str(runs / f"{tag}.log")), args.run_timeout * len(jobs))
+                else:  # a DP stack per run (its records are complete once it stopped)
+                    if not warmed:
+                        testbed(["replay", args.trace, "--limit", str(args.warmup), "--request-rate", str(max(args.rates)),
+                                 *model, *engine(dp, util), "-o", str(runs / f"warmup-{tag}")], args.run_timeout,
+                                runs / f"warmup-{tag}.log")
+                        warmed = True
+                    for rate, d in todo:
+                        if over_budget():
+                            break
+                        testbed(["replay", args.trace, "--limit", str(args.num_prompts), "--request-rate", str(rate),
+                                 *model, *engine(dp, util), "-o", str(d)], args.run_timeout, d.with_suffix(".log"))
+            except RuntimeError as e:  # the runs written before it stand
+                failure = str(e)
+                print(f"# {name}: {failure}", file=sys.stderr, flush=True)
+            for rate, d in todo:
+                entry = {"layout": name, "dp": dp, "utilization": util, "rate": rate, "real_dir": str(d)}
+                try:
+                    run = read_run(d)
+                except RunDirError:
+                    entry["skipped"] = failure or f"--budget-s {args.budget_s:g} spent"
+                else:
+                    entry |= {"real": run.summary, "dp_timings": dp_timings(run), "manifest": run.manifest}
+                    print(f"# {name} rate {rate:g}: {run.summary['output_throughput']:.1f} tok/s, "
+                          f"{run.summary['num_finished']} finished", file=sys.stderr, flush=True)
+                results["runs"].append(entry)
+            results["phases_s"][f"real {name}"] = time.perf_counter() - t0
+            print(f"# {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            save()
     measured = [r for r in results["runs"] if "real" in r]
     if not measured:
-        raise SystemExit(f"no real run finished within --budget-s {args.budget_s:g}")
+        raise SystemExit(f"no real run finished within --budget-s {args.budget_s:g}" if args.resimulate is None
+                         else f"--resimulate {args.resimulate}: it holds no finished real run")
 
     # ---- the cost model ---------------------------------------------------------------------------
     cost_model = args.cost_model

@@ -1,5 +1,6 @@
 """Simulator fidelity, checked on CPU against committed real runs: every shipped profile loads and composes its
-own held-out steps, and the simulation of one committed H200 run stays within the fidelity targets."""
+own held-out steps, the simulation of one committed H200 run stays within the fidelity targets, and the committed
+DP benchmark's runs simulate again to the tables the results quote."""
 from __future__ import annotations
 
 import sys
@@ -41,3 +42,18 @@ def test_committed_run_is_simulated_within_the_targets():
             assert abs(err) <= bound, f"{metric}: {err:+.1%} (bound {bound:.0%})"
     # the roofline, recalibrated from the profiles, is the fallback: worse, but no longer off by -60%
     assert abs(dict((r["metric"], r["roofline"]) for r in error_rows(res))["tpot_s mean"]) < 0.6
+
+
+@pytest.mark.timeout(300)
+def test_committed_dp_runs_resimulate_to_the_committed_tables(tmp_path):
+    """`benchmarks/dp.py --resimulate` on the committed H200 DP benchmark (no GPU): every real run, one replica and
+    two sharing the GPU, replays its own routing and batches exactly, and the simulator's prediction with the
+    shipped profile is the table RESULTS.md quotes."""
+    import subprocess
+    done = ROOT / "benchmarks/results/dp/2026-11-24_9240c70_h200_llama-3.2-1b"
+    out = tmp_path / "dp"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/dp.py"), "--resimulate", str(done), "--out", str(out),
+                    "--jobs", "2"], check=True, cwd=ROOT, capture_output=True, timeout=280)
+    table = (out / "dp_tables.md").read_text().splitlines()
+    assert sum(line.endswith("| exact |") for line in table) == 6
+    assert table[1:] == (done / "dp_tables.md").read_text().splitlines()[1:]  # the first line times this call
