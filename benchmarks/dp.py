@@ -1,6 +1,6 @@
 """Data parallelism on one host, real and simulated: R replicas per GPU against one.
 
-  # one H200, Llama-3.2-1B with dummy weights: sized for about 6 minutes, model loads included
+  # one H200, Llama-3.2-1B with dummy weights: 256 s with model loads (2026-11-24)
   python benchmarks/dp.py --gpus 1 --model Llama-3.2-1B --load-format dummy --out OUT
   # CPU smoke run (short requests, a few seconds of arrivals)
   python benchmarks/dp.py --device cpu --model SmolLM2-135M --load-format dummy --trace SHORT.jsonl \\
