@@ -10,6 +10,8 @@
    padded, useful tokens only) and continuous batching `generate_batch` on the same requests.
    Ours runs twice on the same engine: stepping synchronously, then with async scheduling (one step
    in flight, the host work of step N+1 overlapping the GPU work of step N).
+   Before each mode, logits processing on the device (check_processing): allowed_token_ids under
+   penalties, logit_bias and min_tokens hold, and a request left with no token ends with that error.
 4. Decode model-bandwidth utilisation at batch 1 and batch 256 (prompts of 256 and 1024 tokens, 256 out): (weights + KV bytes read per
    decode step) / step time / measured copy bandwidth, from our engine's step records.
 """
@@ -57,12 +59,35 @@ def check_correctness(llm: LLM, hf, vocab: int, n_prompts: int = 8, new_tokens: 
             logits = hf(ids).logits[0, len(p) - 1:-1].float()
         lp = torch.log_softmax(logits, -1)
         ref = lp.gather(1, torch.tensor(toks, device=hf.device)[:, None])[:, 0].tolist()
-        ours = [x[0] for x in o.outputs[0].logprobs]
+        ours = [pos[t].logprob for pos, t in zip(o.outputs[0].logprobs, toks)]  # {token id: Logprob} per position
         max_diff = max(max_diff, max(abs(a - b) for a, b in zip(ours, ref)))
         agree += sum(int(a == b) for a, b in zip(toks, logits.argmax(-1).tolist()))
         total += len(toks)
     return {"prompts": n_prompts, "new_tokens": new_tokens, "max_abs_logprob_diff": max_diff,
             "greedy_agreement": agree / total}
+
+
+def check_processing(llm: LLM, vocab: int) -> dict:
+    """Logits processing on the device, in the engine's current scheduling mode: constraints that hold whatever
+    the weights (allowed_token_ids under three penalties, a dominating logit_bias, min_tokens) on rows processed
+    beside plain ones, then a request whose constraints leave no token: it ends with that error, and the engine goes on."""
+    prompts, _ = workload(4, vocab, seed=2, lo=16, hi=64)
+    allowed, forced, n = set(range(2000, 2100)), 4242, 12
+    params = [SamplingParams(temperature=0, max_tokens=n, allowed_token_ids=sorted(allowed), presence_penalty=1.5,
+                             frequency_penalty=0.5, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=n, logit_bias={forced: 100.0}),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=n, min_tokens=n, allowed_token_ids=[llm.eos_token_id, 7]),
+              SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)]
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    checks = {"allowed_with_penalties": set(outs[0]) <= allowed and len(outs[0]) == n,
+              "logit_bias": outs[1] == [forced] * n, "min_tokens": outs[2] == [7] * n,
+              "plain_row_beside": len(outs[3]) == n}
+    stuck = llm.generate(prompts[:1], SamplingParams(max_tokens=4, allowed_token_ids=[llm.eos_token_id], min_tokens=2),
+                         use_tqdm=False)[0].outputs[0]
+    checks["no_token_left_refused"] = stuck.finish_reason == "error" and "no token is left" in str(stuck.stop_reason)
+    again = llm.generate(prompts[:1], params[3], use_tqdm=False)[0].outputs[0].token_ids
+    checks["engine_goes_on"] = len(again) == n
+    return checks
 
 
 def bench_ours(llm: LLM, prompts, outs) -> dict:
@@ -157,6 +182,8 @@ def main() -> None:
         for mode in (False, True):  # the same engine stepping without, then with async scheduling
             llm.stepper.async_scheduling = mode
             key = "_async" if mode else "_sync"
+            result["processing" + key] = check_processing(llm, spec.vocab_size)
+            print("processing" + key, json.dumps(result["processing" + key]), flush=True)
             result["ours" + key] = bench_ours(llm, prompts, outs)
             print("ours" + key, json.dumps(result["ours" + key]), flush=True)
             result["mbu" + key] = [decode_mbu(llm, spec, b, bw, prompt_len=p)
