@@ -97,32 +97,28 @@ RUN_FLAGS = {"model": str, "load_format": str, "sim_model": str, "tp": int, "pol
              "num_prompts": int, "trace": str, "gpus": int, "replicas_per_gpu": int, "utilization": float}
 
 
-def take_run_flags(args: argparse.Namespace, earlier: Path) -> None:
+def take_run_flags(args: argparse.Namespace, earlier: Path) -> list[dict]:
     """--resimulate: the flags that shaped an earlier benchmark's real runs replace this call's, so the simulations
-    see the same requests and engine flags; a trace recorded at another path is this checkout's of that name."""
+    see the same requests and engine flags; a trace recorded at another path is this checkout's of that name.
+    Returns the earlier benchmark's run entries."""
     path = earlier / "dp_results.json"
     if not path.is_file():
         raise SystemExit(f"--resimulate {earlier}: no dp_results.json there; give the --out of an earlier dp.py run")
-    recorded = json.loads(path.read_text())["args"]
+    recorded = json.loads(path.read_text())
     for k, conv in RUN_FLAGS.items():
-        setattr(args, k, None if recorded[k] == "None" else conv(recorded[k]))
+        v = recorded["args"][k]
+        setattr(args, k, None if v == "None" else conv(v))
     if not Path(args.trace).is_file():
         args.trace = str(ROOT / "traces" / Path(args.trace).name)
+    return recorded["runs"]
 
 
-def earlier_runs(earlier: Path) -> list[dict]:
-    """--resimulate: the finished real runs of an earlier benchmark, read again from their run directories
-    under `earlier`/runs (wherever they were written)."""
+def earlier_runs(earlier: Path, entries: list[dict]) -> list[dict]:
+    """--resimulate: the finished real runs among an earlier benchmark's `entries`, read again from their run
+    directories under `earlier`/runs (wherever they were written)."""
     from testbed.rundir import read_run
-    out = []
-    for r in json.loads((earlier / "dp_results.json").read_text())["runs"]:
-        if "real" not in r:
-            continue
-        run = read_run(earlier / "runs" / Path(r["real_dir"]).name)
-        out.append({k: r[k] for k in ("layout", "dp", "utilization", "rate")}
-                   | {"real_dir": str(run.path), "real": run.summary, "dp_timings": dp_timings(run),
-                      "manifest": run.manifest})
-    return out
+    return [{k: r[k] for k in ("layout", "dp", "utilization", "rate")}
+            | real_entry(read_run(earlier / "runs" / Path(r["real_dir"]).name)) for r in entries if "real" in r]
 
 
 def run_in_child(target, args: tuple, timeout: float) -> None:
@@ -145,6 +141,11 @@ def value(summary: dict, key: str, q: str | None) -> float | None:
 
 def relative_error(sim: float | None, real: float | None) -> float | None:
     return None if sim is None or not real else (sim - real) / real
+
+
+def real_entry(run) -> dict:
+    """A real run's part of its benchmark entry: where it is, its summary, DP timings and manifest."""
+    return {"real_dir": str(run.path), "real": run.summary, "dp_timings": dp_timings(run), "manifest": run.manifest}
 
 
 def dp_timings(run) -> dict | None:
@@ -213,7 +214,7 @@ def main() -> int:
     if args.resimulate is not None:
         if args.cost_model == "profile":
             ap.error("--cost-model profile measures on the GPU; --resimulate takes auto, roofline or a profile JSON")
-        take_run_flags(args, args.resimulate)
+        earlier_entries = take_run_flags(args, args.resimulate)
     t_start = time.perf_counter()
     runs = args.out / "runs"
     if runs.exists() and any(runs.iterdir()):
@@ -239,7 +240,7 @@ def main() -> int:
     # ---- real runs --------------------------------------------------------------------------------
     from testbed.rundir import RunDirError, read_run
     if args.resimulate is not None:
-        results["runs"] = earlier_runs(args.resimulate)
+        results["runs"] = earlier_runs(args.resimulate, earlier_entries)
     else:
         warmed = False
         for name, dp, util in layouts:
@@ -277,7 +278,7 @@ def main() -> int:
                 except RunDirError:
                     entry["skipped"] = failure or f"--budget-s {args.budget_s:g} spent"
                 else:
-                    entry |= {"real": run.summary, "dp_timings": dp_timings(run), "manifest": run.manifest}
+                    entry |= real_entry(run)
                     print(f"# {name} rate {rate:g}: {run.summary['output_throughput']:.1f} tok/s, "
                           f"{run.summary['num_finished']} finished", file=sys.stderr, flush=True)
                 results["runs"].append(entry)

@@ -3,6 +3,7 @@ own held-out steps, the simulation of one committed H200 run stays within the fi
 DP benchmark's runs simulate again to the tables the results quote."""
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -49,7 +50,6 @@ def test_committed_dp_runs_resimulate_to_the_committed_tables(tmp_path):
     """`benchmarks/dp.py --resimulate` on the committed H200 DP benchmark (no GPU): every real run, one replica and
     two sharing the GPU, replays its own routing and batches exactly, and the simulator's prediction with the
     shipped profile is the table RESULTS.md quotes."""
-    import subprocess
     done = ROOT / "benchmarks/results/dp/2026-11-24_9240c70_h200_llama-3.2-1b"
     out = tmp_path / "dp"
     subprocess.run([sys.executable, str(ROOT / "benchmarks/dp.py"), "--resimulate", str(done), "--out", str(out),
