@@ -63,20 +63,40 @@ def environment_info() -> dict:
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+RUN_FILES = frozenset(FILES) | frozenset(_DP_TABLES)  # every file a run directory may hold
+MANIFEST_KEYS = ("mode", "config", "trace", "model", "git_sha", "versions", "created")
+
+
 def check_output(out_dir: str | Path) -> Path:
-    """The run directory to (re)write, checked before any work: a new path, an empty folder, or an
-    existing run directory (replaced whole); anything else is RunDirError naming the path."""
+    """The run directory to (re)write, checked before any work: a new path, an empty folder, or a run
+    directory this tool wrote (replaced whole); anything else is RunDirError naming the path.
+    Invariant: a folder is replaced only when it holds nothing but run files (RUN_FILES, all plain files)
+    and its manifest.json is one of ours (MANIFEST_KEYS, mode sim or real), so no foreign file is ever deleted."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--output {out}: exists and is not a directory; give the path of a new run directory")
     if out.is_dir():
-        extra = sorted(p.name for p in out.iterdir() if p.name not in FILES)
-        if extra and not (out / "manifest.json").is_file():
+        entries = list(out.iterdir())
+        extra = sorted(p.name for p in entries if p.name not in RUN_FILES or p.is_symlink() or not p.is_file())
+        if extra:
             raise RunDirError(f"--output {out}: a folder that is not a run directory (it holds {', '.join(extra[:3])}"
-                              f"{', ...' if len(extra) > 3 else ''}); give a new path, e.g. {out / 'NAME'}")
+                              f"{', ...' if len(extra) > 3 else ''}), and only a run directory is replaced; "
+                              f"give a new path, e.g. {out / 'NAME'}")
+        if entries and not _is_our_manifest(out / "manifest.json"):
+            raise RunDirError(f"--output {out}: its manifest.json is not a testbed run manifest, so the folder is "
+                              "not replaced; give a new path or move the folder away")
     if out.parent.exists() and not out.parent.is_dir():
         raise RunDirError(f"--output {out}: {out.parent} is not a directory")
     return out
+
+
+def _is_our_manifest(path: Path) -> bool:
+    """Whether `path` is a manifest.json that write_run wrote (a JSON object with MANIFEST_KEYS, mode sim/real)."""
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(m, dict) and all(k in m for k in MANIFEST_KEYS) and m.get("mode") in ("sim", "real")
 
 
 def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: dict) -> Path:

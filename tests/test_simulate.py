@@ -284,6 +284,30 @@ def test_cli_errors_are_one_line_naming_the_file(tmp_path, capsys, case):
     assert (folder / "notes.md").read_text() == "mine" and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("case", ["manifest_beside_sources", "foreign_manifest", "run_with_a_note"])
+def test_output_never_replaces_a_folder_that_is_not_a_run(tmp_path, capsys, case):
+    """-o replaces only a run this tool wrote: a manifest.json beside other files, a manifest of another
+    schema, or a real run with a file of the user's added all end in exit 2 and one line, and nothing is deleted."""
+    folder = tmp_path / "d"
+    if case == "run_with_a_note":
+        simulate(tmp_path, "d", limit=5)
+        (folder / "NOTES.md").write_text("mine")
+    else:
+        (folder / "src").mkdir(parents=True)
+        (folder / "manifest.json").write_text('{"name": "my-package", "version": "1.0"}')
+        if case == "manifest_beside_sources":
+            (folder / "src" / "a.py").write_text("x = 1\n")
+            (folder / "NOTES.md").write_text("mine")
+        else:
+            (folder / "src").rmdir()
+    before = sorted((p.relative_to(folder), p.read_bytes() if p.is_file() else None) for p in folder.rglob("*"))
+    rc, out, err = cli(capsys, SAMPLE, "--limit", 5, "-o", folder)
+    assert rc == 2 and out == ""
+    _one_error_line(err, str(folder), "not a run directory" if case != "foreign_manifest" else "not a testbed run")
+    assert sorted((p.relative_to(folder), p.read_bytes() if p.is_file() else None) for p in folder.rglob("*")) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]  # no temporary directory left either
+
+
 def test_cli_warns_when_the_configuration_rejects_requests(tmp_path, capsys):
     rc, _, err = cli(capsys, SAMPLE, "--limit", 20, "--num-gpu-blocks", 1, "-o", tmp_path / "a")
     assert rc == 0 and "warning: 20 of 20 requests were rejected" in err and "the cache has 1" in err
