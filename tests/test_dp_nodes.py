@@ -9,12 +9,14 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from server_helpers import REPO, SMALL, ServerProcess, free_port, metric
+from testbed.server.frames import SECRET_ENV
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.timeout(420)]
 
@@ -31,18 +33,27 @@ def serve_both(url: str) -> list[float]:
     return [metric(text, "vllm:request_success_total", engine=str(e), finished_reason="length") for e in (0, 1)]
 
 
-def headless(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, Path]:
+def headless(tmp_path: Path, name: str, *args: str, secret: str | None = "shared") -> tuple[subprocess.Popen, Path]:
+    """A headless node with `secret` as its TESTBED_RPC_SECRET (None: unset)."""
     log = tmp_path / f"{name}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop(SECRET_ENV, None)
+    if secret is not None:
+        env[SECRET_ENV] = secret
     proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "serve", "--headless", *SMALL, *args], cwd=REPO,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
     return proc, log
 
 
 def test_a_headless_node_serves_the_second_replica(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two "nodes" share this host's cores
+    monkeypatch.setenv(SECRET_ENV, "shared")  # every node of the deployment is given the same secret
     rpc = str(free_port())
     dp = ["-dp", "2", "--dp-policy", "round_robin", "--data-parallel-size-local", "1",
           "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", rpc]
+    # a node without the secret refuses to start, with one line saying how to give it
+    bare, bare_log = headless(tmp_path, "bare", *dp, "--data-parallel-start-rank", "1", secret=None)
+    assert bare.wait(60) == 2 and f"set the environment variable {SECRET_ENV}" in bare_log.read_text()
     node, node_log = headless(tmp_path, "node", *dp, "--data-parallel-start-rank", "1")  # before the head: it waits
     head = None
     try:
@@ -53,6 +64,17 @@ def test_a_headless_node_serves_the_second_replica(tmp_path, monkeypatch):
         assert dup.wait(120) != 0
         assert "already taken" in dup_log.read_text()
         assert httpx.get(f"{head.url}/health").json() == {"status": "ok"} and serve_both(head.url) == [4, 4]
+        # a node with another secret is not heard at all: the coordinator drops its frames and says so
+        forger, _ = headless(tmp_path, "forger", *dp, "--data-parallel-start-rank", "1", secret="not-the-secret")
+        try:
+            deadline = time.monotonic() + 120
+            while "tag does not match the deployment's secret" not in head.log_text():
+                assert time.monotonic() < deadline and forger.poll() is None, head.log_text()
+                time.sleep(0.5)
+        finally:
+            forger.kill()
+            forger.wait()
+        assert httpx.get(f"{head.url}/health").json() == {"status": "ok"} and serve_both(head.url) == [6, 6]
         assert head.terminate() == 0, head.log_text()
         assert node.wait(60) == 0, node_log.read_text()[-3000:]  # the coordinator told the node to stop
     finally:

@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from testbed.server import protocol as P
+from testbed.server.frames import Frames, deployment_secret
 from testbed.server.engine_proc import EngineProcConfig
 
 WATCH_INTERVAL_S = 0.1
@@ -62,6 +63,7 @@ class RequestStream:
 class EngineClient:
     peer = "the engine-core process"  # what `inp` sends to (error messages)
     engine_of_new: int | None = 0     # the replica a new request runs on, when known at once
+    secret_required_for: str | None = None  # set where processes of the deployment start elsewhere
 
     def __init__(self, cfg: EngineProcConfig, on_stats: Callable[[P.SchedulerStats, dict[str, float]], None]
                  | None = None) -> None:
@@ -84,6 +86,8 @@ class EngineClient:
         self.inp.setsockopt(zmq.SNDHWM, 0)
         self.out = self._ctx.socket(zmq.PULL)
         self.out.setsockopt(zmq.RCVHWM, 0)
+        # every process it starts inherits the secret through the environment
+        self.frames = Frames(deployment_secret(self.secret_required_for), "testbed serve")
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> P.Ready:
@@ -96,7 +100,7 @@ class EngineClient:
                                       msgspec.json.encode(cfg).decode()], start_new_session=True)
         while self.ready is None:
             if await self.out.poll(200):
-                msg = P.from_engine_decoder.decode(await self.out.recv())
+                msg = self.frames.decode(await self.out.recv(), P.from_engine_decoder, "its engine output socket")
                 if isinstance(msg, P.EngineError):
                     await self.shutdown()
                     raise RuntimeError(f"engine core failed to start: {msg.message}")
@@ -116,7 +120,7 @@ class EngineClient:
             t.cancel()
         if self.proc is not None and self.proc.poll() is None:
             try:
-                self.inp.send(P.encoder.encode(P.Shutdown()), zmq.NOBLOCK)
+                self.inp.send(self.frames.encode(P.Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             loop = asyncio.get_running_loop()
@@ -185,7 +189,7 @@ class EngineClient:
     async def _output_loop(self) -> None:
         try:
             while True:
-                msg = P.from_engine_decoder.decode(await self.out.recv())
+                msg = self.frames.decode(await self.out.recv(), P.from_engine_decoder, "its engine output socket")
                 if isinstance(msg, P.Outputs):
                     streams = self.streams
                     for o in msg.outputs:
@@ -202,7 +206,7 @@ class EngineClient:
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - a garbled message means the engine cannot be trusted
+        except Exception as e:  # noqa: BLE001 - an authentic message it cannot handle: the engine cannot be trusted
             self._die(f"bad message from the engine core: {e!r}")
 
     # ---- requests ------------------------------------------------------------------------------
@@ -220,7 +224,7 @@ class EngineClient:
         if self.refusal is not None:
             raise EngineDeadError(str(self.refusal), self.refusal.code)
         # encode first: a request that cannot be sent must leave no stream and no sequence number behind
-        data = P.encoder.encode(P.AddRequest(self.sent_seq + 1, request_id, prompt_token_ids, arrival_time, **params))
+        data = self.frames.encode(P.AddRequest(self.sent_seq + 1, request_id, prompt_token_ids, arrival_time, **params))
         if not self._send_data(data):
             raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
         self.sent_seq += 1
@@ -244,6 +248,6 @@ class EngineClient:
         live = [r for r in request_ids if self.streams.pop(r, None) is not None]
         if live and self.dead_reason is None:
             try:
-                self.inp.send(P.encoder.encode(P.AbortRequests(live)), zmq.NOBLOCK)
+                self.inp.send(self.frames.encode(P.AbortRequests(live)), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # the engine is going away; the watchdog reports it

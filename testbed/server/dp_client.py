@@ -35,6 +35,7 @@ from testbed.server.dp_launch import LocalReplicas
 from testbed.server.engine_proc import EngineProcConfig
 
 BACKENDS = ("mp", "ray")
+OUTPUT_SOCKET = "its output socket (replicas and the DP coordinator)"
 
 
 class DPTopology(msgspec.Struct):
@@ -45,6 +46,7 @@ class DPTopology(msgspec.Struct):
     address: str = "127.0.0.1"
     rpc_port: int = 0
     backend: str = "mp"
+    heartbeat_timeout: float = 30.0  # a replica with no message for this long is dead (--data-parallel-heartbeat-timeout)
 
 
 def free_port(host: str) -> int:
@@ -62,8 +64,10 @@ class DPEngineClient(EngineClient):
 
     def __init__(self, cfg: EngineProcConfig, topology: DPTopology,
                  on_stats: Callable[[P.SchedulerStats, dict[str, float], int], None] | None = None) -> None:
-        super().__init__(cfg, on_stats)
         self.topology = topology
+        if topology.backend == "mp" and topology.size_local < EngineConfig(**cfg.engine).data_parallel_size:
+            self.secret_required_for = "a data-parallel deployment with headless nodes"
+        super().__init__(cfg, on_stats)
         self.config = EngineConfig(**cfg.engine)
         self.size = self.config.data_parallel_size
         self.engine_by_id: dict[str, int] = {}
@@ -83,9 +87,10 @@ class DPEngineClient(EngineClient):
         t = self.topology
         port = self.out.bind_to_random_port(f"tcp://{t.address}")
         output_addr = f"tcp://{t.address}:{port}"
-        rpc_addr = f"tcp://{t.address}:{t.rpc_port or free_port(t.address)}"
-        front_addr = f"ipc://{self._tmp}/coordinator"
-        ccfg = CoordinatorConfig(self.cfg.engine, front_addr, rpc_addr, output_addr, os.getpid(), self.cfg.log_steps)
+        self.rpc_addr = rpc_addr = f"tcp://{t.address}:{t.rpc_port or free_port(t.address)}"
+        self.front_addr = front_addr = f"ipc://{self._tmp}/coordinator"
+        ccfg = CoordinatorConfig(self.cfg.engine, front_addr, rpc_addr, output_addr, os.getpid(), self.cfg.log_steps,
+                                 t.heartbeat_timeout)
         self.proc = subprocess.Popen([sys.executable, "-m", "testbed.server.dp_coordinator",
                                       msgspec.json.encode(ccfg).decode()], start_new_session=True)
         self.inp.connect(front_addr)
@@ -102,7 +107,7 @@ class DPEngineClient(EngineClient):
             self.replicas.start()
             while len(self.readies) + len(self.dead) < self.size:
                 if await self.out.poll(200):
-                    self._handle(D.to_front_end_decoder.decode(await self.out.recv()))
+                    self._handle(self.frames.decode(await self.out.recv(), D.to_front_end_decoder, OUTPUT_SOCKET))
                 if self.dead:
                     r, why = next(iter(self.dead.items()))
                     raise RuntimeError(f"data-parallel replica {r} failed during startup: {why} (its error is above)")
@@ -216,10 +221,10 @@ class DPEngineClient(EngineClient):
     async def _output_loop(self) -> None:
         try:
             while True:
-                self._handle(D.to_front_end_decoder.decode(await self.out.recv()))
+                self._handle(self.frames.decode(await self.out.recv(), D.to_front_end_decoder, OUTPUT_SOCKET))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - a garbled message means the replicas cannot be trusted
+        except Exception as e:  # noqa: BLE001 - an authentic message it cannot handle: nothing can be trusted
             self._die(f"bad message from a data-parallel replica or the coordinator: {e!r}")
 
     async def _watch_loop(self) -> None:
@@ -232,7 +237,7 @@ class DPEngineClient(EngineClient):
                 self._send(gone)  # the coordinator stops routing there and tells us back
 
     def _send(self, msg) -> None:
-        self._send_data(D.encoder.encode(msg))
+        self._send_data(self.frames.encode(msg))
 
     # ---- requests ------------------------------------------------------------------------------
     @property

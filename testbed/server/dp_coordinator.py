@@ -6,13 +6,15 @@ the request goes on to that replica and the API server learns where it went (Rou
 any host connect to one TCP port (--data-parallel-rpc-port): Hello, then ReplicaReady once their
 executor is built; the coordinator sends them adds and aborts. It tracks each replica's liveness
 (a ReplicaFailed message, a launcher's ReplicaGone, a peer that vanished when a request was sent
-to it, or no message for HEARTBEAT_TIMEOUT_S), stops routing to a dead one, re-routes the request
+to it, or no message at all for `heartbeat_timeout` s: a live replica sends one at least every
+HEARTBEAT_INTERVAL_S, however busy), stops routing to a dead one, re-routes the request
 that found it gone, and tells the API server (ReplicaDead). Exits on Shutdown (passing it on to
 every replica and node launcher) or when the API server is gone.
 
 With `log_dir` it appends its record: routes.jsonl (seq, request id, replica, arrival, routed) and
 receipts.jsonl (seq, replica, report number, received); `seq` orders routes and report receipts.
-Started as `python -m testbed.server.dp_coordinator CONFIG_JSON`.
+Every frame on its sockets is authenticated (frames.py): a forged or malformed one is dropped and
+logged, never acted on. Started as `python -m testbed.server.dp_coordinator CONFIG_JSON`.
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ from testbed.engine.coordinator import DPCoordinator
 from testbed.server import config_arg, run_process
 from testbed.server import dp_protocol as D
 from testbed.server import protocol as P
+from testbed.server.frames import Frames
 
-HEARTBEAT_TIMEOUT_S = 30.0
 PING_INTERVAL_S = 2.0
+RPC_SOCKET = "--data-parallel-rpc-port"
 PARENT_CHECK_S = 1.0
 
 
@@ -43,11 +46,13 @@ class CoordinatorConfig(msgspec.Struct):
     output_addr: str      # the API server's PULL: Routed / ReplicaUp / ReplicaDead go there, and replicas push outputs
     parent_pid: int = 0
     log_dir: str | None = None
+    heartbeat_timeout: float = 30.0  # seconds without any message from a replica before it counts as dead
 
 
 class CoordinatorProc:
     def __init__(self, cfg: CoordinatorConfig) -> None:
         self.cfg = cfg
+        self.frames = Frames.from_env("testbed dp coordinator")
         self.config = EngineConfig(**cfg.engine)
         n = self.config.data_parallel_size
         self.coord = DPCoordinator(n, self.config.dp_policy, self.config.block_size)
@@ -83,10 +88,10 @@ class CoordinatorProc:
             self.log[kind].write(msgspec.json.encode(row) + b"\n")
 
     def _to_front(self, msg) -> None:
-        self.out.send(D.encoder.encode(msg))
+        self.out.send(self.frames.encode(msg))
 
     def _to_nodes(self, msg) -> None:
-        data = D.encoder.encode(msg)
+        data = self.frames.encode(msg)
         for ident in list(self.nodes):
             try:
                 self.router.send_multipart([ident, data])
@@ -115,18 +120,18 @@ class CoordinatorProc:
         ident = self.inputs.get(r)
         if ident is not None:  # if it still runs, it must stop: its requests were failed
             try:
-                self.router.send_multipart([ident, P.encoder.encode(P.Shutdown())])
+                self.router.send_multipart([ident, self.frames.encode(P.Shutdown())])
             except zmq.ZMQError:
                 pass
         print(f"testbed dp coordinator: replica {r} is dead: {reason}", file=sys.stderr, flush=True)
 
     # ---- API server side -----------------------------------------------------------------------
     def on_front(self, raw: bytes) -> None:
-        msg = D.to_coordinator_decoder.decode(raw)
+        msg = self.frames.decode(raw, D.to_coordinator_decoder, "its API-server socket")
         if isinstance(msg, P.AddRequest):
             self.route(msg, raw)
         elif isinstance(msg, D.DPAbort):
-            self._to_replica(msg.engine, P.encoder.encode(P.AbortRequests(msg.request_ids)))
+            self._to_replica(msg.engine, self.frames.encode(P.AbortRequests(msg.request_ids)))
         elif isinstance(msg, D.ReplicaGone):
             self.gone(msg)
         elif isinstance(msg, P.Shutdown):
@@ -151,7 +156,9 @@ class CoordinatorProc:
 
     # ---- replica side --------------------------------------------------------------------------
     def on_replica(self, ident: bytes, raw: bytes) -> None:
-        msg = D.from_replica_side_decoder.decode(raw)
+        msg = self.frames.decode(raw, D.from_replica_side_decoder, RPC_SOCKET)
+        if msg is None:
+            return
         n = self.coord.num_replicas
         if isinstance(msg, D.Hello):
             self.hello(ident, msg)
@@ -202,12 +209,12 @@ class CoordinatorProc:
                        + ", ".join(f"{k} {msg.engine_config.get(k)!r} here vs {self.cfg.engine.get(k)!r}" for k in diff)
                        + "; give every node the same engine flags")
         if problem is not None:
-            self.router.send_multipart([ident, D.encoder.encode(D.Refused(problem))])
+            self.router.send_multipart([ident, self.frames.encode(D.Refused(problem))])
             return
         self.inputs[msg.engine] = ident
         self.pids[msg.engine] = msg.pid
         self.last_seen[msg.engine] = time.monotonic()
-        self.router.send_multipart([ident, D.encoder.encode(D.Welcome(self.cfg.output_addr))])
+        self.router.send_multipart([ident, self.frames.encode(D.Welcome(self.cfg.output_addr))])
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -222,7 +229,11 @@ class CoordinatorProc:
                         if sock is self.front:
                             self.on_front(self.front.recv(zmq.NOBLOCK))
                         else:
-                            self.on_replica(*self.router.recv_multipart(zmq.NOBLOCK))
+                            parts = self.router.recv_multipart(zmq.NOBLOCK)
+                            if len(parts) == 2:  # [peer identity, frame]
+                                self.on_replica(*parts)
+                            else:
+                                self.frames.drop(RPC_SOCKET, f"a message of {len(parts) - 1} frames, not 1")
                     except zmq.Again:
                         break
             if self.log is not None:
@@ -235,14 +246,14 @@ class CoordinatorProc:
             if now - last_check >= PARENT_CHECK_S:
                 last_check = now
                 for r in range(self.coord.num_replicas):
-                    if self.coord.alive[r] and now - self.last_seen[r] > HEARTBEAT_TIMEOUT_S:
-                        self.mark_dead(r, f"no message from it for {HEARTBEAT_TIMEOUT_S:g} s")
+                    if self.coord.alive[r] and now - self.last_seen[r] > self.cfg.heartbeat_timeout:
+                        self.mark_dead(r, f"no message from it for {self.cfg.heartbeat_timeout:g} s")
                 if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
                     break  # the API server is gone
 
     def close(self) -> None:
         """Tell every replica and node launcher to stop, then release the sockets."""
-        stop = P.encoder.encode(P.Shutdown())
+        stop = self.frames.encode(P.Shutdown())
         for r in list(self.inputs):
             if r not in self.dead:
                 try:

@@ -4,8 +4,10 @@ main-thread busy loop, with an input thread and an output thread doing the socke
 Input thread: receives the coordinator's AddRequest / AbortRequests / Shutdown (ROUTER -> DEALER),
 decodes them and queues them for the main thread. Output thread: encodes and sends the main
 thread's EngineOutputs to the API server and its stats reports to the coordinator, and sends the
-coordinator a Heartbeat whenever it had nothing to send for HEARTBEAT_INTERVAL_S (a long step
-does not look like a dead replica). Main thread: apply queued inputs, step once, queue the step's
+coordinator a Heartbeat whenever it sent the coordinator nothing for HEARTBEAT_INTERVAL_S, however
+busy it is with outputs (the coordinator's liveness check hears from a live replica at least that
+often: neither a long step nor a long decode with no stats report looks like a dead replica). Frames
+are authenticated (frames.py); the input thread drops a forged or malformed one and carries on. Main thread: apply queued inputs, step once, queue the step's
 outputs, report stats when StatsPublisher says so. On any exception it sends ReplicaFailed, then
 exits 1; on Shutdown, or when its launcher is gone, it exits 0.
 
@@ -33,6 +35,7 @@ from testbed.engine.core import EngineCore
 from testbed.server import dp_protocol as D
 from testbed.server import config_arg, freeze_startup_heap, run_process
 from testbed.server import protocol as P
+from testbed.server.frames import Frames
 from testbed.server.engine_proc import (EngineProcConfig, StepLog, abort_in_core, add_to_core, first_scheduled,
                                        scheduler_stats, to_wire)
 from testbed.worker.stepper import EngineStepper
@@ -57,6 +60,7 @@ class DPEngineProc:
     def __init__(self, cfg: DPEngineProcConfig) -> None:
         self.cfg = cfg
         self.rank = cfg.rank
+        self.frames = Frames.from_env(f"dp replica {cfg.rank}")
         self.ctx = zmq.Context()
         self.inq: queue.Queue = queue.Queue()
         self.outq: queue.Queue = queue.Queue()
@@ -81,11 +85,13 @@ class DPEngineProc:
     def handshake(self) -> zmq.Socket:
         """Connect to the coordinator and wait for its Welcome (RuntimeError if it refuses us)."""
         sock = self._dealer(b"i")
-        sock.send(D.encoder.encode(D.Hello(self.rank, "input", os.getpid(), socket.gethostname(),
-                                           self.cfg.proc.engine)))
-        while not sock.poll(int(PARENT_CHECK_S * 1000)):
-            self.check_parent()
-        msg = D.to_replica_decoder.decode(sock.recv())
+        sock.send(self.frames.encode(D.Hello(self.rank, "input", os.getpid(), socket.gethostname(),
+                                             self.cfg.proc.engine)))
+        msg = None
+        while msg is None:
+            while not sock.poll(int(PARENT_CHECK_S * 1000)):
+                self.check_parent()
+            msg = self.frames.decode(sock.recv(), D.to_replica_decoder, "its coordinator socket")
         if isinstance(msg, D.Refused):
             raise RuntimeError(f"the DP coordinator refused replica {self.rank}: {msg.reason}")
         if not isinstance(msg, D.Welcome):
@@ -96,7 +102,9 @@ class DPEngineProc:
     def _input_loop(self, sock: zmq.Socket) -> None:
         while self.running:
             if sock.poll(100):
-                self.inq.put(D.to_replica_decoder.decode(sock.recv()))
+                msg = self.frames.decode(sock.recv(), D.to_replica_decoder, "its coordinator socket")
+                if msg is not None:
+                    self.inq.put(msg)
         sock.close(linger=0)
 
     def _output_loop(self) -> None:
@@ -104,16 +112,19 @@ class DPEngineProc:
         front.setsockopt(zmq.SNDHWM, 0)
         front.connect(self.output_addr)
         coord = self._dealer(b"o")
-        beat = D.encoder.encode(D.Heartbeat(self.rank))
+        beat = self.frames.encode(D.Heartbeat(self.rank))
+        last_to_coord = time.monotonic()
         while True:
+            wait = last_to_coord + HEARTBEAT_INTERVAL_S - time.monotonic()
             try:
-                to_front, msg = self.outq.get(timeout=HEARTBEAT_INTERVAL_S)
+                to_front, msg = self.outq.get(timeout=max(wait, 0.0)) if wait > 0 else self.outq.get_nowait()
             except queue.Empty:
-                coord.send(beat)
-                continue
+                to_front, msg = False, beat
             if msg is None:
                 break
-            (front if to_front else coord).send(D.encoder.encode(msg))
+            (front if to_front else coord).send(msg if msg is beat else self.frames.encode(msg))
+            if not to_front:
+                last_to_coord = time.monotonic()
         front.close(linger=2000)  # deliver what is queued (a ReplicaFailed above all)
         coord.close(linger=2000)
 

@@ -30,6 +30,7 @@ from testbed.server import dp_protocol as D
 from testbed.server import protocol as P
 from testbed.server.dp_engine_proc import DPEngineProcConfig
 from testbed.server.engine_proc import EngineProcConfig
+from testbed.server.frames import Frames
 from testbed.worker.resolve import SHARED_GPU_ENV, resolve_device
 
 HEAD_TIMEOUT_S = 30.0
@@ -148,7 +149,8 @@ def run_headless(start_rank: int, size_local: int, coordinator_addr: str, proc: 
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"n%d-%d" % (start_rank, os.getpid()))
     sock.connect(coordinator_addr)
-    sock.send(D.encoder.encode(D.Hello(start_rank, "node", os.getpid(), socket.gethostname())))
+    frames = Frames.from_env(f"headless node (ranks from {start_rank})")
+    sock.send(frames.encode(D.Hello(start_rank, "node", os.getpid(), socket.gethostname())))
     replicas = LocalReplicas(start_rank, size_local, coordinator_addr, proc, tp, device)
     stop = {"signal": None}
 
@@ -163,8 +165,9 @@ def run_headless(start_rank: int, size_local: int, coordinator_addr: str, proc: 
     try:
         while stop["signal"] is None:
             if sock.poll(500):
-                msg = D.to_node_decoder.decode(sock.recv())
-                heard = time.monotonic()
+                msg = frames.decode(sock.recv(), D.to_node_decoder, "its coordinator socket")
+                if msg is not None:
+                    heard = time.monotonic()
                 if isinstance(msg, D.ReplicaUp):
                     replicas.on_up(msg.engine)
                 elif isinstance(msg, P.Shutdown):
@@ -172,7 +175,7 @@ def run_headless(start_rank: int, size_local: int, coordinator_addr: str, proc: 
                     break
             for gone in replicas.poll():
                 log(f"replica {gone.engine} is gone: {gone.reason}")
-                sock.send(D.encoder.encode(gone))
+                sock.send(frames.encode(gone))
             if replicas.all_exited:
                 log("every replica of this node exited")
                 code = 1

@@ -19,6 +19,7 @@ from testbed.server.dp_engine_proc import DPEngineProcConfig
 from testbed.server.dp_launch import STOP_TIMEOUT_S
 from testbed.worker.resolve import SHARED_GPU_ENV
 from testbed.server.engine_proc import EngineProcConfig
+from testbed.server.frames import SECRET_ENV, deployment_secret
 
 PLACEMENT_TIMEOUT_S = 120.0
 
@@ -51,7 +52,8 @@ class RayReplicas:
                                f"{PLACEMENT_TIMEOUT_S:g} s (it has {ray.cluster_resources()}); add nodes or lower "
                                "--data-parallel-size") from None
         repo = str(Path(__file__).resolve().parents[2])
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
+               SECRET_ENV: deployment_secret()}  # the actors authenticate their frames as local replicas do
         if self.sequential:
             env[SHARED_GPU_ENV] = "1"
         self.actor_cls = ray.remote(ReplicaActor)

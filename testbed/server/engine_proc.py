@@ -24,6 +24,7 @@ from testbed.engine.outputs import RequestOutput
 from testbed.engine.request import PoolingParams, Request, check_token_ids
 from testbed.server import config_arg, freeze_startup_heap, run_process
 from testbed.server import protocol as P
+from testbed.server.frames import Frames
 from testbed.worker.stepper import EngineStepper
 
 PARENT_CHECK_S = 1.0
@@ -117,6 +118,7 @@ def to_wire(o: RequestOutput) -> P.CoreOutput:
 class EngineProc:
     def __init__(self, cfg: EngineProcConfig) -> None:
         self.cfg = cfg
+        self.frames = Frames.from_env("engine core")
         self.ctx = zmq.Context()
         self.inp = self.ctx.socket(zmq.PULL)
         self.inp.setsockopt(zmq.RCVHWM, 0)
@@ -131,7 +133,7 @@ class EngineProc:
         self.vocab_size = 0
 
     def send(self, msg) -> None:
-        self.out.send(P.encoder.encode(msg), copy=False)
+        self.out.send(self.frames.encode(msg), copy=False)
 
     def run(self) -> None:
         module, name = self.cfg.executor_factory.split(":")
@@ -186,7 +188,7 @@ class EngineProc:
         timeout = int(PARENT_CHECK_S * 1000) if block else 0
         while self.inp.poll(timeout):
             timeout = 0
-            msg = P.to_engine_decoder.decode(self.inp.recv(copy=False).buffer)
+            msg = self.frames.decode(self.inp.recv(copy=False).buffer, P.to_engine_decoder, "its input socket")
             if isinstance(msg, P.AddRequest):
                 out = self.add(msg)
                 if out is not None:

@@ -27,6 +27,7 @@ import sys
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
+MIN_HEARTBEAT_TIMEOUT_S = 3.0  # replicas send a heartbeat every second
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout: for the error responses to go out before uvicorn cancels
 
@@ -88,7 +89,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     d.add_argument("--data-parallel-backend", "-dpb", choices=("mp", "ray"), default="mp",
                    help="mp: replica processes on each node; ray: replicas as actors on a running Ray cluster")
     d.add_argument("--headless", action="store_true",
-                   help="run only this node's replicas (no API server); they connect to --data-parallel-address")
+                   help="run only this node's replicas (no API server); they connect to --data-parallel-address. "
+                        "Every node needs the same TESTBED_RPC_SECRET in its environment (frames between the "
+                        "engine processes are authenticated with it)")
+    d.add_argument("--data-parallel-heartbeat-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a replica that sends the coordinator no message for this long is declared dead; a live "
+                        f"one sends at least one a second (default: %(default)s, at least {MIN_HEARTBEAT_TIMEOUT_S:g})")
     g.add_argument("--executor-factory", default=None, metavar="MODULE:FUNCTION",
                    help="build the engine core's executor with this function instead of the model runner "
                         "(research hook; --emulate is this with testbed.sim.emulator:create)")
@@ -115,7 +121,12 @@ def dp_topology(args: argparse.Namespace, dp: int):
     """The data-parallel layout the flags ask for (ConfigError naming the flag when it cannot be)."""
     from testbed.engine.config import ConfigError
     from testbed.server.dp_client import DPTopology
+    from testbed.server.frames import deployment_secret
     local, start, port = args.data_parallel_size_local, args.data_parallel_start_rank, args.data_parallel_rpc_port
+    beat = args.data_parallel_heartbeat_timeout
+    if not beat >= MIN_HEARTBEAT_TIMEOUT_S or beat == float("inf"):
+        raise ConfigError(f"--data-parallel-heartbeat-timeout {beat:g}: give a finite number of seconds, at least "
+                          f"{MIN_HEARTBEAT_TIMEOUT_S:g} (a live replica sends a heartbeat every second)")
     if dp == 1:
         if args.headless or args.data_parallel_backend != "mp" or local not in (None, 1) or start:
             raise ConfigError("--headless, --data-parallel-backend, --data-parallel-size-local and "
@@ -125,7 +136,7 @@ def dp_topology(args: argparse.Namespace, dp: int):
         if args.headless or local is not None or start:
             raise ConfigError("--data-parallel-backend ray places every replica on the Ray cluster: drop --headless, "
                               "--data-parallel-size-local and --data-parallel-start-rank")
-        return DPTopology(dp, args.data_parallel_address, port or 0, "ray")
+        return DPTopology(dp, args.data_parallel_address, port or 0, "ray", beat)
     local = dp if local is None and not args.headless else local
     if local is None or not 1 <= local <= dp:
         raise ConfigError(f"--data-parallel-size-local: give 1..{dp} replicas for this node"
@@ -136,9 +147,14 @@ def dp_topology(args: argparse.Namespace, dp: int):
     if not args.headless and start:
         raise ConfigError("--data-parallel-start-rank: the API server's node holds ranks 0.."
                           f"{local - 1}; only a --headless node starts elsewhere")
+    if local < dp or args.headless:
+        try:
+            deployment_secret(required_for="--data-parallel-size-local < --data-parallel-size (replicas on other nodes)")
+        except RuntimeError as e:
+            raise ConfigError(str(e)) from None
     if port is None:
         port = DEFAULT_RPC_PORT if (local < dp or args.headless) else 0
-    return DPTopology(local, args.data_parallel_address, port, "mp")
+    return DPTopology(local, args.data_parallel_address, port, "mp", beat)
 
 
 def engine_proc_config(args: argparse.Namespace, cfg, model: str):

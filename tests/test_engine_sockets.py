@@ -1,0 +1,149 @@
+"""The engine processes' sockets hold against what arrives on them, and a busy replica is never taken
+for a dead one.
+
+- Liveness: under `testbed serve -dp 2 --emulate` with a short --data-parallel-heartbeat-timeout, two
+  streams that each decode for several timeouts (no request arrives or ends meanwhile) finish whole; no
+  replica is declared dead.
+- Frames: every socket that listens for frames from other processes (the coordinator's
+  --data-parallel-rpc-port, its API-server socket, the API server's output socket) gets a fuzz of raw
+  frames: random bytes, multipart messages, well-formed messages without the deployment's tag (a forged
+  ReplicaFailed or Shutdown above all), messages tagged with another secret, and tagged frames of the
+  wrong type. No process dies, every replica still serves, and the drops are logged.
+Real processes on 127.0.0.1 and ipc; every wait is bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import msgspec
+import openai
+import pytest
+import zmq
+
+from server_helpers import running_server
+from testbed.engine.config import EngineConfig
+from testbed.server import dp_protocol as D
+from testbed.server import protocol as P
+from testbed.server.dp_client import DPEngineClient, DPTopology
+from testbed.server.engine_proc import EngineProcConfig
+from testbed.server.frames import SECRET_ENV, Frames
+
+pytestmark = pytest.mark.timeout(300)
+
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def test_replicas_decoding_for_longer_than_the_heartbeat_timeout_stay_alive(tmp_path):
+    args = ["--emulate", "--model", "Llama-3.1-8B", "--load-format", "dummy", "--gpu", "H100-SXM",
+            "-dp", "2", "--dp-policy", "round_robin", "--max-model-len", "4096", "--num-gpu-blocks", "640",
+            "--data-parallel-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
+    with running_server(*args, log_dir=tmp_path) as srv:
+        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="none", timeout=120, max_retries=0)
+
+        async def stream(i: int) -> tuple[int, str | None, float]:
+            t0 = time.monotonic()
+            n, reason = 0, None
+            async for chunk in await client.completions.create(
+                    model=srv_model(srv), prompt=[11 + i, 12, 13], max_tokens=1500, stream=True,
+                    extra_body={"ignore_eos": True}):
+                for c in chunk.choices:
+                    n += 1 if c.text else 0
+                    reason = c.finish_reason or reason
+            return n, reason, time.monotonic() - t0
+
+        async def both():
+            return await asyncio.gather(stream(0), stream(1))
+
+        results = asyncio.run(both())
+        for n, reason, took in results:
+            assert reason == "length", (results, srv.log_text())
+            assert took > 2 * HEARTBEAT_TIMEOUT_S, f"the streams must outlast the timeout twice: {results}"
+        log = srv.log_text()
+        assert "is dead" not in log and "engine_dead" not in log, log
+
+
+def srv_model(srv) -> str:
+    import httpx
+    return httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def fuzz_frames(rng: random.Random, secret: str) -> list[list[bytes]]:
+    """Frames (each a multipart message) that no socket may act on or die of."""
+    forged = [D.ReplicaFailed(0, "forged"), D.ReplicaFailed(1, "forged"), D.ReplicaGone(0, "forged"),
+              D.ReplicaGone(1, "forged"), P.Shutdown(), D.Heartbeat(0), D.Hello(0, "input", 1, "x"),
+              D.Routed("r", 0), D.ReplicaDead(0, "forged"), D.DPAbort(0, ["a"])]
+    enc = msgspec.msgpack.Encoder()
+    other = Frames(secret + "-other", "fuzz")
+    ours = Frames(secret, "fuzz")
+    frames: list[list[bytes]] = [[b"\x00" * 14], [b""], [b"\xc1"], [b"\x93\x01\x02"]]
+    frames += [[enc.encode(m)] for m in forged]                     # no tag at all
+    frames += [[other.encode(m)] for m in forged]                   # tagged with another secret
+    frames += [[ours.encode(m)[:-1]] for m in forged]               # truncated: the tag no longer matches
+    frames += [[ours.sign(b"\xa5hello")], [ours.sign(b"")], [ours.encode([1, 2, 3])]]  # ours, but no message
+    frames += [[bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 200)))] for _ in range(120)]
+    frames += [[b"a", b"b", b"c"] for _ in range(3)] + [[b"x"] * 5]  # multipart
+    rng.shuffle(frames)
+    return frames
+
+
+def test_a_fuzz_of_raw_frames_kills_no_engine_process(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv(SECRET_ENV, "s3cret-for-this-test")
+    config = EngineConfig(data_parallel_size=2, dp_policy="round_robin", max_num_seqs=4, max_model_len=4096)
+    proc = EngineProcConfig(engine=config.to_dict(), model="Llama-3.2-1B",
+                            executor_factory="testbed.sim.emulator:create",
+                            executor_args={"gpu": "H200", "cost_model": "zero"})
+    client = DPEngineClient(proc, DPTopology(2))
+    ctx = zmq.Context()
+    frames = fuzz_frames(random.Random(0), "s3cret-for-this-test")
+
+    async def serve_one_each() -> None:
+        streams = [client.add(f"q{time.monotonic_ns()}-{i}", [11, 12, 13], time.time(), max_tokens=4,
+                              ignore_eos=True, temperature=0.0) for i in range(2)]
+        engines = set()
+        for s in streams:
+            while True:
+                out = await asyncio.wait_for(s.get(), 30)
+                if out.finished:
+                    assert out.finish_reason == "length", out
+                    engines.add(s.engines[s.request_id])
+                    break
+        assert engines == {0, 1}
+
+    async def scenario() -> None:
+        await asyncio.wait_for(client.start(), 120)
+        await serve_one_each()
+        targets = {
+            "the coordinator's --data-parallel-rpc-port": (zmq.DEALER, client.rpc_addr),
+            "the coordinator's API-server socket": (zmq.PUSH, client.front_addr),
+            "the API server's output socket": (zmq.PUSH, client.out.getsockopt(zmq.LAST_ENDPOINT).decode()),
+        }
+        for name, (kind, addr) in targets.items():
+            sock = ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(addr)
+            for parts in frames:
+                sock.send_multipart(parts)
+            await asyncio.sleep(1.0)  # let every frame arrive (and be dropped)
+            sock.close()
+            assert client.proc.poll() is None, f"the coordinator died of frames at {name}"
+            assert not client.dead_engines and not client.is_dead, (name, client.dead_engines)
+            assert all(p.poll() is None for p in client.replicas.procs.values()), name
+            await serve_one_each()
+
+    async def run() -> None:
+        try:
+            await scenario()
+        finally:
+            await client.shutdown(timeout=10)
+
+    asyncio.run(run())
+    ctx.term()
+    err = capfd.readouterr().err
+    for where in ("testbed dp coordinator: dropped a malformed frame on --data-parallel-rpc-port",
+                  "testbed dp coordinator: dropped a malformed frame on its API-server socket",
+                  "testbed serve: dropped a malformed frame on its output socket"):
+        assert where in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
