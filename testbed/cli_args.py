@@ -41,6 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     g.add_argument("--async-scheduling", action="store_true",
                    help="keep one step in flight: schedule the next step while the device runs this one")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help="token counts of the steps captured as CUDA graphs on a GPU (decode batches up to "
+                        "--max-num-seqs, mixed/prefill steps up to --max-num-batched-tokens; default: 1 2 4 8, "
+                        "every 16 to --max-num-seqs, 16..256 doubling, every 256 to 2048, every 1024 beyond)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -52,7 +56,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         dp_policy=args.dp_policy, dp_stats_interval=args.dp_stats_interval, dp_routing_delay=args.dp_routing_delay,
         max_num_waiting=args.max_num_waiting, async_scheduling=args.async_scheduling,
-        seed=args.seed)
+        seed=args.seed, cuda_graph_sizes=args.cuda_graph_sizes)
 
 
 def add_trace_args(p: argparse.ArgumentParser, trace_required: bool = True) -> None:

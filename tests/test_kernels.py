@@ -432,6 +432,38 @@ def test_prefill_mixes_fresh_and_cached_sequences_in_one_launch(short_q):
     close(out, ref, torch.float32)
 
 
+def _pad_graph_layout(q, k, v, cu, lens, tables, pad_tokens: int, pad_seqs: int):
+    """The layout a mixed CUDA graph runs a step in (worker/cuda_graphs.py): pad_tokens tokens after the
+    step's, owned by one extra sequence with no cached token, then pad_seqs - 1 sequences with no query and
+    no cached token. The padding tokens hold large finite values: a real row reading one would show."""
+    g = torch.Generator().manual_seed(7)
+
+    def more(t, n):
+        return torch.cat([t, 1e3 * torch.randn((n, *t.shape[1:]), generator=g).to(t.dtype)])
+    qkv_pad = [more(t.contiguous(), pad_tokens) for t in (q, k, v)]
+    total = q.shape[0] + pad_tokens
+    cu_pad = torch.cat([cu, torch.full((pad_seqs,), total, dtype=cu.dtype)])
+    lens_pad = torch.cat([lens, torch.tensor([pad_tokens] + [0] * (pad_seqs - 1), dtype=lens.dtype)])
+    tables_pad = torch.cat([tables, torch.full((pad_seqs, tables.shape[1]), 7, dtype=tables.dtype)])
+    return (*qkv_pad, cu_pad, lens_pad, tables_pad)
+
+
+@needs_loops
+@pytest.mark.parametrize("group,knobs", [(4, dict(block_m=16, block_n=16)), (3, dict(block_m=32, block_n=16)),
+                                         (1, dict(block_m=16, block_n=16, short_q=0))])
+def test_prefill_in_a_padded_graph_layout_equals_the_unpadded_step(group, knobs):
+    """Mixed rows with prefix hits, run as a graph pads them: every real row equals the reference on the
+    unpadded step, whatever the padding tokens hold."""
+    q, k, v, k_cache, v_cache, cu, lens, tables, _ = extend_case(EXTEND_SEQ_LENS, EXTEND_Q_LENS, group)
+    ref = paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.3)
+    T = q.shape[0]
+    padded = _pad_graph_layout(q, k, v, cu, lens, tables, pad_tokens=21, pad_seqs=10)
+    out = paged_prefill_attention_triton(*padded[:3], k_cache, v_cache, *padded[3:], 0.3, **knobs)
+    close(out[:T], ref, torch.float32)
+    assert out.isfinite().all()
+    close(paged_prefill_attention_ref(*padded[:3], k_cache, v_cache, *padded[3:], 0.3)[:T], ref, torch.float32)
+
+
 @needs_loops
 def test_prefill_falls_back_to_pointer_loads_for_odd_layouts():
     from testbed.kernels.prefill_attention import _tma_layout_ok

@@ -28,6 +28,10 @@ class EngineConfig:
     admission by the replica (API server -> coordinator -> replica; the default was measured, see
     the README); half of it passes before the coordinator decides, and a stats publication takes
     the other half (one hop) to reach the coordinator.
+
+    `cuda_graph_sizes` (vLLM's name): the token counts of the steps real mode captures as CUDA graphs on a
+    GPU (decode batches up to max_num_seqs, mixed and prefill steps up to max_num_batched_tokens; None:
+    the defaults of testbed/worker/cuda_graphs.py). The simulator ignores it.
     """
 
     max_num_seqs: int = 256
@@ -47,6 +51,7 @@ class EngineConfig:
     max_num_waiting: int | None = None
     async_scheduling: bool = False
     seed: int = 0
+    cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +82,13 @@ class EngineConfig:
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and 0 <= v < float("inf"), name,
                  f"must be a number of seconds >= 0, got {v!r}")
+        sizes = self.cuda_graph_sizes
+        need(sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) > 0
+                               and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)),
+             "cuda_graph_sizes", f"must be a non-empty list of positive token counts (e.g. 1 2 4 8 16 256 512), "
+             f"got {sizes!r}")
+        if sizes is not None:
+            self.cuda_graph_sizes = sorted(set(sizes))
         need(self.max_num_waiting is None or self.max_num_waiting >= 1, "max_num_waiting",
              f"must be a positive integer, got {self.max_num_waiting!r}")
         need(not self.async_scheduling or self.tensor_parallel_size == 1, "async_scheduling",

@@ -1,0 +1,182 @@
+"""CUDA graphs for every engine step up to the largest capture size: decode-only, mixed and prefill.
+
+Design: full graphs (vLLM's FULL mode), not piecewise. A piecewise graph replays everything but attention
+and runs attention eagerly between the pieces, which leaves one Python attention call and one graph
+replay per layer on the host: on a 16-layer 1B model that is ~17 replays + 16 Triton launches per step,
+still about 1 ms of host issue for a step whose device work is 2-3 ms. The paged prefill/extend kernel
+already serves mixed steps in one launch whose grid depends only on (total tokens, number of sequences)
+and reads every other fact from device memory, so the whole step fits one graph once both are fixed per
+capture size: a step of T tokens and B sequences runs in the graph of the smallest size Tp >= T, padded
+to Tp tokens and Sp = min(Tp, max_num_seqs) + 1 sequences. The host then issues a few buffer copies and
+one replay, whatever the model's depth.
+
+Padding (`pad_into`), the invariant every graph relies on:
+- tokens T..Tp-1 store nothing (slot -1) and belong to sequence B, which has no cached token (seq_len =
+  its Tp - T queries): they attend over one another only, never over a real token or the cache, and no
+  real row reads them (a key tile that spans them gives them weight 0). Owning them keeps every value in
+  the padded rows finite layer after layer, so a 0 weight never meets a NaN;
+- sequences B+1..Sp-1 have no query token (cu_seqlens_q repeats Tp) and no cached token (seq_len 0).
+Their hidden rows are never read: sampling and pooling index real rows only.
+
+Decode-only steps of at most the largest decode size replay a graph of the split-K decode kernel instead
+(batch buckets, one token per sequence), which is faster than the extend kernel on q_len 1 rows; other
+steps up to the largest size replay a mixed graph; larger steps run eagerly, where the device time of so
+many tokens exceeds the host's issue time (benchmarks/graphs.py shows where that holds).
+
+Capture sizes are token counts (vLLM's `cuda_graph_sizes`): decode graphs for those <= max_num_seqs,
+mixed graphs for all <= max_num_batched_tokens. The graphs share one memory pool and are captured
+largest first; each is warmed up before capture so no kernel compiles inside it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from testbed.engine.config import EngineConfig
+from testbed.worker.context import reset_context, set_context
+
+logger = logging.getLogger(__name__)
+
+MAX_DECODE_GRAPH = 512
+
+
+def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """Token counts captured by default: decode batches 1, 2, 4, 8, then every 16 up to max_num_seqs (at
+    most 512); mixed steps at 16..256 by doubling, every 256 up to 2048, then every 1024, up to
+    max_num_batched_tokens. Padding wastes at most 256 tokens' linear-layer work below 2048 tokens, and at
+    most 1024 above, where a step is compute-bound (< 1/3 of its work)."""
+    decode_max = min(max_num_seqs, MAX_DECODE_GRAPH)
+    sizes = {b for b in (1, 2, 4, 8) if b <= decode_max} | set(range(16, decode_max + 1, 16)) | {decode_max}
+    sizes |= {t for t in (16, 32, 64, 128, 256) if t <= max_num_batched_tokens}
+    sizes |= set(range(512, min(2048, max_num_batched_tokens) + 1, 256))
+    sizes |= set(range(3072, max_num_batched_tokens + 1, 1024))
+    sizes.add(max_num_batched_tokens)
+    return sorted(sizes)
+
+
+def split_sizes(config: EngineConfig) -> tuple[list[int], list[int]]:
+    """(decode batch sizes, mixed token sizes) to capture for this engine."""
+    sizes = config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs, config.max_num_batched_tokens)
+    decode = sorted({s for s in sizes if s <= min(config.max_num_seqs, MAX_DECODE_GRAPH)})
+    mixed = sorted({s for s in sizes if s <= config.max_num_batched_tokens})
+    return decode, mixed
+
+
+class StaticInputs:
+    """The device buffers every graph reads its step from (the largest step's size; graphs see prefixes)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+
+    def set_context(self, is_decode: bool, num_tokens: int, num_seqs: int) -> None:
+        """The attention context of a graph of this size, over prefixes of the buffers."""
+        set_context(is_decode, self.slot_mapping[:num_tokens], self.block_tables[:num_seqs],
+                    self.seq_lens[:num_seqs], self.cu_seqlens_q[:num_seqs + 1])
+
+
+def pad_into(buf: StaticInputs, x, num_tokens: int, num_seqs: int, decode: bool = False) -> None:
+    """Copy step `x` (StepInputs) into the buffers' first num_tokens / num_seqs rows with the padding of
+    the module docstring (`decode`: a decode graph's, one token per sequence, padding rows with seq_len 0
+    and nothing to own). Device copies only: no host sync, no allocation."""
+    T, B = x.input_ids.numel(), x.seq_lens.numel()
+    if T > num_tokens or B + (not decode) > num_seqs or (decode and num_tokens != num_seqs):
+        raise ValueError(f"a step of {T} tokens and {B} sequences does not fit a {'decode' if decode else 'mixed'} "
+                         f"graph of {num_tokens} tokens and {num_seqs} sequences")
+    buf.input_ids[:T].copy_(x.input_ids, non_blocking=True)
+    buf.positions[:T].copy_(x.positions, non_blocking=True)
+    buf.slot_mapping[:T].copy_(x.slot_mapping, non_blocking=True)
+    buf.slot_mapping[T:num_tokens].fill_(-1)
+    buf.seq_lens[:B].copy_(x.seq_lens, non_blocking=True)
+    buf.seq_lens[B:num_seqs].fill_(0)
+    buf.cu_seqlens_q[:B + 1].copy_(x.cu_seqlens_q, non_blocking=True)
+    buf.cu_seqlens_q[B + 1:num_seqs + 1].fill_(num_tokens)
+    if not decode:
+        buf.seq_lens[B:B + 1].fill_(num_tokens - T)  # the padding's owner
+    if B:
+        buf.block_tables[:B, :x.block_tables.shape[1]].copy_(x.block_tables, non_blocking=True)
+
+
+class CudaGraphs:
+    """The captured graphs of one model runner (one TP rank): `replay(x)` runs a step through the graph
+    that fits it, or returns None (run it eagerly)."""
+
+    def __init__(self, model: Callable, config: EngineConfig, max_model_len: int, device: torch.device) -> None:
+        self.model = model
+        self.decode_sizes, self.mixed_sizes = split_sizes(config)
+        self.max_num_seqs = config.max_num_seqs
+        max_tokens = max(self.decode_sizes + self.mixed_sizes, default=1)
+        max_seqs = max([self.num_seqs(t) for t in self.mixed_sizes] + self.decode_sizes + [1])
+        self.buf = StaticInputs(max_tokens, max_seqs, -(-max_model_len // config.block_size), device)
+        self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_s = 0.0
+        self.capture_bytes = 0
+
+    def num_seqs(self, num_tokens: int) -> int:
+        """The sequences a mixed graph of num_tokens tokens holds: every step's, and the padding's owner."""
+        return min(num_tokens, self.max_num_seqs) + 1
+
+    @torch.inference_mode()
+    def capture(self, device: torch.device) -> None:
+        """Capture every size, largest first, in one memory pool; logs the time and memory it took."""
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(device)
+        before = torch.cuda.mem_get_info(device)[0]
+        b = self.buf
+        b.cu_seqlens_q.copy_(torch.arange(b.cu_seqlens_q.numel(), dtype=torch.int32, device=device))
+        pool = None
+        plan = [(False, t) for t in reversed(self.mixed_sizes)] + [(True, s) for s in reversed(self.decode_sizes)]
+        for is_decode, n in plan:
+            seqs = n if is_decode else self.num_seqs(n)
+            if not is_decode:  # a valid padded layout: one sequence of n fresh tokens, the rest empty
+                b.cu_seqlens_q[1:seqs + 1].fill_(n)
+                b.seq_lens[:seqs].fill_(0)
+                b.seq_lens[0].fill_(n)
+            else:
+                b.seq_lens[:seqs].fill_(1)
+            b.set_context(is_decode, n, seqs)
+            try:
+                self.model(b.input_ids[:n], b.positions[:n])  # warm up: compiles every kernel outside the graph
+                torch.cuda.synchronize(device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool):
+                    out = self.model(b.input_ids[:n], b.positions[:n])
+            finally:
+                reset_context()
+            pool = g.pool() if pool is None else pool
+            (self.decode if is_decode else self.mixed)[n] = (g, out)
+        b.seq_lens.zero_()
+        torch.cuda.synchronize(device)
+        self.capture_s = time.perf_counter() - t0
+        self.capture_bytes = before - torch.cuda.mem_get_info(device)[0]
+        logger.info("captured %d CUDA graphs (%d decode, %d mixed, up to %d tokens) in %.1f s, %.2f GiB",
+                    len(plan), len(self.decode), len(self.mixed), max(self.mixed_sizes + self.decode_sizes, default=0),
+                    self.capture_s, self.capture_bytes / 2**30)
+
+    def size_for(self, x) -> tuple[bool, int] | None:
+        """(is a decode graph, its size) for step x, or None when no capture size fits it."""
+        n = x.input_ids.numel()
+        if x.is_decode and self.decode_sizes and n <= self.decode_sizes[-1]:
+            return True, next(s for s in self.decode_sizes if s >= n)
+        if self.mixed_sizes and n <= self.mixed_sizes[-1]:
+            return False, next(s for s in self.mixed_sizes if s >= n)
+        return None
+
+    def replay(self, x) -> torch.Tensor | None:
+        """Hidden states [T, hidden] of step x through its graph, or None when no graph fits it."""
+        fit = self.size_for(x)
+        if fit is None or not (self.decode or self.mixed):
+            return None
+        is_decode, n = fit
+        pad_into(self.buf, x, n, n if is_decode else self.num_seqs(n), is_decode)
+        g, out = (self.decode if is_decode else self.mixed)[n]
+        g.replay()
+        return out[:x.input_ids.numel()]
