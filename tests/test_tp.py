@@ -1,6 +1,6 @@
 """Tensor parallelism with real worker processes over gloo (CPU): token parity with TP=1 under
 continuous batching and chunked prefill, a clear refusal of sizes the heads cannot be split by,
-and bounded failure with cleanup when a worker dies or hangs.
+the memory-profiling forward on every rank, and bounded failure with cleanup when a worker dies or hangs.
 
 Only one TP engine can live in a process (one torch.distributed group), so every test shuts its
 engines down in teardown, and checks that the group is gone and no worker process is left.
@@ -207,6 +207,26 @@ def test_worker_dying_at_startup_is_named(tiny_folder, tmp_path_factory, monkeyp
     llm = engines(tiny_folder, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
     assert time.monotonic() - start < 30
     assert len(llm.generate(random_prompts([6], 320), GREEDY)[0].outputs[0].token_ids) == 16
+
+
+def test_profiling_forward_runs_on_every_rank_at_tp3(tmp_path, engines, monkeypatch):
+    """The worst-case forward a GPU sizes its KV cache after (TESTBED_PROFILE_ON_CPU runs it on CPU too) on 3
+    gloo ranks: compute_logits gives ranks 1 and 2 no logits, and they still run the forward's collectives,
+    so the engine starts and then computes TP=1's tokens (once rank 1 died on `None.float()`)."""
+    # 6 query / 3 KV heads: 2 / 1 per rank; a vocabulary of 320 pads to 3 x 107
+    save_tiny_llama(tmp_path, 6, 3, seed=4, hidden_size=96)
+    monkeypatch.setenv("TESTBED_PROFILE_ON_CPU", "1")
+    monkeypatch.setenv("TESTBED_TP_TIMEOUT_S", "10")
+    prompts = random_prompts([9, 21], 320, seed=4)
+    tp1 = engines(str(tmp_path), skip_tokenizer_init=True, **ENGINE)
+    ref = [o.outputs[0].token_ids for o in tp1.generate(prompts, GREEDY)]
+    tp1.executor.shutdown()
+    start = time.monotonic()
+    tp3 = engines(str(tmp_path), skip_tokenizer_init=True, tensor_parallel_size=3, **ENGINE)
+    assert time.monotonic() - start < 30
+    attn = tp3.executor.runner.model.attention_layers()[0]
+    assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+    assert [o.outputs[0].token_ids for o in tp3.generate(prompts, GREEDY)] == ref
 
 
 SCRIPT = """

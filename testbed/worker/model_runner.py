@@ -13,6 +13,7 @@ scheduling the previous step's token is then read back from the device first (a 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -95,30 +96,52 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @torch.inference_mode()
-    def profile_num_blocks(self) -> int:
-        """How many KV blocks fit: GPU memory under the utilisation bound minus the peak of a
-        worst-case forward (max_num_batched_tokens tokens, max_num_seqs logits rows); on CPU a fixed budget."""
+    def profile_run(self) -> None:
+        """The worst-case forward the KV cache is sized after: max_num_batched_tokens prompt tokens (as few
+        sequences as max_model_len allows) and max_num_seqs logits rows, upcast as the sampler does. Every
+        tensor-parallel rank runs it, so all run the same collectives; only rank 0 gets logits. Nothing here
+        reads the device back, so a caller can watch the other ranks while it waits for the device."""
+        cfg = self.config
+        n = min(cfg.max_num_batched_tokens, self.max_model_len * cfg.max_num_seqs)
+        seqs = max(1, min(cfg.max_num_seqs, -(-n // self.max_model_len)))
+        lens = [n // seqs + (i < n % seqs) for i in range(seqs)]
+        ends = np.cumsum(lens).tolist()
+        # on the host: attention without a KV cache reads the sequence bounds back (a device sync per layer)
+        cu = torch.tensor([0] + ends, dtype=torch.int32)
+        positions = torch.cat([torch.arange(l, device=self.device) for l in lens])
+        last = torch.tensor([e - 1 for e in ends], device=self.device)
+        set_context(False, cu_seqlens_q=cu)
+        try:
+            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions)
+            logits = self.model.compute_logits(hidden[last].repeat(max(1, cfg.max_num_seqs // seqs), 1))
+        finally:
+            reset_context()
+        if logits is not None:  # rank 0 (None elsewhere): the sampler's float32 copy counts toward the peak
+            logits.float()
+
+    @torch.inference_mode()
+    def profile_num_blocks(self, sync: Callable[[], None] | None = None) -> int:
+        """How many KV blocks fit: GPU memory under the utilisation bound minus the peak of `profile_run`; on
+        CPU a fixed budget (after a `profile_run` when TESTBED_PROFILE_ON_CPU=1, which checks that path, its
+        collectives on every rank included, without a GPU). `sync` waits for the device (the tensor-parallel
+        executor's watches the other ranks meanwhile); torch.cuda.synchronize by default."""
         cfg = self.config
         if self.device.type != "cuda":
+            if os.environ.get("TESTBED_PROFILE_ON_CPU", "0") == "1":
+                self.profile_run()
             per_seq = -(-self.max_model_len // self.block_size)
             return max(per_seq + 1, min(per_seq * cfg.max_num_seqs, CPU_KV_CACHE_BYTES // self.block_bytes))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(cfg.max_num_batched_tokens, self.max_model_len * cfg.max_num_seqs)
-        seqs = max(1, min(cfg.max_num_seqs, -(-n // self.max_model_len)))
-        lens = [n // seqs + (i < n % seqs) for i in range(seqs)]
-        cu = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
-        positions = torch.cat([torch.arange(l, device=self.device) for l in lens])
-        set_context(False, cu_seqlens_q=cu)
-        hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions)
-        self.model.compute_logits(hidden[cu[1:].long() - 1].repeat(max(1, cfg.max_num_seqs // seqs), 1)).float()
-        reset_context()
-        torch.cuda.synchronize(self.device)
+        self.profile_run()
+        if sync is not None:
+            sync()
+        else:
+            torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         others = (total - free) - torch.cuda.memory_reserved(self.device) - self.memory_baseline
         budget = total * cfg.gpu_memory_utilization - peak - others
-        del hidden
         torch.cuda.empty_cache()
         blocks = int(budget // self.block_bytes)
         if blocks < 1:
