@@ -1,6 +1,7 @@
 """Tensor parallelism with real worker processes over gloo (CPU): token parity with TP=1 under
 continuous batching and chunked prefill, a clear refusal of sizes the heads cannot be split by,
-the memory-profiling forward on every rank, and bounded failure with cleanup when a worker dies or hangs.
+the memory-profiling forward on every rank, and bounded failure with cleanup when a worker dies,
+hangs or raises (its traceback reaches rank 0's error).
 
 Only one TP engine can live in a process (one torch.distributed group), so every test shuts its
 engines down in teardown, and checks that the group is gone and no worker process is left.
@@ -227,6 +228,47 @@ def test_profiling_forward_runs_on_every_rank_at_tp3(tmp_path, engines, monkeypa
     attn = tp3.executor.runner.model.attention_layers()[0]
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
     assert [o.outputs[0].token_ids for o in tp3.generate(prompts, GREEDY)] == ref
+
+
+# Imported by every spawned process while TESTBED_TEST_FAIL_RANK is set: torch's attention raises on that rank.
+# Only the profiling forward (no KV cache yet) calls it, so that rank fails in memory profiling.
+FAIL_IN_PROFILING = """
+import os
+if os.environ.get("TESTBED_TEST_FAIL_RANK"):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    sdpa = F.scaled_dot_product_attention
+
+    def failing_sdpa(*args, **kwargs):
+        if dist.is_initialized() and dist.get_rank() == int(os.environ["TESTBED_TEST_FAIL_RANK"]):
+            raise RuntimeError("injected failure in the profiling forward")
+        return sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = failing_sdpa
+"""
+
+
+def test_worker_failing_in_profiling_ends_the_engine_with_its_traceback(tiny_folder, tmp_path_factory, monkeypatch):
+    """A non-zero rank that raises in memory profiling sends its traceback to rank 0 and exits: LLM(...) fails
+    within seconds (not at the 60 s collective timeout) naming the rank, with that traceback, and no worker
+    process is left."""
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()  # started now, so it does not import the hook below
+    hook = tmp_path_factory.mktemp("fail")
+    (hook / "sitecustomize.py").write_text(FAIL_IN_PROFILING)
+    monkeypatch.delenv("TESTBED_TP_TIMEOUT_S", raising=False)  # the default 60 s
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("TESTBED_PROFILE_ON_CPU", "1")
+    monkeypatch.setenv("TESTBED_TEST_FAIL_RANK", "1")  # only processes started from now on read it
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+, exit code 1\) raised RuntimeError in memory "
+                                           r"profiling") as failed:
+        LLM(tiny_folder, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - start < 20
+    message = str(failed.value)
+    assert "Traceback (most recent call last)" in message and "in profile_run" in message
+    assert "RuntimeError: injected failure in the profiling forward" in message
+    _assert_cleaned_up([])
 
 
 SCRIPT = """

@@ -4,7 +4,10 @@ Rank 0 lives in the executor's process and drives the others: per step it broadc
 header and one packed int64 buffer (token ids, positions, slots, block tables, lengths), every
 rank runs its shard of the model (row-parallel layers all-reduce), and rank 0 gathers the logits
 and samples. Failure handling: a rank that dies or stops answering makes `execute` raise within
-`TESTBED_TP_TIMEOUT_S` (default 60 s) with an error naming it; processes are cleaned up on exit.
+`TESTBED_TP_TIMEOUT_S` (default 60 s) with an error naming it; processes are cleaned up on exit. A rank
+whose command raises (start-up, profiling, KV cache allocation, a step) sends its traceback to rank 0
+over a pipe and exits at once; rank 0 reads the pipes before each collective, after one fails and while
+it waits for its device, so the engine fails within seconds with that traceback, not at a collective timeout.
 Workers are spawned, so each imports the main script again: one that builds a TP engine without an
 `if __name__ == "__main__":` guard would build another inside every worker. A worker detects that
 and exits with an explanation, and rank 0 fails as soon as a worker dies before it started.
@@ -18,7 +21,10 @@ import os
 import socket
 import sys
 import time
+import traceback
 from functools import partial
+from multiprocessing.connection import Connection
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -30,6 +36,8 @@ from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, 
 from testbed.worker.stepper import ExecutorFailure
 
 CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
+PHASES = {CMD_STEP: "a step", CMD_PROFILE: "memory profiling", CMD_ALLOC: "KV cache allocation"}
+REPORT_CHARS = 8000  # a failed rank's traceback is cut to its last characters: the pipe must not fill up
 DEATH_WAIT_S = 2.0  # after a failed collective: how long a dying rank gets to be reaped, so the error names it
 MAIN_GUARD_HINT = ("the script that creates the engine has no `if __name__ == \"__main__\":` guard, so each "
                    "spawned tensor-parallel worker runs it again and builds an engine of its own; put the code "
@@ -82,16 +90,35 @@ def _recv_inputs(runner: ModelRunner, header: list[int]) -> StepInputs:
                       parts[6], bool(is_decode))
 
 
+def _report_and_exit(report: Connection, rank: int, phase: str) -> None:
+    """Print the exception being handled, send it to rank 0 as (phase, exception type, traceback) and exit at
+    once: no process-group teardown, which could wait on peers stuck in a collective; the closed sockets
+    and the exit let rank 0's dead-rank checks fire."""
+    text = traceback.format_exc()
+    print(f"tensor-parallel rank {rank} failed in {phase}:\n{text}", file=sys.stderr, flush=True)
+    try:
+        report.send((phase, type(sys.exc_info()[1]).__name__, text[-REPORT_CHARS:]))
+    except OSError:  # rank 0 is gone
+        pass
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def _worker_main(rank: int, world: int, port: int, model: str, config: EngineConfig, load_format: str, dtype: str,
-                 device_type: str, started) -> None:
+                 device_type: str, started, report: Connection) -> None:
+    """Rank `rank`'s loop: run each command rank 0 broadcasts until CMD_SHUTDOWN; a command that raises is
+    reported to rank 0 and ends this process."""
     with started.get_lock():
         started.value += 1
-    runner = _build(rank, world, port, model, config, load_format, dtype, device_type)
-    header = torch.zeros(HEADER, dtype=torch.long, device=runner.device)
+    phase = "start-up"
     try:
+        runner = _build(rank, world, port, model, config, load_format, dtype, device_type)
+        header = torch.zeros(HEADER, dtype=torch.long, device=runner.device)
         while True:
+            phase = "waiting for a command"
             dist.broadcast(header, 0)
             h = header.tolist()
+            phase = PHASES.get(h[0], "shutdown")
             if h[0] == CMD_STEP:
                 runner.run(_recv_inputs(runner, h))
             elif h[0] == CMD_PROFILE:
@@ -101,8 +128,9 @@ def _worker_main(rank: int, world: int, port: int, model: str, config: EngineCon
                 runner.allocate_kv_cache(h[6])
             else:
                 break
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        _report_and_exit(report, rank, phase)
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -130,39 +158,55 @@ class MultiprocExecutor:
         port = _free_port()
         ctx = mp.get_context("spawn")
         started = ctx.Value("i", 0)
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]
+        self._report_conns: dict[int, Connection] = {r: recv for r, (recv, _) in enumerate(pipes, 1)}
+        self._reports: dict[int, tuple[str, str, str]] = {}  # rank -> (phase, exception type, traceback) it sent
         self.procs = [ctx.Process(target=_worker_main, name=f"testbed-tp-rank{r}", daemon=True,
-                                  args=(r, world, port, model, config, load_format, dtype, dev.type, started))
-                      for r in range(1, world)]
+                                  args=(r, world, port, model, config, load_format, dtype, dev.type, started, send))
+                      for r, (_, send) in enumerate(pipes, 1)]
         for p in self.procs:
             p.start()
+        for _, send in pipes:
+            send.close()  # the workers hold the write ends
         self._closed = False
         self._header = None
+        self.device = dev
         self._failure: str | None = None  # set once a rank died or timed out; every later call fails fast
         atexit.register(self.shutdown)
         try:
             self._wait_started(started)
             self.runner = _build(0, world, port, model, config, load_format, dtype, dev.type)
+            self.device = self.runner.device
+            self.hf_config = self.runner.hf_config  # type: ignore[attr-defined]
+            self.max_model_len, self.eos_token_id, self.vocab_size = model_limits(self.hf_config, config)
+            self._header = torch.zeros(HEADER, dtype=torch.long, device=self.device)
+            blocks = config.num_gpu_blocks
+            if not blocks:
+                self._send(CMD_PROFILE)
+                n = torch.tensor([self._guard(self.runner.profile_num_blocks, self._wait_device)], dtype=torch.long,
+                                 device=self.device)
+                self._guard(dist.all_reduce, n, op=dist.ReduceOp.MIN)
+                self._wait_device()
+                blocks = int(n.item())
+            self._send(CMD_ALLOC, arg=blocks)
+            self.runner.allocate_kv_cache(blocks)
         except BaseException as e:
-            dead = self._dead_ranks()
-            self._failure = f"tensor-parallel worker died during startup: {', '.join(dead)}" if dead else None
-            self.shutdown()
-            if dead and not isinstance(e, TPWorkerError):
-                raise TPWorkerError(f"{self._failure} ({type(e).__name__}: {e})") from e
-            raise
-        self.device = self.runner.device
-        self.hf_config = self.runner.hf_config  # type: ignore[attr-defined]
-        self.max_model_len, self.eos_token_id, self.vocab_size = model_limits(self.hf_config, config)
-        self._header = torch.zeros(HEADER, dtype=torch.long, device=self.device)
-        blocks = config.num_gpu_blocks
-        if not blocks:
-            self._send(CMD_PROFILE)
-            n = torch.tensor([self.runner.profile_num_blocks()], dtype=torch.long, device=self.device)
-            self._guard(dist.all_reduce, n, op=dist.ReduceOp.MIN)
-            blocks = int(n.item())
-        self._send(CMD_ALLOC, arg=blocks)
-        self.runner.allocate_kv_cache(blocks)
+            self._startup_failed(e)
         self.num_gpu_blocks = blocks
         self.runner.broadcast_inputs = self._broadcast_inputs  # type: ignore[attr-defined]
+
+    def _startup_failed(self, e: BaseException) -> NoReturn:
+        """End every rank after start-up failed with `e`, and raise: a TPWorkerError naming the failed workers
+        with their tracebacks when one failed, else `e` (rank 0's own error, e.g. no memory for the KV cache)."""
+        failed = [] if isinstance(e, TPWorkerError) else self._failed_ranks(
+            wait_s=DEATH_WAIT_S if isinstance(e, (dist.DistError, ExecutorFailure)) else 0.0)
+        if self._failure is None:  # the workers may wait in a collective: shutdown must not talk to them
+            self._failure = (f"tensor-parallel worker {self._verb()} during startup: {', '.join(failed)}" if failed
+                             else f"startup failed ({type(e).__name__}: {e})")
+        self.shutdown()
+        if failed:
+            raise TPWorkerError(f"{self._failure} ({type(e).__name__}: {e}){self._tracebacks()}") from e
+        raise e
 
     def _wait_started(self, started) -> None:
         """Wait until every worker runs its main function; a worker that dies first (it could not
@@ -177,6 +221,76 @@ class MultiprocExecutor:
                                     f"above){hint}")
             time.sleep(0.05)
 
+    def _read_reports(self) -> None:
+        """Collect the report of every worker that reported a failure, without blocking."""
+        for rank, conn in list(self._report_conns.items()):
+            try:
+                if conn.poll():
+                    self._reports[rank] = conn.recv()
+                else:
+                    continue
+            except (EOFError, OSError):  # exited without a report (killed, or a clean shutdown)
+                pass
+            conn.close()
+            del self._report_conns[rank]
+
+    def _failed_ranks(self, wait_s: float = 0.0) -> list[str]:
+        """The ranks that reported an error or whose process exited, as `rank R (pid P, exit code C)` and what
+        a report says (`raised E in PHASE`); waits up to `wait_s` for one."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._read_reports()
+            failed = [r for r, p in enumerate(self.procs, 1) if r in self._reports or not p.is_alive()]
+            if failed or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        out = []
+        for r in failed:
+            p = self.procs[r - 1]
+            if r in self._reports:
+                p.join(DEATH_WAIT_S)  # it exits right after reporting: name its exit code
+                phase, error, _ = self._reports[r]
+                out.append(f"rank {r} (pid {p.pid}, exit code {p.exitcode}) raised {error} in {phase}")
+            else:
+                out.append(f"rank {r} (pid {p.pid}, exit code {p.exitcode})")
+        return out
+
+    def _tracebacks(self) -> str:
+        """The tracebacks the failed workers reported, for the end of an error message."""
+        return "".join(f"\n\n--- tensor-parallel rank {r}, {phase} ---\n{text.rstrip()}"
+                       for r, (phase, _, text) in sorted(self._reports.items()))
+
+    def _raise_if_failed(self) -> None:
+        """Raise, naming the ranks, when a worker has failed or an earlier call found the group broken."""
+        if self._failure is not None:
+            raise TPWorkerError(f"{self._failure}; the tensor-parallel group is unusable, create a new engine")
+        failed = self._failed_ranks()
+        if failed:
+            raise self._fail(f"tensor-parallel worker {self._verb()}: {', '.join(failed)}", self._tracebacks())
+
+    def _verb(self) -> str:
+        return "failed" if self._reports else "died"
+
+    def _wait_device(self) -> None:
+        """Wait for the work queued on rank 0's GPU while watching the other ranks: a rank that fails while
+        rank 0 waits in a collective ends the wait within milliseconds (NCCL alone would wait until its
+        timeout). Nothing to wait for on CPU, where gloo's collectives return or raise on the host."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + _timeout().total_seconds()
+        check = 0.0
+        while not done.query():
+            now = time.monotonic()
+            if now >= check:
+                self._raise_if_failed()
+                if now > deadline:
+                    raise self._fail(f"tensor-parallel workers (ranks 1..{self.world - 1}) did not answer within "
+                                     f"{_timeout().total_seconds():g} s (rank 0's device is still waiting)")
+                check = now + 0.005
+            time.sleep(0)
+
     def _dead_ranks(self, wait_s: float = 0.0) -> list[str]:
         """The ranks whose process has exited; waits up to `wait_s` for one (a peer's closed socket can
         reach rank 0 before its process is reaped)."""
@@ -188,27 +302,26 @@ class MultiprocExecutor:
                 return dead
             time.sleep(0.02)
 
-    def _fail(self, msg: str) -> TPWorkerError:
+    def _fail(self, msg: str, details: str = "") -> TPWorkerError:
+        """Mark the group broken with `msg` (repeated by every later call) and give the error to raise now,
+        with `details` (the workers' tracebacks) after it."""
         self._failure = msg
-        return TPWorkerError(msg)
+        return TPWorkerError(msg + details)
 
     def _guard(self, fn, *args, **kwargs):
         """Run a collective; turn a dead or silent peer into an error that names the ranks. After one
         failure the ranks may be out of step, so every later call fails at once instead of computing garbage."""
-        if self._failure is not None:
-            raise TPWorkerError(f"{self._failure}; the tensor-parallel group is unusable, create a new engine")
-        dead = self._dead_ranks()
-        if dead:
-            raise self._fail(f"tensor-parallel worker died: {', '.join(dead)}")
+        self._raise_if_failed()
         try:
             return fn(*args, **kwargs)
         except TPWorkerError:  # raised by a nested guard (execute -> broadcast of the step's inputs)
             raise
         except Exception as e:
-            collective = isinstance(e, ExecutorFailure) or fn in (dist.broadcast, dist.all_reduce)
-            dead = self._dead_ranks(wait_s=DEATH_WAIT_S if collective else 0.0)
-            if dead:
-                raise self._fail(f"tensor-parallel worker died: {', '.join(dead)} ({type(e).__name__}: {e})") from e
+            collective = isinstance(e, (ExecutorFailure, dist.DistError)) or fn in (dist.broadcast, dist.all_reduce)
+            failed = self._failed_ranks(wait_s=DEATH_WAIT_S if collective else 0.0)
+            if failed:
+                raise self._fail(f"tensor-parallel worker {self._verb()}: {', '.join(failed)} "
+                                 f"({type(e).__name__}: {e})", self._tracebacks()) from e
             cause = e.__cause__ if isinstance(e, ExecutorFailure) and e.__cause__ is not None else e
             if isinstance(cause, dist.DistError) or "timed out" in str(cause).lower() or "timeout" in str(cause).lower():
                 raise self._fail(f"tensor-parallel workers (ranks 1..{self.world - 1}) did not answer within "
@@ -231,7 +344,9 @@ class MultiprocExecutor:
         self._guard(dist.broadcast, buf, 0)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self._guard(self.runner.execute, so)
+        finish = self._guard(self.runner.execute_async, so)
+        self._wait_device()
+        return self._guard(finish)
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
@@ -247,6 +362,9 @@ class MultiprocExecutor:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        for conn in self._report_conns.values():
+            conn.close()
+        self._report_conns.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
         atexit.unregister(self.shutdown)  # the registration holds this executor (and its GPU memory) alive
