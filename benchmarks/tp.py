@@ -5,6 +5,8 @@
    latency and bus bandwidth (2(n-1)/n x bytes / time), fitted as time = latency + bytes / bus_bw.
 2. TP=1 and TP=2 engines (dummy bf16 weights), each eager and with CUDA graphs: median decode step at batch 1 and 64, and offline output tok/s on the 256-request
    workload of benchmarks/e2e.py (imported from it). Estimated all-reduce time per step = 2 x layers x fit(bytes).
+   Each case runs in a process of its own, so its engine's weights and KV cache leave the GPUs before the next
+   case profiles their free memory.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import os
 import socket
 import time
+from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
@@ -90,12 +93,34 @@ def engine_case(model: str, tp: int, eager: bool, n_requests: int) -> dict:
     dt = time.perf_counter() - t
     res["throughput_output_tok_s"] = sum(len(x.outputs[0].token_ids) for x in r) / dt
     res["throughput_seconds"] = dt
-    if tp > 1:
-        llm.executor.shutdown()
-    del llm
-    torch.cuda.empty_cache()
+    llm.shutdown()
     print(json.dumps(res), flush=True)
     return res
+
+
+def _case_main(model: str, tp: int, eager: bool, n_requests: int, conn: Connection) -> None:
+    conn.send(engine_case(model, tp, eager, n_requests))
+
+
+def engine_case_in_process(model: str, tp: int, eager: bool, n_requests: int) -> dict:
+    """`engine_case` in a fresh spawned process: the GPU memory its engine held is released when the process
+    ends, so every case sees the same free memory whatever ran before it."""
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_case_main, args=(model, tp, eager, n_requests, send), name=f"tp-case-{tp}")
+    proc.start()
+    send.close()
+    try:
+        return recv.recv()
+    except EOFError:  # the case process ended without a result
+        proc.join()
+        raise RuntimeError(f"the TP={tp} {'eager' if eager else 'CUDA graphs'} case failed (exit code "
+                           f"{proc.exitcode}); its error is above") from None
+    finally:
+        proc.join(timeout=120)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def main() -> None:
@@ -113,7 +138,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in ar.items() if k != "rows"}), flush=True)
     cases = {}
     for c in args.cases.split(","):  # e.g. 1g = TP 1 with CUDA graphs, 2e = TP 2 eager
-        cases[c] = engine_case(args.model, int(c[:-1]), c[-1] == "e", args.num_requests)
+        cases[c] = engine_case_in_process(args.model, int(c[:-1]), c[-1] == "e", args.num_requests)
     out["cases"] = list(cases.values())
     per_ar = {b: ar["latency_s"] + b * spec.hidden_size * 2 / ar["bus_bandwidth"] for b in (1, 64)}
     out["allreduce_ms_per_step"] = {f"batch{b}": 2 * spec.num_hidden_layers * t * 1e3 for b, t in per_ar.items()}
