@@ -44,6 +44,7 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("TESTBED_API_KEY", None)
+        env.pop("VLLM_API_KEY", None)
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"

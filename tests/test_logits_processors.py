@@ -189,6 +189,13 @@ def test_a_row_left_with_no_token_is_reported_and_spares_the_others(temperature)
     assert tokens == [-1, 3, int(logits[2].argmax())]
 
 
+@pytest.mark.parametrize("penalty", [1e-4, 1e4])
+def test_the_extreme_repetition_penalties_accepted_keep_logits_finite(penalty):
+    logits = _logits(len(ROWS)) * 100  # logits of +-100s: the largest a model gives
+    got = _apply(logits, [SamplingParams(repetition_penalty=penalty)] * len(ROWS), [_ctx(p, o) for p, o in ROWS])
+    assert got.isfinite().all()
+
+
 def test_a_row_that_needs_processing_needs_a_context():
     with pytest.raises(ValueError, match="RowContext"):
         Sampler(CPU)(_logits(1), [SamplingParams(logit_bias={1: 1.0})], ["a"], [None])
@@ -197,6 +204,7 @@ def test_a_row_that_needs_processing_needs_a_context():
 @pytest.mark.parametrize("kwargs, param", [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.1}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-38}, "repetition_penalty"), ({"repetition_penalty": 1e30}, "repetition_penalty"),
     ({"min_p": 1.5}, "min_p"), ({"logit_bias": {"x": 1.0}}, "logit_bias"), ({"logit_bias": {1: float("nan")}}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"bad_words": [""]}, "bad_words"), ({"prompt_logprobs": 21}, "prompt_logprobs"),

@@ -458,9 +458,14 @@ def test_openai_client_raises_bad_request(client):
 
 
 def test_401_api_key(server, http):
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
+                    {"Authorization": f"Bearer {KEY}x"}):
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for scheme in ("bearer", "BEARER", "BeArEr"):  # the scheme is case-insensitive (RFC 7235)
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
+                       headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
     assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics stay open
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)

@@ -11,6 +11,9 @@ from typing import Any, Sequence
 import numpy as np
 
 
+# repetition_penalty's range: logits divided or multiplied by it stay finite in fp32 (vLLM only asks for > 0)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
+
 class RequestStatus(enum.IntEnum):
     """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> FINISHED_*. Finished ones are >= STOPPED."""
 
@@ -252,8 +255,9 @@ class SamplingParams:
             if not _finite_in(getattr(self, name), -2.0, 2.0):
                 raise InvalidParam(name, f"must be a number in [-2, 2], got {getattr(self, name)!r}")
         r = self.repetition_penalty
-        if not (_number(r) and 0 < r < math.inf):
-            raise InvalidParam("repetition_penalty", f"must be a finite number > 0 (1 = off), got {r!r}")
+        if not _finite_in(r, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY):
+            raise InvalidParam("repetition_penalty", f"must be a number in [{MIN_REPETITION_PENALTY:g}, "
+                               f"{MAX_REPETITION_PENALTY:g}] (1 = off; beyond, a penalised logit overflows), got {r!r}")
         if not _finite_in(self.min_p, 0.0, 1.0):
             raise InvalidParam("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
         if self.logit_bias is not None:

@@ -54,8 +54,9 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+            # the scheme is case-insensitive (RFC 7235); the key is compared in constant time
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.api_key.encode()):
                 err = APIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>' "
                                     "with the key given to --api-key", None, "invalid_api_key")
                 return await error_response(err)(scope, receive, send)

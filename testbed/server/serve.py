@@ -54,8 +54,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("TESTBED_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $TESTBED_API_KEY, unset = open)")
+    g.add_argument("--api-key", default=os.environ.get("TESTBED_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $TESTBED_API_KEY, else vLLM's $VLLM_API_KEY; "
+                        "unset = open). The environment keeps the key out of the process list, where a flag shows")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413 (default: %(default)s)")
     g.add_argument("--log-steps", default=None, metavar="DIR",
