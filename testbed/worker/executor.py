@@ -64,9 +64,9 @@ class UniprocExecutor:
 
 def create_executor(model: str | None, engine_config: EngineConfig, load_format: str = "auto",
                     dtype: str = "auto", device: str | None = None, enforce_eager: bool = False):
-    """The executor for these flags (model None = the bundled SmolLM2). CUDA graphs capture the
-    decode step on a GPU unless enforce_eager; tensor-parallel ranks run eager (capturing NCCL
-    collectives in lockstep on every rank hung on 2 H200s and is not enabled)."""
+    """The executor for these flags (model None = the bundled SmolLM2). On a GPU every step up to the
+    largest capture size replays a CUDA graph (worker/cuda_graphs.py) unless enforce_eager;
+    tensor-parallel ranks still run eager (a lockstep capture with NCCL inside is not enabled yet)."""
     model = resolve_model(model, load_format)
     if engine_config.tensor_parallel_size > 1:
         from testbed.worker.multiproc import MultiprocExecutor

@@ -26,6 +26,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import NO_TOKEN_LEFT, ModelRunnerOutput, SchedulerOutput
 from testbed.worker import prompt_logprobs
 from testbed.worker.context import reset_context, set_context
+from testbed.worker.cuda_graphs import CudaGraphs
 from testbed.worker.logits_processors import RowContext
 from testbed.worker.model import LlamaForCausalLM
 from testbed.worker.pooler import Pooler
@@ -83,10 +84,12 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.broadcast_inputs = None  # set by the TP executor: sends each step's inputs to the other ranks
         self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers, used in turn
+        self._dev_staging: list[torch.Tensor | None] = [None, None]  # their device twins (GPU only)
         self._staging_turn = 0
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens (device)
         self._prev_rows: dict[str, int] = {}  # request id -> its row in _prev_tokens
         self.record_timing = False  # attach a StepTiming to every output (testbed profile)
+        self.graphs: CudaGraphs | None = None  # captured CUDA graphs (capture_cuda_graphs), None: eager
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property
@@ -229,9 +232,11 @@ class ModelRunner:
         return row
 
     def _upload(self, longs: list, ints: list, is_decode: bool) -> StepInputs:
-        """Pack int64 and int32 arrays into one pinned host buffer, copy it to the device without a
-        stream sync, and cut the views. Two buffers alternate: a buffer is reused two steps later, when
-        its copy has long finished (each step's results are read back before the step after next).
+        """Pack int64 and int32 arrays into one pinned host buffer, copy it to a persistent device buffer
+        without a stream sync (one host-to-device copy, no allocation), and cut the views. Two pairs of
+        buffers alternate: a pair is reused two steps later, when its copy and every reader of the step's
+        views (the step's kernels, a TP broadcast) have long finished (each step's results are read back
+        before the step after next).
         Every view starts 16-byte aligned: Triton compiles a kernel variant per pointer alignment, so
         views whose alignment followed the batch size cost a fresh compile on new batch shapes."""
         n64 = [len(a) for a in longs]
@@ -253,7 +258,15 @@ class ModelRunner:
             v64[o:o + n] = a
         for a, n, o in zip(ints, n32, p32):
             v32[o:o + n] = np.ravel(a)
-        dev = buf[:nbytes].to(self.device, non_blocking=True) if pin else buf[:nbytes].clone()
+        if pin:
+            dev = self._dev_staging[self._staging_turn]
+            if dev is None or dev.numel() < nbytes:
+                dev = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+                self._dev_staging[self._staging_turn] = dev
+            dev = dev[:nbytes]
+            dev.copy_(buf[:nbytes], non_blocking=True)
+        else:
+            dev = buf[:nbytes].clone()
         d64 = dev[:off32].view(torch.int64)
         d32 = dev[off32:nbytes].view(torch.int32)
         input_ids, positions, slots, sample_idx, ph_dst, ph_src = (d64[p64[i]:p64[i] + n64[i]] for i in range(6))
@@ -265,64 +278,22 @@ class ModelRunner:
                           sample_idx, is_decode)
 
     @torch.inference_mode()
-    def capture_cuda_graphs(self, max_batch: int | None = None) -> None:
-        """Record the decode forward for batch buckets 1, 2, 4, 8, 16, 32, ... up to max_num_seqs.
+    def capture_cuda_graphs(self) -> None:
+        """Capture every step kind and size of worker/cuda_graphs.py (decode batches, mixed and prefill
+        steps up to the largest capture size); `forward` replays them from then on. Every tensor-parallel
+        rank captures the same graphs, in the same order."""
+        self.graphs = CudaGraphs(self.model, self.config, self.max_model_len, self.device)
+        self.graphs.capture(self.device)
 
-        Static buffers hold the inputs; a step pads its batch to the next bucket with rows that
-        store nothing (slot -1) and attend over nothing (seq_len 0). Block tables are as wide as
-        max_model_len allows, so the kernels' split count, chosen from shapes, is fixed per graph."""
-        max_bs = min(max_batch or self.config.max_num_seqs, 512)
-        self.graph_sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs + 1, 16))
-        if not self.graph_sizes or self.graph_sizes[-1] != max_bs:
-            self.graph_sizes.append(max_bs)
-        width = -(-self.max_model_len // self.block_size)
-        dev = self.device
-        self.gbuf = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
-            "block_tables": torch.zeros(max_bs, width, dtype=torch.int32, device=dev),
-            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-        }
-        b = self.gbuf
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = None
-        for bs in reversed(self.graph_sizes):
-            set_context(True, b["slot_mapping"][:bs], b["block_tables"][:bs], b["seq_lens"][:bs],
-                        b["cu_seqlens_q"][:bs + 1])
-            self.model(b["input_ids"][:bs], b["positions"][:bs])  # warm up (compiles kernels)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool):
-                out = self.model(b["input_ids"][:bs], b["positions"][:bs])
-            pool = g.pool() if pool is None else pool
-            self.graphs[bs] = (g, out)
-            reset_context()
-        torch.cuda.synchronize(dev)
-
-    def _replay(self, x: StepInputs) -> torch.Tensor | None:
-        """The decode forward through a captured graph, or None when no graph fits this step."""
-        graphs = getattr(self, "graphs", None)
-        n = x.input_ids.numel()
-        if not graphs or not x.is_decode or n > self.graph_sizes[-1]:
-            return None
-        bs = next(s for s in self.graph_sizes if s >= n)
-        b = self.gbuf
-        b["input_ids"][:n] = x.input_ids
-        b["positions"][:n] = x.positions
-        b["slot_mapping"][:n] = x.slot_mapping
-        b["slot_mapping"][n:bs] = -1
-        b["seq_lens"][:n] = x.seq_lens
-        b["seq_lens"][n:bs] = 0
-        b["block_tables"][:n, :x.block_tables.shape[1]] = x.block_tables
-        g, out = graphs[bs]
-        g.replay()
-        return out[:n]
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The decode batch sizes captured (none without graphs)."""
+        return self.graphs.decode_sizes if self.graphs is not None else []
 
     @torch.inference_mode()
     def forward(self, x: StepInputs) -> torch.Tensor:
         """The decoder over the step's tokens (a captured graph when one fits): hidden states [T, hidden]."""
-        hidden = self._replay(x)
+        hidden = self.graphs.replay(x) if self.graphs is not None else None
         if hidden is None:
             set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)
             try:
