@@ -192,14 +192,12 @@ def main() -> None:
     import triton
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": time.strftime("%Y-%m-%d"), "models": []}
-    for m in args.models:
+    for i, m in enumerate(args.models):
         result["models"].append(bench_model(m, args))
+        if i == 0 and not args.skip_offline:  # the first model's offline pair before the larger models
+            result["offline"] = offline_pair(m, args)
         if args.out:
             json.dump(result, open(args.out, "w"), indent=2)
-    if not args.skip_offline:
-        result["offline"] = offline_pair(args.models[0], args)
-    if args.out:
-        json.dump(result, open(args.out, "w"), indent=2)
 
 
 if __name__ == "__main__":
