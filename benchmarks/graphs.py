@@ -105,7 +105,8 @@ def logits_agreement(runner, x: StepInputs) -> dict:
 @torch.inference_mode()
 def bench_model(model: str, args) -> dict:
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_num_seqs=256,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=4096,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=max(4096, CTX_CHUNK + max(args.chunks)),
               gpu_memory_utilization=args.gpu_memory_utilization)
     runner = llm.executor.runner
     g = runner.graphs

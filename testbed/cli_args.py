@@ -44,7 +44,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="TOKENS",
                    help="token counts of the steps captured as CUDA graphs on a GPU (decode batches up to "
                         "--max-num-seqs, mixed/prefill steps up to --max-num-batched-tokens; default: 1 2 4 8, "
-                        "every 16 to --max-num-seqs, 16..256 doubling, every 256 to 2048, every 1024 beyond)")
+                        "every 16 to --max-num-seqs; every 32 to 512, then steps of 1/8 of the power of two below)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
