@@ -159,24 +159,53 @@ def bench_model(model: str, args) -> dict:
     return out
 
 
-def offline_pair(model: str, args) -> dict:
-    """Offline throughput, eager engine vs graph engine side by side, alternating A B A B."""
+def _engine_worker(conn, model: str, enforce_eager: bool, kw: dict) -> None:
+    """One engine in a process of its own (an engine's GPU memory stays until its process ends): runs the
+    workload whenever asked (the message says whether under async scheduling), None ends it."""
     from e2e import bench_ours, workload
     from testbed.presets import get_model_spec
-    spec = get_model_spec(model)
-    prompts, outs = workload(256, spec.vocab_size)
+    llm = LLM(model, enforce_eager=enforce_eager, **kw)
+    prompts, outs = workload(256, get_model_spec(model).vocab_size)
+    conn.send("ready")
+    while (mode := conn.recv()) is not None:
+        llm.stepper.async_scheduling = mode
+        conn.send(bench_ours(llm, prompts, outs))
+
+
+def offline_pair(model: str, args) -> dict:
+    """Offline throughput, eager engine vs graph engine side by side (a process each), alternating A B A B."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
     kw = dict(load_format="dummy", skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=8192,
               max_model_len=4096, gpu_memory_utilization=0.4)
-    engines = {"eager": LLM(model, enforce_eager=True, **kw), "graphs": LLM(model, **kw)}
+    conns, procs = {}, []
+    for name in ("eager", "graphs"):  # one after the other: the second sizes its cache next to the first
+        here, there = ctx.Pipe()
+        p = ctx.Process(target=_engine_worker, args=(there, model, name == "eager", kw), daemon=True)
+        p.start()
+        procs.append(p)
+        assert here.recv() == "ready"
+        conns[name] = here
     rows = []
     for mode in (False, True):
         for name in ("eager", "graphs", "eager", "graphs"):
-            llm = engines[name]
-            llm.stepper.async_scheduling = mode
-            r = bench_ours(llm, prompts, outs)
+            conns[name].send(mode)
+            r = conns[name].recv()
             rows.append({"engine": name, "async_scheduling": mode, **r})
             print(f"  offline {name:6s} async={mode}: {r['output_tok_s']:.0f} tok/s", flush=True)
+    for c in conns.values():
+        c.send(None)
+    for p in procs:
+        p.join(60)
     return {"model": model, "runs": rows}
+
+
+def in_process(fn, *a):
+    """fn(*a) in a spawned process, so its engine's GPU memory is gone before the next one starts."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+        return ex.submit(fn, *a).result()
 
 
 def main() -> None:
@@ -194,7 +223,7 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": time.strftime("%Y-%m-%d"), "models": []}
     for i, m in enumerate(args.models):
-        result["models"].append(bench_model(m, args))
+        result["models"].append(in_process(bench_model, m, args))
         if i == 0 and not args.skip_offline:  # the first model's offline pair before the larger models
             result["offline"] = offline_pair(m, args)
         if args.out:
