@@ -162,14 +162,26 @@ def bench_model(model: str, args) -> dict:
 def _engine_worker(conn, model: str, enforce_eager: bool, kw: dict) -> None:
     """One engine in a process of its own (an engine's GPU memory stays until its process ends): runs the
     workload whenever asked (the message says whether under async scheduling), None ends it."""
+    import os
+
     from e2e import bench_ours, workload
     from testbed.presets import get_model_spec
+    from testbed.worker.resolve import SHARED_GPU_ENV
+    os.environ[SHARED_GPU_ENV] = "1"  # size the KV cache from this engine's share, as DP replicas sharing a GPU do
     llm = LLM(model, enforce_eager=enforce_eager, **kw)
     prompts, outs = workload(256, get_model_spec(model).vocab_size)
     conn.send("ready")
     while (mode := conn.recv()) is not None:
         llm.stepper.async_scheduling = mode
         conn.send(bench_ours(llm, prompts, outs))
+
+
+def _wait(conn, proc, timeout: float = 300) -> None:
+    """Until `conn` has a message; RuntimeError if its process died or took longer than `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(1.0):
+        if not proc.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"an offline engine process {'died' if not proc.is_alive() else 'hung'} (its error is above)")
 
 
 def offline_pair(model: str, args) -> dict:
@@ -184,12 +196,14 @@ def offline_pair(model: str, args) -> dict:
         p = ctx.Process(target=_engine_worker, args=(there, model, name == "eager", kw), daemon=True)
         p.start()
         procs.append(p)
-        assert here.recv() == "ready"
         conns[name] = here
+        _wait(here, p)
+        assert here.recv() == "ready"
     rows = []
     for mode in (False, True):
         for name in ("eager", "graphs", "eager", "graphs"):
             conns[name].send(mode)
+            _wait(conns[name], procs[0 if name == "eager" else 1])
             r = conns[name].recv()
             rows.append({"engine": name, "async_scheduling": mode, **r})
             print(f"  offline {name:6s} async={mode}: {r['output_tok_s']:.0f} tok/s", flush=True)
@@ -225,7 +239,10 @@ def main() -> None:
     for i, m in enumerate(args.models):
         result["models"].append(in_process(bench_model, m, args))
         if i == 0 and not args.skip_offline:  # the first model's offline pair before the larger models
-            result["offline"] = offline_pair(m, args)
+            try:
+                result["offline"] = offline_pair(m, args)
+            except RuntimeError as e:
+                print(f"offline pair failed: {e}", flush=True)
         if args.out:
             json.dump(result, open(args.out, "w"), indent=2)
 
