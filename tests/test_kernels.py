@@ -461,6 +461,10 @@ def test_prefill_in_a_padded_graph_layout_equals_the_unpadded_step(group, knobs)
     out = paged_prefill_attention_triton(*padded[:3], k_cache, v_cache, *padded[3:], 0.3, **knobs)
     close(out[:T], ref, torch.float32)
     assert out.isfinite().all()
+    live = torch.tensor([len(EXTEND_SEQ_LENS) + 1], dtype=torch.int32)  # the step's sequences and the owner
+    out_live = paged_prefill_attention_triton(*padded[:3], k_cache, v_cache, *padded[3:], 0.3, num_live=live, **knobs)
+    close(out_live[:T], ref, torch.float32)
+    close(out_live, out, torch.float32)  # the padding's owner is computed too
     close(paged_prefill_attention_ref(*padded[:3], k_cache, v_cache, *padded[3:], 0.3)[:T], ref, torch.float32)
 
 

@@ -57,12 +57,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                            block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                            block_tables: torch.Tensor, scale: float, num_live: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """Causal attention of each sequence's last q_len positions over its cached prefix (positions below
-    seq_len - q_len, from the paged cache) and this step's keys/values k/v [num_tokens, num_kv_heads, head_dim]."""
+    seq_len - q_len, from the paged cache) and this step's keys/values k/v [num_tokens, num_kv_heads, head_dim].
+    num_live (a device scalar, optional): the sequences past it have no query (it only saves work)."""
     if use_triton(q):
         from testbed.kernels.prefill_attention import paged_prefill_attention_triton
-        return paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+        return paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                              num_live=num_live)
     return paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
 
 

@@ -92,13 +92,13 @@ def _new_keys_tile(q, acc, l_i, m_i, KNew, VNew, row0, start, col_k, col_v, stri
 # and the width follows the step's longest sequence); num_seqs is (== 1 makes single prompts 12% faster),
 # and `warm_up_prefill_variants` compiles its classes at start-up instead of mid-serving.
 @triton.jit(do_not_specialize=["stride_bt"])
-def _prefill_kernel(Q, KNew, VNew, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTables, qk_scale, num_seqs,
+def _prefill_kernel(Q, KNew, VNew, KCache, VCache, Out, CuSeqlensQ, SeqLens, BlockTables, NumLive, qk_scale, num_seqs,
                     short_q, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_kb, stride_kp, stride_kch, stride_vb, stride_vp, stride_vch, stride_bt,
                     stride_ot, stride_oh,
                     GROUP: tl.constexpr, G_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SHORT: tl.constexpr,
-                    USE_TMA: tl.constexpr, FP32_DOT: tl.constexpr):
+                    USE_TMA: tl.constexpr, FP32_DOT: tl.constexpr, LIVE: tl.constexpr):
     # Rows of a tile: BLOCK_Q queries x G_ROWS heads (G_ROWS 1: program axis 1 is the query head; else it is
     # the KV head and its GROUP query heads, padded to G_ROWS, share the tile).
     BLOCK_M: tl.constexpr = BLOCK_Q * G_ROWS
@@ -112,10 +112,15 @@ def _prefill_kernel(Q, KNew, VNew, KCache, VCache, Out, CuSeqlensQ, SeqLens, Blo
         skip = q_len > short_q
     else:
         tile_id = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest tiles first
+        n_seqs = num_seqs
+        if LIVE:  # only the first *NumLive sequences have queries: the tiles past theirs exit at once
+            n_seqs = tl.load(NumLive)
+            if tile_id >= tl.load(CuSeqlensQ + n_seqs) // BLOCK_Q + n_seqs:
+                return
         # Binary search: the largest seq with cu_q[seq] // BLOCK_Q + seq <= tile_id (strictly increasing in seq;
         # seq 0 starts at 0). (Loading all of cu_seqlens_q at once instead measured slower on H200.)
         lo = tl.full([], 0, tl.int32)
-        hi = tl.full([], 0, tl.int32) + num_seqs - 1
+        hi = tl.full([], 0, tl.int32) + n_seqs - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             ok = tl.load(CuSeqlensQ + mid) // BLOCK_Q + mid <= tile_id
@@ -229,7 +234,8 @@ def paged_prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    pack_gqa: bool | None = None, use_tma: bool | None = None,
                                    short_q: int | None = None,
                                    short_block_m: int = 64, short_block_n: int | None = None,
-                                   short_num_warps: int = 4, short_num_stages: int = 2) -> torch.Tensor:
+                                   short_num_warps: int = 4, short_num_stages: int = 2,
+                                   num_live: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of `paged_prefill_attention_ref`.
 
     q [num_tokens, num_heads, head_dim]; k/v [num_tokens, num_kv_heads, head_dim] this step's keys/values
@@ -248,6 +254,8 @@ def paged_prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     and KV head, short_block_m rows = queries x padded group, short_block_n keys); 0: a single launch for
     everything; None: 0 when the long launch is packed (its tiles already have that layout, and an empty
     second launch cost 1.4% at 4 x 2048 on H200), else as many queries as one short tile holds.
+    num_live: an int32 device scalar: only sequences [0, num_live) have queries, those after have none (a
+    CUDA graph's padding sequences); the long launch's programs past their tiles exit before any search.
     """
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     check_paged_args(q, k_cache, v_cache, block_tables, seq_lens, num_seqs, "paged_prefill_attention")
@@ -294,7 +302,11 @@ def paged_prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         raise ValueError("paged_prefill_attention: use_tma=True needs head_dim a power of 2 >= 16 bytes, k/v heads "
                          "packed in a row and 16-byte aligned base and token stride")
     fp32_dot = q.dtype == torch.float32 or interpreting()
-    args = (k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale * LOG2E, num_seqs, short_q,
+    if num_live is not None and (num_live.numel() != 1 or num_live.dtype != torch.int32 or num_live.device != q.device):
+        raise ValueError(f"paged_prefill_attention: num_live must be one int32 on {q.device}, got {num_live.dtype} "
+                         f"{tuple(num_live.shape)} on {num_live.device}")
+    args = (k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables,
+            seq_lens if num_live is None else num_live, scale * LOG2E, num_seqs, short_q,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1))
@@ -302,7 +314,7 @@ def paged_prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     run_long = total > short_q
     run_short = short_q > 0 and not (num_seqs == 1 and total > short_q)
     meta = dict(GROUP=group, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_D=block_d, USE_TMA=use_tma,
-                FP32_DOT=fp32_dot)
+                FP32_DOT=fp32_dot, LIVE=num_live is not None)
     if run_long:
         grid = (total // block_q + num_seqs, num_kv_heads if pack_gqa else num_heads)
         _prefill_kernel[grid](q, *_new_kv_args(k, v, use_tma, block_n), *args, G_ROWS=g_rows, BLOCK_Q=block_q,

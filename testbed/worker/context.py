@@ -20,6 +20,7 @@ class Context:
     block_tables: [num_seqs, max_blocks] int32, the physical blocks of each sequence.
     seq_lens: [num_seqs] int32, tokens in the cache per sequence after this step's tokens are stored.
     cu_seqlens_q: [num_seqs + 1] int32, prefix sums of the query lengths in `input_ids`.
+    num_live: [1] int32 or None, the sequences with queries (a CUDA graph's padding ones after them have none).
     """
 
     is_decode: bool = False
@@ -27,6 +28,7 @@ class Context:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
+    num_live: torch.Tensor | None = None
 
 
 _CONTEXT = Context()
@@ -39,10 +41,10 @@ def get_context() -> Context:
 
 def set_context(is_decode: bool, slot_mapping: torch.Tensor | None = None,
                 block_tables: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-                cu_seqlens_q: torch.Tensor | None = None) -> None:
+                cu_seqlens_q: torch.Tensor | None = None, num_live: torch.Tensor | None = None) -> None:
     """Install the metadata for the next forward."""
     global _CONTEXT
-    _CONTEXT = Context(is_decode, slot_mapping, block_tables, seq_lens, cu_seqlens_q)
+    _CONTEXT = Context(is_decode, slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_live)
 
 
 def reset_context() -> None:

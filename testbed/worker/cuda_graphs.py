@@ -15,7 +15,9 @@ Padding (`pad_into`), the invariant every graph relies on:
   its Tp - T queries): they attend over one another only, never over a real token or the cache, and no
   real row reads them (a key tile that spans them gives them weight 0). Owning them keeps every value in
   the padded rows finite layer after layer, so a 0 weight never meets a NaN;
-- sequences B+1..Sp-1 have no query token (cu_seqlens_q repeats Tp) and no cached token (seq_len 0).
+- sequences B+1..Sp-1 have no query token (cu_seqlens_q repeats Tp) and no cached token (seq_len 0);
+  `num_live` (B + 1, on the device) lets the extend kernel's programs for them exit before any work (without
+  it, 256 empty sequences cost a 512-token step of Llama-3.1-8B 18% on an H100).
 Their hidden rows are never read: sampling and pooling index real rows only.
 
 Decode-only steps of at most the largest decode size replay a graph of the split-K decode kernel instead
@@ -80,11 +82,12 @@ class StaticInputs:
         self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.num_live = torch.ones(1, dtype=torch.int32, device=device)  # sequences with queries (mixed graphs)
 
     def set_context(self, is_decode: bool, num_tokens: int, num_seqs: int) -> None:
         """The attention context of a graph of this size, over prefixes of the buffers."""
         set_context(is_decode, self.slot_mapping[:num_tokens], self.block_tables[:num_seqs],
-                    self.seq_lens[:num_seqs], self.cu_seqlens_q[:num_seqs + 1])
+                    self.seq_lens[:num_seqs], self.cu_seqlens_q[:num_seqs + 1], None if is_decode else self.num_live)
 
 
 def pad_into(buf: StaticInputs, x, num_tokens: int, num_seqs: int, decode: bool = False) -> None:
@@ -105,6 +108,7 @@ def pad_into(buf: StaticInputs, x, num_tokens: int, num_seqs: int, decode: bool 
     buf.cu_seqlens_q[B + 1:num_seqs + 1].fill_(num_tokens)
     if not decode:
         buf.seq_lens[B:B + 1].fill_(num_tokens - T)  # the padding's owner
+        buf.num_live.fill_(B + 1)  # the extend kernel skips the empty sequences after it
     if B:
         buf.block_tables[:B, :x.block_tables.shape[1]].copy_(x.block_tables, non_blocking=True)
 
@@ -145,6 +149,7 @@ class CudaGraphs:
                 b.cu_seqlens_q[1:seqs + 1].fill_(n)
                 b.seq_lens[:seqs].fill_(0)
                 b.seq_lens[0].fill_(n)
+                b.num_live.fill_(1)
             else:
                 b.seq_lens[:seqs].fill_(1)
             b.set_context(is_decode, n, seqs)

@@ -87,7 +87,7 @@ class Attention(nn.Module):
         if ctx.is_decode:
             return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens, self.scale)
         return paged_prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
-                                       ctx.block_tables, self.scale)
+                                       ctx.block_tables, self.scale, ctx.num_live)
 
     def _uncached(self, q, k, v, ctx) -> torch.Tensor:
         cu = ctx.cu_seqlens_q.tolist() if ctx.cu_seqlens_q is not None else [0, q.size(0)]
