@@ -157,8 +157,7 @@ class CudaGraphs:
                 self.model(b.input_ids[:n], b.positions[:n])  # warm up: compiles every kernel outside the graph
                 torch.cuda.synchronize(device)
                 g = torch.cuda.CUDAGraph()
-                # thread_local: NCCL's watchdog thread (TP) may query its events while this thread captures
-                with torch.cuda.graph(g, pool, capture_error_mode="thread_local"):
+                with torch.cuda.graph(g, pool):
                     out = self.model(b.input_ids[:n], b.positions[:n])
             finally:
                 reset_context()

@@ -35,9 +35,8 @@ from testbed.worker.model_runner import ModelRunner, StepInputs
 from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, resolve_dtype
 from testbed.worker.stepper import ExecutorFailure
 
-CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN, CMD_CAPTURE = 0, 1, 2, 3, 4
-PHASES = {CMD_STEP: "a step", CMD_PROFILE: "memory profiling", CMD_ALLOC: "KV cache allocation",
-          CMD_CAPTURE: "CUDA graph capture"}
+CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
+PHASES = {CMD_STEP: "a step", CMD_PROFILE: "memory profiling", CMD_ALLOC: "KV cache allocation"}
 REPORT_CHARS = 8000  # a failed rank's traceback is cut to its last characters: the pipe must not fill up
 DEATH_WAIT_S = 2.0  # after a failed collective: how long a dying rank gets to be reaped, so the error names it
 MAIN_GUARD_HINT = ("the script that creates the engine has no `if __name__ == \"__main__\":` guard, so each "
@@ -127,8 +126,6 @@ def _worker_main(rank: int, world: int, port: int, model: str, config: EngineCon
                 dist.all_reduce(n, op=dist.ReduceOp.MIN)
             elif h[0] == CMD_ALLOC:
                 runner.allocate_kv_cache(h[6])
-            elif h[0] == CMD_CAPTURE:
-                runner.capture_cuda_graphs()
             else:
                 break
     except BaseException:
@@ -146,7 +143,7 @@ class MultiprocExecutor:
     """tensor_parallel_size > 1: rank 0 here, ranks 1.. in spawned worker processes."""
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
-                 device: str | None = None, enforce_eager: bool = False) -> None:
+                 device: str | None = None) -> None:
         if getattr(mp.current_process(), "_inheriting", False):  # a spawned worker importing the main script
             raise RuntimeError(f"a tensor-parallel worker was asked to build an engine while starting up: "
                                f"{MAIN_GUARD_HINT}")
@@ -193,10 +190,6 @@ class MultiprocExecutor:
                 blocks = int(n.item())
             self._send(CMD_ALLOC, arg=blocks)
             self.runner.allocate_kv_cache(blocks)
-            if self.device.type == "cuda" and not enforce_eager:  # every rank captures the same graphs in lockstep
-                self._send(CMD_CAPTURE)
-                self._guard(self.runner.capture_cuda_graphs)
-                self._wait_device()
         except BaseException as e:
             self._startup_failed(e)
         self.num_gpu_blocks = blocks
