@@ -51,7 +51,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when there is one)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("TESTBED_API_KEY") or os.environ.get("VLLM_API_KEY"),
