@@ -284,6 +284,15 @@ def test_cli_errors_are_one_line_naming_the_file(tmp_path, capsys, case):
     assert (folder / "notes.md").read_text() == "mine" and not (tmp_path / "out").exists()
 
 
+def test_prompt_token_ids_outside_the_vocabulary_are_refused_before_simulating(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "output_tokens": 2, "prompt_token_ids": [1, 2]}\n'
+                     '{"id": "oov", "arrival_s": 1, "output_tokens": 2, "prompt_token_ids": [5, 999999]}\n')
+    rc, out, err = cli(capsys, trace, "--model", "Llama-3.2-1B", "-o", tmp_path / "out")
+    assert rc == 2 and out == "" and not (tmp_path / "out").exists()
+    _one_error_line(err, str(trace), "'oov'", "999999", "vocabulary")
+
+
 @pytest.mark.parametrize("case", ["manifest_beside_sources", "foreign_manifest", "run_with_a_note"])
 def test_output_never_replaces_a_folder_that_is_not_a_run(tmp_path, capsys, case):
     """-o replaces only a run this tool wrote: a manifest.json beside other files, a manifest of another

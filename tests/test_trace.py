@@ -189,6 +189,10 @@ MALFORMED = {
                      2, "exactly 2"),
     "hash_too_many": ("t.jsonl", '{"arrival_s": 1, "input_tokens": 4, "output_tokens": 1, "hash_ids": [1, 2], '
                       '"hash_block_size": 4}\n', 1, "exactly 1"),
+    "huge_arrival": ("t.jsonl", GOOD + '{"arrival_s": 1e308, "input_tokens": 4, "output_tokens": 1}\n', 2,
+                     "at most 1e+09"),
+    "huge_hash_block": ("t.jsonl", GOOD + '{"arrival_s": 1, "input_tokens": 4, "output_tokens": 1, "hash_ids": [1], '
+                        '"hash_block_size": 1099511627776}\n', 2, "hash_block_size must be <= 16777216"),
     "blank_lines_counted": ("t.jsonl", GOOD + "\n\n" + '{"arrival_s": 1}\n', 4, "missing field"),
     "mooncake_hash": ("mc.jsonl", MC + '{"timestamp": 5, "input_length": 1025, "output_length": 3, '
                       '"hash_ids": [1, 2]}\n', 2, "exactly 3"),
@@ -272,3 +276,16 @@ def test_synthesized_mooncake_prompts_share_their_hash_id_prefixes():
         else:
             first_block[h] = p[:512]
     assert len(first_block) < len(reqs)  # the trace really shares prefixes
+
+
+def test_a_prompt_of_hashed_blocks_costs_its_own_length_whatever_the_block_size(tmp_path):
+    """The largest hash block accepted synthesizes a short prompt without a block-sized array (2^31 once
+    allocated 16 GiB), and the tokens are those of the per-block layout."""
+    from testbed.sim.trace import MAX_HASH_BLOCK_SIZE, synthesize_prompt
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 0, "input_tokens": 5, "output_tokens": 1, "hash_ids": [7], '
+                    f'"hash_block_size": {MAX_HASH_BLOCK_SIZE}}}\n'
+                    '{"arrival_s": 0, "input_tokens": 5, "output_tokens": 1, "hash_ids": [7, 9], "hash_block_size": 3}\n')
+    big, small = load_trace(path)
+    a, b = synthesize_prompt(big, 1000), synthesize_prompt(small, 1000)
+    assert len(a) == len(b) == 5 and list(a[:3]) == list(b[:3])  # hash id 7's first tokens, in either layout

@@ -68,6 +68,18 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
     return cm, f"profile {path.name} ({cm.gpu_name}, {cm.profile.get('created', '?')}, {cm.profile.get('git_sha') or '?'})"
 
 
+def check_vocabulary(trace: list, trace_path, spec: ModelSpec) -> None:
+    """ValueError naming the request when a trace's prompt_token_ids fall outside the model's vocabulary
+    (as `testbed replay` refuses them), before anything is simulated."""
+    for r in trace:
+        if r.prompt_token_ids is not None:
+            bad = next((t for t in r.prompt_token_ids if t >= spec.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{trace_path}: request {r.id!r}: prompt token id {bad} is outside {spec.name}'s "
+                                 f"vocabulary of {spec.vocab_size}; give ids below it or pick the model the trace "
+                                 "was tokenized for (--model)")
+
+
 def warn_rejections(rec, trace: list, config: EngineConfig, blocks: int, max_model_len: int, vocab_size: int) -> None:
     """Say on stderr how many requests the engine rejected and why (the first one's reason)."""
     cols = rec.request_columns()
@@ -101,6 +113,7 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     max_model_len = config.max_model_len or spec.max_position_embeddings
     trace = load_trace(trace_path, request_rate=request_rate, burstiness=burstiness, seed=config.seed,
                        limit=limit, fmt=trace_format)
+    check_vocabulary(trace, trace_path, spec)
 
     bar = None
     horizon = trace[-1].arrival_s if trace else 0.0

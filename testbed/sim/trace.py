@@ -28,6 +28,10 @@ JSONL_FIELDS = ("id", "arrival_s", "input_tokens", "output_tokens", "prompt_toke
 _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 
 
+MAX_ARRIVAL_S = 1e9  # about 32 years: a later arrival is a unit mistake (ms for s), not a trace
+MAX_HASH_BLOCK_SIZE = 1 << 24  # tokens per hash id: longer than any context
+
+
 class TraceError(ValueError):
     """A bad trace file; the message is always "FILE:LINE: reason (how to fix)"."""
 
@@ -167,9 +171,11 @@ def _bool(path, no: int, name: str, value) -> bool:
     return value
 
 
-def _seconds(path, no: int, name: str, value) -> float:
+def _seconds(path, no: int, name: str, value, maximum: float = MAX_ARRIVAL_S) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise TraceError(path, no, f"{name} must be a finite number >= 0, got {value!r}")
+    if value > maximum:
+        raise TraceError(path, no, f"{name} must be at most {maximum:g}, got {value!r} (a unit mistake?)")
     return float(value)
 
 
@@ -221,7 +227,7 @@ def _load_jsonl(path, lines) -> list[TraceRequest]:
                                        "ids (drop input_tokens or make them equal)")
         if "hash_block_size" in d and hids is None:
             raise TraceError(path, no, "hash_block_size given without hash_ids (add hash_ids or drop it)")
-        block = _int(path, no, "hash_block_size", d.get("hash_block_size", 512))
+        block = _int(path, no, "hash_block_size", d.get("hash_block_size", 512), maximum=MAX_HASH_BLOCK_SIZE)
         reqs.append(TraceRequest(
             rid, _seconds(path, no, "arrival_s", d["arrival_s"]), n_in,
             _int(path, no, "output_tokens", d["output_tokens"]), ptids,
@@ -242,7 +248,7 @@ def _load_mooncake(path, lines) -> list[TraceRequest]:
         n_in = _int(path, no, "input_length", d["input_length"])
         hids = d.get("hash_ids")
         reqs.append(TraceRequest(
-            f"mooncake-{i}", _seconds(path, no, "timestamp", d["timestamp"]) / 1000.0, n_in,
+            f"mooncake-{i}", _seconds(path, no, "timestamp", d["timestamp"], MAX_ARRIVAL_S * 1000) / 1000.0, n_in,
             _int(path, no, "output_length", d["output_length"]),
             hash_ids=None if hids is None else _hash_ids(path, no, hids, n_in, 512)))
     return reqs
@@ -359,10 +365,11 @@ def synthesize_prompt(req: TraceRequest, vocab_size: int, seed: int = 0, reserve
         return ids.astype(np.int32)
     n = req.input_tokens
     seed_key = np.array([seed & _M64], dtype=np.uint64)
-    if req.hash_ids is not None:
+    if req.hash_ids is not None:  # token t is the (t % bs)-th of hash id t // bs: O(n) whatever bs is
         bs = req.hash_block_size
         keys = _splitmix64(np.asarray(req.hash_ids, dtype=np.uint64) ^ _splitmix64(seed_key))
-        counters = (keys[:, None] + np.arange(bs, dtype=np.uint64)[None, :]).ravel()[:n]
+        t = np.arange(n, dtype=np.uint64)
+        counters = keys[t // np.uint64(bs)] + t % np.uint64(bs)
     else:  # domain-separated from hash-id keys by hashing the id string with a prefix
         digest = hashlib.blake2b(f"id:{req.id}".encode(), digest_size=8).digest()
         key = _splitmix64(np.array([int.from_bytes(digest, "little")], dtype=np.uint64) ^ seed_key)
