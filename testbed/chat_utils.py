@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# apply_chat_template's own arguments and what this server refuses (tool calling): never template variables
+RESERVED_TEMPLATE_KWARGS = frozenset({"tools", "documents", "tokenize", "add_generation_prompt",
+                                      "continue_final_message", "chat_template", "conversation", "return_dict"})
+
 
 def message_dicts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with every content a string (ValueError naming `messages[i].content` when one cannot be)."""
@@ -45,6 +49,10 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generatio
     if not isinstance(chat_template_kwargs or {}, dict):
         raise ValueError(f"chat_template_kwargs: give a dict of template variables, got {chat_template_kwargs!r}")
     kwargs = dict(chat_template_kwargs or {})
+    taken = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS)
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be given as template variables "
+                         "(tools and documents are not supported by this server; the others are request fields)")
     try:
         return tokenizer.apply_chat_template(message_dicts(messages), tokenize=False,
                                              add_generation_prompt=add_generation_prompt,

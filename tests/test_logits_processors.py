@@ -277,3 +277,15 @@ def test_a_constraint_that_does_not_compile_is_refused_by_name(so, param):
     with pytest.raises(InvalidParam) as e:
         check_structured_outputs(so)
     assert e.value.param == param and "does not compile" in str(e.value) and ".cc:" not in str(e.value)
+
+
+def test_schemas_with_local_references_and_modest_depth_are_accepted():
+    local = {"$defs": {"p": {"type": "string"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/p"}}}
+    StructuredOutputsParams(json=local)
+    schema: dict = {"type": "string"}
+    for _ in range(40):  # 80 JSON levels: deep for a real schema, within the bound
+        schema = {"type": "object", "properties": {"a": schema}}
+    StructuredOutputsParams(json=schema)
+    for bad in ({"$ref": "other.json#/p"}, {"items": [{"$ref": 3}]}):
+        with pytest.raises(InvalidParam, match=r"\$ref"):
+            StructuredOutputsParams(json=bad)

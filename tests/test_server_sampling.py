@@ -213,6 +213,16 @@ def test_front_end_fields(client, tok):
     assert shown[0].text.startswith("<|im_") and len(shown[0].text) > 12
 
 
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP_SCHEMA = _deep_schema(300)  # 600 JSON levels: parse time grows steeply with depth
+
+
 def _error(http, path: str, body: dict, param: str) -> str:
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
@@ -247,6 +257,14 @@ def _error(http, path: str, body: dict, param: str) -> str:
     ("/v1/completions", {"truncate_prompt_tokens": 100_000}, "truncate_prompt_tokens"),
     ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/completions", {"priority": 1}, "priority"),
+    # a schema that refers outside itself would silently mean "any JSON"; depth and size are bounded
+    ("/v1/completions", {"guided_json": {"$ref": "file:///etc/passwd"}}, "guided_json"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/s.json"}}}}}}, "response_format"),
+    ("/v1/completions", {"guided_json": DEEP_SCHEMA}, "guided_json"),
+    ("/v1/completions", {"guided_regex": "a" * (256 * 1024 + 1)}, "guided_regex"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"tools": [{"type": "function"}]}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
 ])
 def test_bad_values_refused_by_name(http, path, body, param):
     base = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": CHAT}

@@ -100,6 +100,26 @@ def child_seed(seed: int | None, index: int) -> int | None:
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_CONSTRAINT_CHARS = 256 * 1024  # a JSON schema, regex or grammar: larger ones are refused before any parsing
+MAX_SCHEMA_DEPTH = 128  # JSON nesting levels of a schema (its parse time grows steeply with depth)
+
+
+def _check_schema(schema) -> None:
+    """InvalidParam when a JSON schema nests deeper than MAX_SCHEMA_DEPTH or refers outside itself: every
+    `$ref` must be a local JSON pointer ("#..."), since a file:// or http:// one would silently mean any JSON."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidParam("structured_outputs.json", f"nests deeper than {MAX_SCHEMA_DEPTH} JSON levels")
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+                raise InvalidParam("structured_outputs.json", f"$ref {ref!r} points outside the schema; only local "
+                                                              "references (\"#/$defs/...\") are resolved")
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
 
 
 @dataclass
@@ -130,17 +150,24 @@ class StructuredOutputsParams:
             if not isinstance(self.json, str):
                 raise InvalidParam("structured_outputs.json", f"must be a JSON schema (an object or its JSON "
                                                               f"text), got {type(self.json).__name__}")
+            if len(self.json) > MAX_CONSTRAINT_CHARS:
+                raise InvalidParam("structured_outputs.json", f"is {len(self.json)} characters; at most "
+                                                              f"{MAX_CONSTRAINT_CHARS} are accepted")
             try:
                 schema = _json.loads(self.json)
-            except ValueError as e:
-                raise InvalidParam("structured_outputs.json", f"is not valid JSON: {e}") from None
+            except (ValueError, RecursionError) as e:
+                raise InvalidParam("structured_outputs.json", f"is not valid JSON (or nested too deeply): {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise InvalidParam("structured_outputs.json", f"must be a JSON schema object, got "
                                                               f"{type(schema).__name__}")
+            _check_schema(schema)
         for k in ("regex", "grammar"):
             v = getattr(self, k)
             if v is not None and (not isinstance(v, str) or not v):
                 raise InvalidParam(f"structured_outputs.{k}", f"must be a non-empty string, got {v!r}")
+            if v is not None and len(v) > MAX_CONSTRAINT_CHARS:
+                raise InvalidParam(f"structured_outputs.{k}", f"is {len(v)} characters; at most "
+                                                              f"{MAX_CONSTRAINT_CHARS} are accepted")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) and c for c in self.choice)):

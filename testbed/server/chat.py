@@ -29,7 +29,8 @@ def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_
         text = apply_chat_template(tok, [m.model_dump(exclude_none=True) for m in messages], add_generation_prompt,
                                    continue_final_message, None, chat_template_kwargs)
     except ValueError as e:
-        raise bad_request(str(e), "messages") from None
+        raise bad_request(str(e), "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+                          ) from None
     return tok(text, add_special_tokens=False).input_ids
 
 
