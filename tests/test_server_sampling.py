@@ -265,6 +265,8 @@ def _error(http, path: str, body: dict, param: str) -> str:
     ("/v1/completions", {"guided_regex": "a" * (256 * 1024 + 1)}, "guided_regex"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"tools": [{"type": "function"}]}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ("/v1/completions", {"stop": [f"s{i}" for i in range(129)]}, "stop"),
+    ("/v1/completions", {"stop": ["x" * 1025]}, "stop"),
 ])
 def test_bad_values_refused_by_name(http, path, body, param):
     base = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": CHAT}

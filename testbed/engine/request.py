@@ -100,6 +100,8 @@ def child_seed(seed: int | None, index: int) -> int | None:
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# stop strings: each new piece of text is searched for every one of them, over a window as long as the longest
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 128, 1024
 MAX_CONSTRAINT_CHARS = 256 * 1024  # a JSON schema, regex or grammar: larger ones are refused before any parsing
 MAX_SCHEMA_DEPTH = 128  # JSON nesting levels of a schema (its parse time grows steeply with depth)
 
@@ -264,9 +266,13 @@ class SamplingParams:
             raise InvalidParam("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not _int_in(self.logprobs, 0, MAX_LOGPROBS):
             raise InvalidParam("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParam("stop", f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParam("stop", f"strings must be non-empty, got {s!r}")
+            if len(s) > MAX_STOP_CHARS:
+                raise InvalidParam("stop", f"strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
             check_text(s, "stop")
         for t in self.stop_token_ids:
             if not _int_in(t, 0, INT64_MAX):
