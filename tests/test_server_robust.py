@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -195,22 +196,28 @@ def test_fuzz_left_the_same_engine_core_running(server, http):
     assert r.status_code == 200 and server.engine_pid() == engine
 
 
-def test_a_huge_prompt_does_not_stall_health(server):
-    """A 6 MB prompt takes seconds to tokenize; /health answers all along (the loop is free), then the
-    prompt gets its 400 (far beyond the context length)."""
-    big = "The quick brown fox jumps over the lazy dog. " * 135_000
+def test_huge_prompts_are_refused_before_tokenizing_and_delay_no_one(server):
+    """Four concurrent 7 MB prompts, each far beyond the context length, are refused by their length before
+    they are tokenized (tokenizing them took the shared tokenizer thread 32 s), so a 2-token request sent
+    with them is served at once and /health answers all along; truncate_prompt_tokens still tokenizes a
+    long prompt whole and cuts it."""
+    big = "The quick brown fox jumps over the lazy dog. " * 160_000
 
-    async def scenario() -> int:
+    async def scenario() -> float:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as h:
-            task = asyncio.ensure_future(h.post("/v1/completions", json={"prompt": big, "max_tokens": 1}))
-            answered = 0
-            while not task.done():
-                r = await h.get("/health", timeout=10)
-                assert r.status_code == 200
-                answered += not task.done()
-                await asyncio.sleep(0.05)
-            r = task.result()
-            assert r.status_code == 400 and r.json()["error"]["param"] in ("max_tokens", "messages"), r.text
-            return answered
+            bigs = [asyncio.ensure_future(h.post("/v1/completions", json={"prompt": big, "max_tokens": 1}))
+                    for _ in range(4)]
+            t0 = time.monotonic()
+            small = await h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            took = time.monotonic() - t0
+            assert small.status_code == 200, small.text
+            assert (await h.get("/health", timeout=10)).status_code == 200
+            for r in await asyncio.gather(*bigs):
+                assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+                assert "not tokenized" in r.json()["error"]["message"]
+            cut = await h.post("/v1/completions", json={"prompt": "word " * 20_000, "max_tokens": 1,
+                                                        "truncate_prompt_tokens": 8})
+            assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 8, cut.text
+            return took
 
-    assert asyncio.run(scenario()) >= 3
+    assert asyncio.run(scenario()) < 15

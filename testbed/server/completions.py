@@ -14,9 +14,10 @@ from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 
 
-def parse_prompts(state: ServerState, prompt, param: str = "prompt",
-                  add_special_tokens: bool = True) -> tuple[list[list[int]], list[str | None]]:
-    """(token ids per prompt, text per prompt or None when given as ids); `param` names the field in errors."""
+def parse_prompts(state: ServerState, prompt, param: str = "prompt", add_special_tokens: bool = True,
+                  truncating: bool = False) -> tuple[list[list[int]], list[str | None]]:
+    """(token ids per prompt, text per prompt or None when given as ids); `param` names the field in errors;
+    `truncating` (truncate_prompt_tokens given): any length is tokenized, to be cut afterwards."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
@@ -26,7 +27,7 @@ def parse_prompts(state: ServerState, prompt, param: str = "prompt",
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):
-            ids.append(state.tokenize(p, add_special_tokens))
+            ids.append(state.tokenize(p, add_special_tokens, bounded=not truncating))
             texts.append(p)
         else:
             state.check_token_ids(p, param)
@@ -90,7 +91,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
     sp = await request_params(state, req, req.max_tokens, req.logprobs, stop, prompt_logprobs)
-    parsed, texts = await state.run_blocking(parse_prompts, state, req.prompt)
+    parsed, texts = await state.run_blocking(parse_prompts, state, req.prompt, "prompt", True,
+                                             req.truncate_prompt_tokens is not None)
     prompts = truncate_prompts(state, parsed, sp)
     texts = [t if len(p) == len(q) else None for t, p, q in zip(texts, prompts, parsed)]  # echo what was kept
     run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.priority)

@@ -48,6 +48,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+    _max_prompt_bytes: int | None = field(default=None, repr=False)
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
         """fn(*args) on the tokenizer thread (an APIError it raises reaches the caller as raised)."""
@@ -66,9 +67,25 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.served_model_name}`.",
                            "model", "model_not_found")
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    @property
+    def max_prompt_bytes(self) -> int:
+        """UTF-8 bytes above which a text cannot fit max_model_len tokens with this tokenizer: no token covers
+        more than 4 bytes a character of its longest vocabulary entry (computed once)."""
+        if self._max_prompt_bytes is None:
+            vocab = self.tokenizer.get_vocab()
+            longest = max((len(t) for t in vocab), default=1)
+            self._max_prompt_bytes = (self.max_model_len + 1) * 4 * max(longest, 1)
+        return self._max_prompt_bytes
+
+    def tokenize(self, text: str, add_special_tokens: bool = True, bounded: bool = True) -> list[int]:
+        """The text's token ids. `bounded` (unless the prompt is to be truncated): a text too long to fit
+        max_model_len tokens is refused before it is tokenized (a few megabytes take seconds), with a 400."""
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer (dummy weights): send prompt token ids instead", "prompt")
+        if bounded and len(text) > self.max_model_len and len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt of "
+                              f"{len(text)} characters is longer than that can be with this tokenizer, so it was not "
+                              "tokenized. Shorten it.", "prompt")
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
