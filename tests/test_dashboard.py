@@ -188,9 +188,32 @@ def test_launch_from_upload_and_bad_path(monkeypatch, tmp_path):
     assert manifest["trace"]["num_requests"] == 20 and manifest["trace"]["path"].endswith("my_trace.jsonl")
     assert json.loads((new / "summary.json").read_text())["num_finished"] == 20
     at.radio(key="launch_source").set_value("path")
-    at.text_input(key="launch_path").set_value(str(tmp_path / "missing.jsonl"))
+    at.text_input(key="launch_path").set_value(str(out / "missing.jsonl"))
     at.button(key="launch_submit").click().run()
     assert any("missing.jsonl is not a file" in e.value for e in at.error)
+
+
+def test_launch_form_reads_no_file_outside_the_run_folders(monkeypatch, tmp_path):
+    """A path outside the folders the dashboard was started with (and traces/) is refused before it is
+    read, so no error shows a byte of it; widening the folders in the sidebar does not widen that; runs
+    are written only inside those folders."""
+    out, secret = tmp_path / "runs", tmp_path / "elsewhere" / "secret.env"
+    secret.parent.mkdir()
+    secret.write_text("API_KEY=sk-do-not-show-me\n")
+    at = app(monkeypatch, out)
+    at.sidebar.text_area(key="roots").set_value(f"{out}\n{secret.parent}").run()
+    for path in (str(secret), "/etc/passwd", f"{out}/../elsewhere/secret.env"):
+        at.radio(key="launch_source").set_value("path")
+        at.text_input(key="launch_path").set_value(path)
+        at.button(key="launch_submit").click().run()
+        assert not at.exception
+        shown = " ".join(e.value for e in at.error)
+        assert "outside the run folders" in shown and "sk-do-not" not in shown and "root:" not in shown, shown
+    at.radio(key="launch_source").set_value("bundled trace")
+    at.text_input(key="launch_folder").set_value(str(secret.parent))
+    at.button(key="launch_submit").click().run()
+    assert any("not one of the run folders" in e.value for e in at.error)
+    assert sorted(p.name for p in secret.parent.iterdir()) == ["secret.env"]
 
 
 def test_simulate_run_reports_progress(tmp_path):

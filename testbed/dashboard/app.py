@@ -179,7 +179,7 @@ def main() -> None:
     roots = [x.strip() for x in text.splitlines() if x.strip()]
     st.sidebar.caption("Sim runs: solid lines / dots. Real runs: dashed lines / crosses.")
     with st.expander("Launch a simulation"):  # filled first, so a run launched now is already in the table
-        launch_form(roots)
+        launch_form(initial_roots())  # the folders it was started with: a browser cannot widen what it reads
     runs, warnings, errors = load_runs(roots)
     usable = [r for r in runs if r.problem is None]
     with st.sidebar:

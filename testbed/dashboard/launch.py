@@ -40,6 +40,12 @@ class SimSettings:
                             enable_prefix_caching=self.enable_prefix_caching)
 
 
+def inside(path: Path, folders: list) -> bool:
+    """Whether `path` (links resolved) is one of `folders` or lies below one."""
+    p = Path(path).expanduser().resolve()
+    return any(p == (f := Path(folder).expanduser().resolve()) or f in p.parents for folder in folders)
+
+
 def bundled_traces() -> list[Path]:
     """Trace files shipped under the repository's traces/ folder."""
     return sorted(p for p in REPO_TRACES.glob("*") if p.suffix in (".jsonl", ".csv")) if REPO_TRACES.is_dir() else []

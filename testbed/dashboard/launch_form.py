@@ -5,7 +5,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from testbed.dashboard.launch import SimSettings, bundled_traces, new_run_dir, save_upload, simulate_run
+from testbed.dashboard.launch import (REPO_TRACES, SimSettings, bundled_traces, inside, new_run_dir, save_upload,
+                                      simulate_run)
 from testbed.engine.config import DP_POLICIES, SCHEDULING_POLICIES, ConfigError
 from testbed.presets import MODEL_PRESETS
 from testbed.sim.hardware import GPU_PRESETS
@@ -13,8 +14,9 @@ from testbed.sim.hardware import GPU_PRESETS
 SOURCES = ("bundled trace", "path", "upload")
 
 
-def _trace(source: str, bundled: str | None, path: str, upload, folder: str) -> str:
-    """The trace file the form points at; ValueError says what is missing."""
+def _trace(source: str, bundled: str | None, path: str, upload, folder: str, roots: list[str]) -> str:
+    """The trace file the form points at; ValueError says what is missing. A path must lie under the run
+    folders or traces/: the form never reads another file of the host (its errors would show what it holds)."""
     if source == "bundled trace":
         if not bundled:
             raise ValueError("no bundled trace found under traces/; choose 'path' or 'upload'")
@@ -23,6 +25,9 @@ def _trace(source: str, bundled: str | None, path: str, upload, folder: str) -> 
         if not path.strip():
             raise ValueError("enter the path of a trace file (JSONL, Azure CSV, Mooncake JSONL or lengths CSV)")
         p = Path(path.strip()).expanduser()
+        if not inside(p, [*roots, REPO_TRACES]):
+            raise ValueError(f"trace path {p} is outside the run folders ({', '.join(roots)}) and traces/; "
+                             "upload the file instead")
         if not p.is_file():
             raise ValueError(f"trace path {p} is not a file")
         return str(p.resolve())
@@ -32,7 +37,9 @@ def _trace(source: str, bundled: str | None, path: str, upload, folder: str) -> 
 
 
 def launch_form(roots: list[str]) -> None:
-    """Render the form; on submit, simulate into the output folder and remember the new run's path."""
+    """Render the form; on submit, simulate into the output folder and remember the new run's path. `roots`:
+    the run folders the dashboard was started with, the only places (with traces/) it reads traces from and
+    writes runs to."""
     default_folder = roots[0] if roots else "runs"
     traces = {p.name: str(p) for p in bundled_traces()}
     models, gpus = list(MODEL_PRESETS), list(GPU_PRESETS)
@@ -62,7 +69,10 @@ def launch_form(roots: list[str]) -> None:
         return
     bar = st.progress(0.0, text="starting simulation...")
     try:
-        trace = _trace(source, traces.get(bundled), path, upload, folder)
+        if not inside(Path(folder), roots):
+            raise ValueError(f"output folder {folder} is not one of the run folders ({', '.join(roots)}) or inside "
+                             "one; the dashboard writes runs only there")
+        trace = _trace(source, traces.get(bundled), path, upload, folder, roots)
         settings = SimSettings(trace, model, gpu, int(max_seqs), int(max_tokens), int(dp), dp_policy, policy,
                                enable_prefix, float(rate) or None, int(limit) or None)
         out = new_run_dir(folder, settings)
@@ -79,5 +89,3 @@ def launch_form(roots: list[str]) -> None:
     bar.progress(1.0, text="done")
     st.session_state["launched_path"] = str(Path(run_dir).resolve())
     st.success(f"New run written to {run_dir}; it is in the runs table and selected in the sidebar.")
-    if not any(Path(folder).resolve() == Path(r).resolve() for r in roots):
-        st.warning(f"{folder} is not among the run folders: add it in the sidebar to see the new run.")

@@ -141,7 +141,7 @@ def _detect(path: Path, lines: list[str]) -> str:
         return "azure"
     if LENGTHS_COLUMNS[0] in header:
         return "lengths"
-    raise TraceError(path, first_no, f"unrecognised trace header {first[:80]!r} (expected JSONL, "
+    raise TraceError(path, first_no, f"unrecognised trace header (expected JSONL, "
                                      f"{','.join(AZURE_COLUMNS)} or {','.join(LENGTHS_COLUMNS)}; or pass fmt=)")
 
 
