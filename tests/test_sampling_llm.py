@@ -102,9 +102,13 @@ def test_min_tokens_keeps_eos_away_as_min_new_tokens_does(smol, hf, tok):
     assert c.token_ids == hf_greedy(hf, prompt, m + 8, min_new_tokens=m, eos_token_id=eos)
 
 
-def test_prompt_logprobs_match_transformers(smol, hf, tok):
+@pytest.mark.parametrize("slice_rows", [1024, 5])
+def test_prompt_logprobs_match_transformers(smol, hf, tok, monkeypatch, slice_rows):
     """Chunked prefill (prompts longer than the token budget), a repeated prompt (the prefix cache must not
-    skip positions) and n > 1 (the first sequence computes them): every prompt token but the first."""
+    skip positions) and n > 1 (the first sequence computes them): every prompt token but the first. With
+    5-row LM-head slices, slices cut across the sampled rows and the prompt rows of a step."""
+    from testbed.worker import model_runner
+    monkeypatch.setattr(model_runner, "LOGIT_SLICE_ROWS", slice_rows)
     long = tok.encode(PROMPTS[3] * 3)
     assert len(long) > 2 * BUDGET
     params = [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3, logprobs=2),

@@ -338,3 +338,45 @@ def test_emulated_executor_serves_the_engine_process():
         await client.shutdown()
 
     asyncio.run(scenario())
+
+
+SLOW = [43, 4343, 43, 4343]  # a prompt starting with these token ids makes `marked_request_is_slow` take 3 s a step
+SLOW_STEP_S = 3.0
+
+
+def marked_request_is_slow(model, config, **kw):
+    """The real executor (bundled SmolLM2), except that a step holding a request whose prompt starts with
+    SLOW takes SLOW_STEP_S longer, as a long prompt-logprobs step does."""
+    from testbed.worker.executor import UniprocExecutor
+
+    class MarkedRequestIsSlow(UniprocExecutor):
+        def execute(self, so):
+            if any(list(r.prompt_token_ids[:len(SLOW)]) == SLOW for r in so.requests):
+                time.sleep(SLOW_STEP_S)
+            return super().execute(so)
+
+    return MarkedRequestIsSlow(model, config, **kw)
+
+
+def test_a_request_counts_as_running_while_its_first_step_runs(tmp_path, tests_on_path):
+    """/metrics says a request is running while its first (long) step runs, not only once it is over."""
+    srv = ServerProcess("--executor-factory", f"{Path(__file__).stem}:marked_request_is_slow", log_dir=tmp_path)
+    srv.wait_ready()
+
+    async def scenario() -> list[float]:
+        async with httpx.AsyncClient(timeout=60) as h:
+            task = asyncio.ensure_future(h.post(f"{srv.url}/v1/completions",
+                                                json={"prompt": SLOW + [5, 6], "max_tokens": 1}))
+            seen = []
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < SLOW_STEP_S * 0.8:
+                await asyncio.sleep(0.2)
+                seen.append(metric((await h.get(f"{srv.url}/metrics")).text, "vllm:num_requests_running"))
+            assert (await task).status_code == 200
+            return seen
+
+    try:
+        seen = asyncio.run(scenario())
+        assert seen[-1] == 1 and max(seen) == 1, seen  # during the step, before it ended
+    finally:
+        assert srv.terminate() == 0, srv.log_text()

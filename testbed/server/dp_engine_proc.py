@@ -151,6 +151,8 @@ class DPEngineProc:
         self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len, replica=self.rank)
         self.eos, self.vocab_size = executor.eos_token_id, executor.vocab_size
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
+        stepper.on_scheduled = lambda so: self.outq.put((True, D.EngineOutputs(  # running during the step
+            self.rank, self.num_added, P.Outputs([], scheduler_stats(core, -1), {}))))
         publisher = StatsPublisher(config.dp_stats_interval)
         self.log = StepLog(pc.log_steps, f".{self.rank}", LOG_KINDS) if pc.log_steps else None
         freeze_startup_heap()

@@ -143,6 +143,7 @@ class EngineProc:
                            device=self.cfg.device, enforce_eager=self.cfg.enforce_eager, **self.cfg.executor_args)
         self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len)
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
+        stepper.on_scheduled = lambda so: self.send(P.Outputs([], self.stats(), {}))  # running during the step
         self.eos = executor.eos_token_id
         self.vocab_size = executor.vocab_size
         log = StepLog(self.cfg.log_steps) if self.cfg.log_steps else None

@@ -35,6 +35,7 @@ from testbed.worker.stepper import ExecutorFailure
 from testbed.worker.timing import StepTimer
 
 CPU_KV_CACHE_BYTES = 2 << 30
+LOGIT_SLICE_ROWS = 1024  # the LM head's rows at once when a step wants more (prompt logprobs)
 
 
 @dataclass
@@ -302,10 +303,19 @@ class ModelRunner:
                 reset_context()
         return hidden
 
+    def logit_slices(self, hidden: torch.Tensor, sample_idx: torch.Tensor):
+        """(first row, logits [rows, vocab] or None off rank 0) of the rows `sample_idx` picks from `hidden`,
+        LOGIT_SLICE_ROWS at a time: prompt logprobs of a long chunk never hold [tokens, vocab] logits at once.
+        Every tensor-parallel rank cuts the same slices (the LM head gathers across ranks)."""
+        n = sample_idx.numel()
+        for a in range(0, max(n, 1), LOGIT_SLICE_ROWS):
+            yield a, self.model.compute_logits(hidden.index_select(0, sample_idx[a:a + LOGIT_SLICE_ROWS]))
+
     @torch.inference_mode()
-    def run(self, x: StepInputs) -> torch.Tensor | None:
-        """Forward pass; logits [num sampled rows, vocab] (None on TP ranks other than 0)."""
-        return self.model.compute_logits(self.forward(x).index_select(0, x.sample_idx))
+    def run(self, x: StepInputs) -> None:
+        """Forward pass and the LM head (a tensor-parallel rank other than 0: its share of the collectives)."""
+        for _ in self.logit_slices(self.forward(x), x.sample_idx):
+            pass
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(so)()
@@ -334,7 +344,7 @@ class ModelRunner:
             hidden = self.forward(x)
             if timer is not None:
                 timer.mark()
-            logits = self.model.compute_logits(hidden.index_select(0, x.sample_idx))
+            logits, prompt_parts = self._logits(hidden, x.sample_idx, len(rows), plp)
             pooled = self.pooler.pool(hidden, so) if so.has_pooling else None
         except Exception as e:
             if self.broadcast_inputs is None:
@@ -344,10 +354,6 @@ class ModelRunner:
                                   f"step ({type(e).__name__}: {e})") from e
         reqs = so.requests
         params = [reqs[i].sampling_params for i in rows]
-        prompt_parts = None
-        if plp is not None:
-            prompt_parts = prompt_logprobs.compute(logits[len(rows):], plp)
-            logits = logits[:len(rows)]
         sampled = None
         if rows:
             contexts = self._contexts(so, rows) if self._processed else None
@@ -396,6 +402,22 @@ class ModelRunner:
                                      [v if v is None else v.tolist() for v in pooled])
 
         return result
+
+    def _logits(self, hidden: torch.Tensor, sample_idx: torch.Tensor, num_sampled: int,
+                plp: prompt_logprobs.PromptLogprobRows | None) -> tuple[torch.Tensor | None, list | None]:
+        """(logits of the sampled rows, prompt-logprob parts or None) from the LM head's slices: rows past
+        num_sampled are prompt-logprob rows, reduced slice by slice, so only the sampled rows' logits are kept."""
+        sampled, parts = [], [] if plp is not None else None
+        for a, logits in self.logit_slices(hidden, sample_idx):
+            if logits is None:  # a tensor-parallel rank other than 0 (never here) or no rows at all
+                continue
+            cut = max(0, min(num_sampled - a, logits.shape[0]))
+            sampled.append(logits[:cut] if cut < logits.shape[0] else logits)
+            if cut < logits.shape[0]:
+                parts.extend(prompt_logprobs.compute(logits[cut:], plp, a + cut - num_sampled))
+        if not sampled:
+            return None, parts
+        return (sampled[0] if len(sampled) == 1 else torch.cat(sampled)), parts
 
     def _track(self, so: SchedulerOutput) -> None:
         """Note the step's new requests that need processing or prompt logprobs. A request seen for the first

@@ -49,10 +49,11 @@ def prompt_logprob_rows(so: SchedulerOutput) -> PromptLogprobRows | None:
     return PromptLogprobRows(flat, targets, spans) if spans else None
 
 
-def compute(logits: torch.Tensor, rows: PromptLogprobRows) -> list[tuple]:
-    """gather_logprobs tensors of each slice of `logits` [len(rows.flat), vocab] (raw model logits)."""
+def compute(logits: torch.Tensor, rows: PromptLogprobRows, first: int = 0) -> list[tuple]:
+    """gather_logprobs tensors of each slice of `logits` [rows, vocab] (raw model logits of the prompt rows
+    first.., in the order of rows.flat)."""
     k = max(span[3] for span in rows.spans)
-    targets = on_device(logits, rows.targets)
+    targets = on_device(logits, rows.targets[first:first + logits.shape[0]])
     return [gather_logprobs(torch.log_softmax(logits[a:a + SLICE_ROWS].float(), dim=-1),
                             targets[a:a + SLICE_ROWS], k) for a in range(0, logits.shape[0], SLICE_ROWS)]
 

@@ -43,6 +43,9 @@ class EngineStepper:
         self.clock = clock
         self.async_scheduling = async_scheduling
         self.in_flight: tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]] | None = None
+        # called with a step that admits new requests, after scheduling and before executing it: a server
+        # reports them running while their (maybe long) first step runs
+        self.on_scheduled: Callable[[SchedulerOutput], None] | None = None
 
     def has_work(self) -> bool:
         """Requests live in the core or a step still to be read back."""
@@ -53,6 +56,8 @@ class EngineStepper:
         SchedulerOutput returned is the one scheduled now (empty when nothing was schedulable)."""
         core = self.core
         so = core.schedule(self.clock() if now is None else now)
+        if self.on_scheduled is not None and so.new_req_ids:
+            self.on_scheduled(so)
         if not self.async_scheduling:
             if so.is_empty:
                 return so, []
