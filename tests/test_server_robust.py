@@ -221,3 +221,33 @@ def test_huge_prompts_are_refused_before_tokenizing_and_delay_no_one(server):
             return took
 
     assert asyncio.run(scenario()) < 15
+
+
+def _deep_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_slow_schema_check_is_bounded_and_holds_no_one_up(tmp_path, server):
+    """--structured-outputs-timeout: a schema whose check takes longer (63 levels deep: about 40 ms here,
+    against a bound of 5 ms) gets a 400 naming the field, while requests sent with it are served; the same
+    schema under the default bound is accepted (it is within the depth limit)."""
+    deep = {"type": "json_schema", "json_schema": {"name": "deep", "schema": _deep_schema(63)}}
+    chat = [{"role": "user", "content": "Hi"}]
+    with running_server("--structured-outputs-timeout", "0.005", log_dir=tmp_path,
+                        env={"OMP_NUM_THREADS": "1"}) as srv:
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as h:
+                slow = [asyncio.ensure_future(h.post("/v1/chat/completions", json={
+                    "messages": chat, "max_tokens": 2, "response_format": deep})) for _ in range(4)]
+                plain = await h.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                assert plain.status_code == 200, plain.text
+                for r in await asyncio.gather(*slow):
+                    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+                    assert "--structured-outputs-timeout" in r.json()["error"]["message"]
+        asyncio.run(scenario())
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": chat, "max_tokens": 2, "response_format": deep},
+                   timeout=60)
+    assert r.status_code == 200, r.text

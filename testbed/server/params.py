@@ -9,6 +9,7 @@ grammar compiler (bad words, structured outputs) runs on the tokenizer thread.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -98,29 +99,41 @@ def sampling_params(state: ServerState, req, max_tokens: int | None, logprobs: i
         raise bad_request(str(e), e.param) from None
 
 
-def prepare_params(state: ServerState, sp: SamplingParams, source: str | None) -> SamplingParams:
-    """What needs the tokenizer or a compiler (run it on the tokenizer thread): bad words become token ids,
-    a grammar must compile; then the vocabulary checks."""
+def prepare_params(state: ServerState, sp: SamplingParams) -> SamplingParams:
+    """What needs the tokenizer (run it on the tokenizer thread): bad words become token ids; then the
+    vocabulary checks."""
     try:
         sp.update_from_tokenizer(state.tokenizer)
-        if sp.structured_outputs is not None:
-            from testbed.worker.grammar import check_structured_outputs
-            try:
-                check_structured_outputs(sp.structured_outputs)
-            except InvalidParam as e:
-                raise bad_request(f"{source}: {e}", source) from None
         return sp.verify(state.vocab_size)
     except InvalidParam as e:
         raise bad_request(str(e), e.param) from None
 
 
+async def check_grammar(state: ServerState, sp: SamplingParams, source: str | None) -> None:
+    """The request's structured output must parse, on a grammar thread within --structured-outputs-timeout
+    (a 400 naming the field otherwise; a check that overran finishes in the background, holding no one up)."""
+    from testbed.worker.grammar import check_structured_outputs
+    loop = asyncio.get_running_loop()
+    job = loop.run_in_executor(state.grammar_pool, check_structured_outputs, sp.structured_outputs)
+    try:
+        await asyncio.wait_for(asyncio.shield(job), state.structured_outputs_timeout)
+    except asyncio.TimeoutError:
+        raise bad_request(f"{source}: the constraint was not checked within {state.structured_outputs_timeout:g} s "
+                          "(--structured-outputs-timeout); simplify it", source) from None
+    except InvalidParam as e:
+        raise bad_request(f"{source}: {e}", source) from None
+
+
 async def request_params(state: ServerState, req, max_tokens: int | None, logprobs: int | None, stop: list[str],
                          prompt_logprobs: int | None = None) -> SamplingParams:
-    """sampling_params, then prepare_params (on the tokenizer thread when the request needs it)."""
+    """sampling_params, its grammar checked (on a grammar thread), then prepare_params (on the tokenizer
+    thread when the request needs it)."""
     sp, source = sampling_params(state, req, max_tokens, logprobs, stop, prompt_logprobs)
-    if sp.bad_words or sp.structured_outputs is not None:
-        return await state.run_blocking(prepare_params, state, sp, source)
-    return prepare_params(state, sp, source)
+    if sp.structured_outputs is not None:
+        await check_grammar(state, sp, source)
+    if sp.bad_words:
+        return await state.run_blocking(prepare_params, state, sp)
+    return prepare_params(state, sp)
 
 
 def check_request_priority(state: ServerState, priority) -> None:

@@ -23,6 +23,7 @@ from testbed.server.metrics import ServerMetrics
 from testbed.server.schemas import APIError, bad_request
 
 T = TypeVar("T")
+GRAMMAR_THREADS = 2
 
 if TYPE_CHECKING:
     from testbed.server.dp_client import DPEngineClient
@@ -48,6 +49,10 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+    # grammar checks: their own threads, so a slow schema holds up neither tokenization nor the event loop
+    grammar_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar"))
+    structured_outputs_timeout: float = 5.0
     _max_prompt_bytes: int | None = field(default=None, repr=False)
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
