@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -42,6 +43,28 @@ hostile_ids = st.lists(st.one_of(st.integers(0, VOCAB - 1), st.sampled_from([-1,
 wrong_type = st.one_of(st.none(), st.booleans(), st.text(max_size=5), st.lists(st.integers(), max_size=3),
                        st.dictionaries(st.text(max_size=5), st.integers(), max_size=2), st.floats(0, 1))
 
+leaf_schema = st.sampled_from([{"type": "string", "maxLength": 8}, {"type": "integer", "maximum": 99},
+                               {"type": "boolean"}, {"enum": ["a", "b"]}, {"type": "null"}])
+schemas = st.recursive(leaf_schema, lambda inner: st.one_of(
+    st.dictionaries(st.text("abcdefgh", min_size=1, max_size=4), inner, min_size=1, max_size=4).map(
+        lambda props: {"type": "object", "properties": props, "required": sorted(props)[:1]}),
+    inner.map(lambda item: {"type": "array", "items": item, "maxItems": 3})), max_leaves=8)
+
+
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+hostile_schemas = st.one_of(
+    st.integers(65, 200).map(_nested),  # past the depth bound (128 JSON levels)
+    st.sampled_from([{"$ref": "file:///etc/passwd"}, {"$ref": "http://127.0.0.1:9/x.json"},
+                     {"type": "object", "properties": {"a": {"$ref": "other.json#/a"}}}]),
+    st.integers(100, 300).map(lambda n: {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}),
+    wrong_type)
+
 # (valid values, edge cases included; hostile values of the right JSON type)
 SAMPLING = {
     "n": (st.integers(1, 2), st.one_of(hostile_int, st.sampled_from([0, -1, 129]))),
@@ -49,8 +72,10 @@ SAMPLING = {
     "top_p": (st.one_of(st.floats(1e-300, 1), st.sampled_from([1e-46, 5e-324, 1])), hostile_float),
     "top_k": (st.one_of(st.integers(-1, 64), st.sampled_from([VOCAB, VOCAB - 1])), st.one_of(hostile_int, st.just(-2))),
     "seed": (st.one_of(st.integers(-(2**63), 2**63 - 1), st.sampled_from([2**63 - 1, -(2**63)])), hostile_int),
-    "stop": (st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=3)),
-             st.one_of(hostile_text, st.just(""), st.lists(hostile_text, min_size=1, max_size=2))),
+    "stop": (st.one_of(text.filter(bool), st.lists(text.filter(bool), max_size=3),
+                       st.lists(st.text(min_size=1, max_size=8), min_size=100, max_size=128)),
+             st.one_of(hostile_text, st.just(""), st.lists(hostile_text, min_size=1, max_size=2),
+                       st.lists(st.just("x"), min_size=129, max_size=300), st.just(["y" * 1025]))),
     "stop_token_ids": (st.lists(st.integers(0, VOCAB - 1), max_size=3), hostile_ids),
     "ignore_eos": (st.booleans(), wrong_type),
     "min_tokens": (st.integers(0, 2), hostile_int),
@@ -78,9 +103,15 @@ SAMPLING = {
     "guided_regex": (st.sampled_from(["[a-z]+", "(yes|no)", "[0-9]{1,3}"]), st.one_of(hostile_text, text)),
     "guided_json": (st.sampled_from([{"type": "object"}, {"type": "integer", "maximum": 9}, '{"type": "string"}']),
                     st.one_of(hostile_text, text, wrong_type)),
-    "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    "response_format": (st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+                                  st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                                                         st.fixed_dictionaries({"name": st.just("s"),
+                                                                                "schema": schemas})})),
                         st.one_of(wrong_type, st.fixed_dictionaries({"type": st.one_of(text, hostile_text)}),
-                                  st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": wrong_type}))),
+                                  st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": wrong_type}),
+                                  st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                                                         st.fixed_dictionaries({"name": st.just("s"),
+                                                                                "schema": hostile_schemas})}))),
     "max_tokens": (st.integers(1, 3), st.one_of(hostile_int, st.sampled_from([0, -1, 300]))),
 }
 COMPLETION = {
@@ -150,14 +181,55 @@ def send(http: httpx.Client, path: str, body: dict) -> tuple[int, list]:
     return r.status_code, []
 
 
+class HealthProbe:
+    """GET /health every 50 ms on a thread of its own while the fuzz runs; `check` raises when an answer
+    took a second or more, or failed, since the last check (the event loop was stalled)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.slow, self.running = url, [], True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url) as h:
+            while self.running:
+                t = time.monotonic()
+                try:
+                    ok = h.get("/health", timeout=1.0).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                took = time.monotonic() - t
+                if not ok or took >= 1.0:
+                    self.slow.append(took)
+                time.sleep(0.05)
+
+    def check(self, what: str) -> None:
+        slow, self.slow = self.slow, []
+        assert not slow, f"/health took {max(slow):.2f} s (or failed) during {what}"
+
+    def stop(self) -> None:
+        self.running = False
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def health(server):
+    probe = HealthProbe(server.url)
+    yield probe
+    probe.stop()
+
+
 @settings(max_examples=150, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(requests())
-def test_fuzz_request_bodies_never_5xx_nor_kill_the_engine(server, http, request):
+def test_fuzz_request_bodies_never_5xx_nor_kill_the_engine(server, http, health, request):
+    """Bodies with schemas (valid, too deep, external $ref, hundreds of properties), long stop lists and n;
+    none gets a 5xx, and /health answers within a second throughout."""
     path, body = request
     status, events = send(http, path, body)
     event(f"{path} {status}{' stream' if events else ''}")
     assert status < 500, f"{path} {status}: {json.dumps(body)}"
+    health.check(f"{path} {json.dumps(body)[:300]}")
     if events:
         assert events[-1] == "[DONE]", events[-3:]
         errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
