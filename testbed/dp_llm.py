@@ -25,7 +25,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import RequestOutput
 from testbed.engine.request import PoolingParams, SamplingParams
-from testbed.server import protocol as P
+from testbed.runtime import protocol as P
 
 # request columns holding times (REQUEST_COLUMNS order: id, replica, priority, arrival, first_scheduled, ...)
 _REQUEST_TIMES = (3, 4, 5, 6)
@@ -34,9 +34,9 @@ _REQUEST_TIMES = (3, 4, 5, 6)
 class DPEngine:
     def __init__(self, model: str | None, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
                  device: str | None = None, enforce_eager: bool = False) -> None:
-        from testbed.server.client import RequestStream
-        from testbed.server.dp_client import DPEngineClient, DPTopology
-        from testbed.server.engine_proc import EngineProcConfig
+        from testbed.runtime.client import RequestStream
+        from testbed.runtime.dp_client import DPEngineClient, DPTopology
+        from testbed.runtime.engine_proc import EngineProcConfig
         from testbed.worker.executor import resolve_model
         self.model_path = resolve_model(model, load_format)
         self.log_dir = tempfile.mkdtemp(prefix="testbed-dp-records-")
@@ -88,7 +88,7 @@ class DPEngine:
     def step(self, timeout: float | None = None) -> list[RequestOutput]:
         """Outputs that arrived, waiting up to `timeout` s (None: until one does) for the first;
         RuntimeError when a replica serving a request died."""
-        from testbed.server.client import EngineDeadError
+        from testbed.runtime.client import EngineDeadError
 
         async def collect() -> list:
             try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from testbed.cli import main
-from testbed.server.dp_launch import cpu_threads, replica_devices, replica_env, shares_devices
+from testbed.runtime.dp_launch import cpu_threads, replica_devices, replica_env, shares_devices
 
 
 def test_replicas_take_consecutive_device_slices_in_visible_order():

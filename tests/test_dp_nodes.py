@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from server_helpers import REPO, SMALL, ServerProcess, free_port, metric
-from testbed.server.frames import SECRET_ENV
+from testbed.runtime.frames import SECRET_ENV
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.timeout(420)]
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from testbed.engine.config import EngineConfig
-from testbed.server.client import EngineDeadError
-from testbed.server.dp_client import DPEngineClient, DPTopology
-from testbed.server.engine_proc import EngineProcConfig
+from testbed.runtime.client import EngineDeadError
+from testbed.runtime.dp_client import DPEngineClient, DPTopology
+from testbed.runtime.engine_proc import EngineProcConfig
 
 pytestmark = pytest.mark.timeout(180)
 

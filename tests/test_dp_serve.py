@@ -28,7 +28,7 @@ def replica_pids(srv: ServerProcess) -> dict[int, int]:
     pids = {}
     for child in Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split():
         cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        if b"testbed.server.dp_engine_proc" in cmd:
+        if b"testbed.runtime.dp_engine_proc" in cmd:
             pids[json.loads(cmd[3])["rank"]] = int(child)
     return pids
 

@@ -25,11 +25,11 @@ import zmq
 
 from server_helpers import running_server
 from testbed.engine.config import EngineConfig
-from testbed.server import dp_protocol as D
-from testbed.server import protocol as P
-from testbed.server.dp_client import DPEngineClient, DPTopology
-from testbed.server.engine_proc import EngineProcConfig
-from testbed.server.frames import SECRET_ENV, Frames
+from testbed.runtime import dp_protocol as D
+from testbed.runtime import protocol as P
+from testbed.runtime.dp_client import DPEngineClient, DPTopology
+from testbed.runtime.engine_proc import EngineProcConfig
+from testbed.runtime.frames import SECRET_ENV, Frames
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -104,3 +104,41 @@ def test_engine_imports_no_io_module():
             if not target.startswith("testbed.engine") and target not in ENGINE_ALLOWED:
                 bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: imports {target}")
     assert not bad, "testbed/engine/ must stay sans-I/O:\n" + "\n".join(bad)
+
+
+# Packages a package must never import, so the arrows between them point one way: engine <- runtime/worker
+# <- server <- cli. (The HTTP layer talks to the engine processes only through runtime/.)
+FORBIDDEN = {
+    "testbed.engine": ("testbed.runtime", "testbed.server", "testbed.worker", "testbed.sim", "testbed.dashboard",
+                       "testbed.cli"),
+    "testbed.runtime": ("testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.llm"),
+    "testbed.worker": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli"),
+    "testbed.server": ("testbed.dashboard", "testbed.cli", "zmq"),
+}
+
+
+def _under(target: str, package: str) -> bool:
+    return target == package or target.startswith(package + ".")
+
+
+def test_packages_import_one_way_and_http_has_no_zmq():
+    mods = modules()
+    bad = []
+    for name, path in mods.items():
+        for package, forbidden in FORBIDDEN.items():
+            if not _under(name, package):
+                continue
+            for target, line in imports(path, name, set(mods)):
+                if any(_under(target, f) for f in forbidden):
+                    bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {package} imports {target}")
+    assert not bad, "imports against the package direction:\n" + "\n".join(bad)
+
+
+def test_the_direction_check_sees_a_violation():
+    """The check itself can fail: the HTTP layer's modules do import the runtime (allowed), and a runtime
+    module importing the server would be caught by the same walk."""
+    mods = modules()
+    graph = import_graph()
+    assert any(_under(t, "testbed.runtime") for t in graph["testbed.server.state"])
+    assert any(_under(t, f) for t in graph["testbed.server.state"] for f in FORBIDDEN["testbed.runtime"])
+    assert "zmq" in {t for t, _ in imports(mods["testbed.runtime.client"], "testbed.runtime.client", set(mods))}

@@ -183,8 +183,8 @@ def broken_executor(model, config, **kw):
 
 def _client(factory: str, executor_args: dict | None = None):
     from testbed.engine.config import EngineConfig
-    from testbed.server.client import EngineClient
-    from testbed.server.engine_proc import EngineProcConfig
+    from testbed.runtime.client import EngineClient
+    from testbed.runtime.engine_proc import EngineProcConfig
     return EngineClient(EngineProcConfig(engine=EngineConfig().to_dict(), executor_factory=factory,
                                          executor_args=executor_args or {}))
 
@@ -268,7 +268,7 @@ def test_a_failing_request_leaves_the_engine_up_and_engine_death_stops_the_serve
 
 
 def test_engine_exception_is_reported_then_process_dies(tests_on_path):
-    from testbed.server.client import EngineDeadError
+    from testbed.runtime.client import EngineDeadError
 
     async def scenario() -> None:
         client = _client(f"{Path(__file__).stem}:failing_executor")

@@ -6,7 +6,7 @@ import asyncio
 from testbed.detokenizer import TokenTexts
 from testbed.engine.request import SamplingParams
 from testbed.server.metrics import ServerMetrics
-from testbed.server.protocol import CoreOutput
+from testbed.runtime.protocol import CoreOutput
 from testbed.server.serving import GenerationRun
 from testbed.server.state import ServerState
 

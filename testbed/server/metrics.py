@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from testbed.server.protocol import SchedulerStats
+from testbed.runtime.protocol import SchedulerStats
 
 PREFIXES = ("vllm", "testbed")
 FINISH_REASONS = ("stop", "length", "abort", "error")

@@ -124,8 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def dp_topology(args: argparse.Namespace, dp: int):
     """The data-parallel layout the flags ask for (ConfigError naming the flag when it cannot be)."""
     from testbed.engine.config import ConfigError
-    from testbed.server.dp_client import DPTopology
-    from testbed.server.frames import deployment_secret
+    from testbed.runtime.dp_client import DPTopology
+    from testbed.runtime.frames import deployment_secret
     local, start, port = args.data_parallel_size_local, args.data_parallel_start_rank, args.data_parallel_rpc_port
     beat = args.data_parallel_heartbeat_timeout
     if not beat >= MIN_HEARTBEAT_TIMEOUT_S or beat == float("inf"):
@@ -163,7 +163,7 @@ def dp_topology(args: argparse.Namespace, dp: int):
 
 def engine_proc_config(args: argparse.Namespace, cfg, model: str):
     from testbed.engine.config import ConfigError
-    from testbed.server.engine_proc import EngineProcConfig
+    from testbed.runtime.engine_proc import EngineProcConfig
     factory = args.executor_factory
     if factory is not None and (factory.count(":") != 1 or not all(factory.split(":"))):
         raise ConfigError(f"--executor-factory {factory!r}: give MODULE:FUNCTION, e.g. "
@@ -181,7 +181,7 @@ def engine_proc_config(args: argparse.Namespace, cfg, model: str):
 def run_headless_node(args: argparse.Namespace) -> int:
     """`testbed serve --headless`: this node's replicas only, until the coordinator stops them."""
     from testbed.cli_args import engine_config
-    from testbed.server.dp_launch import run_headless
+    from testbed.runtime.dp_launch import run_headless
     from testbed.worker.executor import resolve_model
     cfg = engine_config(args)
     topo = dp_topology(args, cfg.data_parallel_size)  # ConfigError unless data-parallel
@@ -250,9 +250,9 @@ async def run_server(args: argparse.Namespace) -> int:
 
     from testbed.cli_args import engine_config
     from testbed.engine.config import ConfigError, PoolerConfig
-    from testbed.server import freeze_startup_heap
+    from testbed.runtime import freeze_startup_heap
     from testbed.server.api import build_app
-    from testbed.server.client import EngineClient
+    from testbed.runtime.client import EngineClient
     from testbed.detokenizer import TokenTexts
     from testbed.server.metrics import ServerMetrics
     from testbed.server.state import ServerState
@@ -274,7 +274,7 @@ async def run_server(args: argparse.Namespace) -> int:
     if topology is None:
         client = EngineClient(proc_cfg)
     else:
-        from testbed.server.dp_client import DPEngineClient
+        from testbed.runtime.dp_client import DPEngineClient
         client = DPEngineClient(proc_cfg, topology)
     tokenizer_path = model if args.tokenizer is None else resolve_model(args.tokenizer, "auto", None,
                                                                         args.download_dir)

@@ -14,8 +14,8 @@ from typing import Any
 
 from testbed.engine.outputs import NO_TOKEN_LEFT
 from testbed.engine.request import PoolingParams, SamplingParams, child_seed
-from testbed.server import protocol as P
-from testbed.server.client import EngineDeadError, RequestStream
+from testbed.runtime import protocol as P
+from testbed.runtime.client import EngineDeadError, RequestStream
 from testbed.detokenizer import IncrementalDetokenizer
 from testbed.server.metrics import FinishedRequest
 from testbed.server.schemas import APIError, bad_request

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from testbed.engine.config import PoolerConfig
 from testbed.engine.request import InvalidParam, check_token_ids
-from testbed.server.client import EngineClient
+from testbed.runtime.client import EngineClient
 from testbed.detokenizer import TokenTexts
 from testbed.server.metrics import ServerMetrics
 from testbed.server.schemas import APIError, bad_request
@@ -26,7 +26,7 @@ T = TypeVar("T")
 GRAMMAR_THREADS = 2
 
 if TYPE_CHECKING:
-    from testbed.server.dp_client import DPEngineClient
+    from testbed.runtime.dp_client import DPEngineClient
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Union
 import msgspec
 
 from testbed.engine.core import ReplicaStats
-from testbed.server.protocol import AbortRequests, AddRequest, Outputs, Ready, Shutdown
+from testbed.runtime.protocol import AbortRequests, AddRequest, Outputs, Ready, Shutdown
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):

@@ -26,11 +26,11 @@ from typing import Callable
 import msgspec
 import zmq
 
-from testbed.server import dp_protocol as D
-from testbed.server import protocol as P
-from testbed.server.dp_engine_proc import DPEngineProcConfig
-from testbed.server.engine_proc import EngineProcConfig
-from testbed.server.frames import Frames
+from testbed.runtime import dp_protocol as D
+from testbed.runtime import protocol as P
+from testbed.runtime.dp_engine_proc import DPEngineProcConfig
+from testbed.runtime.engine_proc import EngineProcConfig
+from testbed.runtime.frames import Frames
 from testbed.worker.resolve import SHARED_GPU_ENV, resolve_device
 
 HEAD_TIMEOUT_S = 30.0
@@ -99,7 +99,7 @@ class LocalReplicas:
         local = rank - self.ranks[0]
         cfg = DPEngineProcConfig(rank, self.coordinator_addr, self.proc_cfg, os.getpid(), self.threads)
         env = {**os.environ, **replica_env(local, self.tp, len(self.ranks), self.devices)}
-        self.procs[rank] = subprocess.Popen([sys.executable, "-m", "testbed.server.dp_engine_proc",
+        self.procs[rank] = subprocess.Popen([sys.executable, "-m", "testbed.runtime.dp_engine_proc",
                                              msgspec.json.encode(cfg).decode()], env=env, start_new_session=True)
 
     def start(self) -> None:

@@ -12,7 +12,7 @@ outputs, report stats when StatsPublisher says so. On any exception it sends Rep
 exits 1; on Shutdown, or when its launcher is gone, it exits 0.
 
 With a log directory it appends DIR/{steps,requests,itl,adds,reports}.R.jsonl (R = its rank).
-Started as `python -m testbed.server.dp_engine_proc CONFIG_JSON`, or run in a Ray actor.
+Started as `python -m testbed.runtime.dp_engine_proc CONFIG_JSON`, or run in a Ray actor.
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ import zmq
 from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import StatsPublisher
 from testbed.engine.core import EngineCore
-from testbed.server import dp_protocol as D
-from testbed.server import config_arg, freeze_startup_heap, run_process
-from testbed.server import protocol as P
-from testbed.server.frames import Frames
-from testbed.server.engine_proc import (EngineProcConfig, StepLog, abort_in_core, add_to_core, first_scheduled,
+from testbed.runtime import dp_protocol as D
+from testbed.runtime import config_arg, freeze_startup_heap, run_process
+from testbed.runtime import protocol as P
+from testbed.runtime.frames import Frames
+from testbed.runtime.engine_proc import (EngineProcConfig, StepLog, abort_in_core, add_to_core, first_scheduled,
                                        scheduler_stats, to_wire)
 from testbed.worker.stepper import EngineStepper
 

@@ -5,7 +5,7 @@ send that step's token deltas with a stats snapshot. The loop depends only on th
 interface (execute / num_gpu_blocks / max_model_len / eos_token_id / vocab_size / shutdown).
 Exits 0 on Shutdown or when its parent is gone; on any exception it sends EngineError first
 and exits 1, so the API server can fail in-flight requests at once instead of waiting.
-Started as `python -m testbed.server.engine_proc CONFIG_JSON` (see EngineProcConfig).
+Started as `python -m testbed.runtime.engine_proc CONFIG_JSON` (see EngineProcConfig).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import RequestOutput
 from testbed.engine.request import PoolingParams, Request, check_token_ids
-from testbed.server import config_arg, freeze_startup_heap, run_process
-from testbed.server import protocol as P
-from testbed.server.frames import Frames
+from testbed.runtime import config_arg, freeze_startup_heap, run_process
+from testbed.runtime import protocol as P
+from testbed.runtime.frames import Frames
 from testbed.worker.stepper import EngineStepper
 
 PARENT_CHECK_S = 1.0

@@ -27,12 +27,12 @@ from typing import Callable
 import msgspec
 
 from testbed.engine.config import EngineConfig
-from testbed.server import dp_protocol as D
-from testbed.server import protocol as P
-from testbed.server.client import WATCH_INTERVAL_S, EngineClient, EngineDeadError
-from testbed.server.dp_coordinator import CoordinatorConfig
-from testbed.server.dp_launch import LocalReplicas
-from testbed.server.engine_proc import EngineProcConfig
+from testbed.runtime import dp_protocol as D
+from testbed.runtime import protocol as P
+from testbed.runtime.client import WATCH_INTERVAL_S, EngineClient, EngineDeadError
+from testbed.runtime.dp_coordinator import CoordinatorConfig
+from testbed.runtime.dp_launch import LocalReplicas
+from testbed.runtime.engine_proc import EngineProcConfig
 
 BACKENDS = ("mp", "ray")
 OUTPUT_SOCKET = "its output socket (replicas and the DP coordinator)"
@@ -91,13 +91,13 @@ class DPEngineClient(EngineClient):
         self.front_addr = front_addr = f"ipc://{self._tmp}/coordinator"
         ccfg = CoordinatorConfig(self.cfg.engine, front_addr, rpc_addr, output_addr, os.getpid(), self.cfg.log_steps,
                                  t.heartbeat_timeout)
-        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.server.dp_coordinator",
+        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.runtime.dp_coordinator",
                                       msgspec.json.encode(ccfg).decode()], start_new_session=True)
         self.inp.connect(front_addr)
         tp = self.config.tensor_parallel_size
         try:
             if t.backend == "ray":
-                from testbed.server.dp_ray import RayReplicas
+                from testbed.runtime.dp_ray import RayReplicas
                 from testbed.worker.resolve import resolve_device
                 cuda = resolve_device(self.cfg.device).type == "cuda"
                 self.replicas = await asyncio.to_thread(RayReplicas, self.size, rpc_addr, self.cfg, tp, cuda,

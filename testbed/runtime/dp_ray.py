@@ -14,12 +14,12 @@ from pathlib import Path
 
 import msgspec
 
-from testbed.server import dp_protocol as D
-from testbed.server.dp_engine_proc import DPEngineProcConfig
-from testbed.server.dp_launch import STOP_TIMEOUT_S
+from testbed.runtime import dp_protocol as D
+from testbed.runtime.dp_engine_proc import DPEngineProcConfig
+from testbed.runtime.dp_launch import STOP_TIMEOUT_S
 from testbed.worker.resolve import SHARED_GPU_ENV
-from testbed.server.engine_proc import EngineProcConfig
-from testbed.server.frames import SECRET_ENV, deployment_secret
+from testbed.runtime.engine_proc import EngineProcConfig
+from testbed.runtime.frames import SECRET_ENV, deployment_secret
 
 PLACEMENT_TIMEOUT_S = 120.0
 
@@ -28,7 +28,7 @@ class ReplicaActor:
     """Runs one replica (dp_engine_proc.run_replica) inside a Ray worker process."""
 
     def run(self, cfg_json: str) -> int:
-        from testbed.server.dp_engine_proc import run_replica
+        from testbed.runtime.dp_engine_proc import run_replica
         return run_replica(msgspec.json.decode(cfg_json, type=DPEngineProcConfig))
 
 

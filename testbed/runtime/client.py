@@ -21,9 +21,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from testbed.server import protocol as P
-from testbed.server.frames import Frames, deployment_secret
-from testbed.server.engine_proc import EngineProcConfig
+from testbed.runtime import protocol as P
+from testbed.runtime.frames import Frames, deployment_secret
+from testbed.runtime.engine_proc import EngineProcConfig
 
 WATCH_INTERVAL_S = 0.1
 
@@ -96,7 +96,7 @@ class EngineClient:
         self.inp.bind(in_addr)
         self.out.bind(out_addr)
         cfg = msgspec.structs.replace(self.cfg, input_addr=in_addr, output_addr=out_addr, parent_pid=os.getpid())
-        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.server.engine_proc",
+        self.proc = subprocess.Popen([sys.executable, "-m", "testbed.runtime.engine_proc",
                                       msgspec.json.encode(cfg).decode()], start_new_session=True)
         while self.ready is None:
             if await self.out.poll(200):

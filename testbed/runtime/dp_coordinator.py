@@ -14,7 +14,7 @@ every replica and node launcher) or when the API server is gone.
 With `log_dir` it appends its record: routes.jsonl (seq, request id, replica, arrival, routed) and
 receipts.jsonl (seq, replica, report number, received); `seq` orders routes and report receipts.
 Every frame on its sockets is authenticated (frames.py): a forged or malformed one is dropped and
-logged, never acted on. Started as `python -m testbed.server.dp_coordinator CONFIG_JSON`.
+logged, never acted on. Started as `python -m testbed.runtime.dp_coordinator CONFIG_JSON`.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ import zmq
 from testbed.engine.block_manager import prompt_block_hashes
 from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import DPCoordinator
-from testbed.server import config_arg, run_process
-from testbed.server import dp_protocol as D
-from testbed.server import protocol as P
-from testbed.server.frames import Frames
+from testbed.runtime import config_arg, run_process
+from testbed.runtime import dp_protocol as D
+from testbed.runtime import protocol as P
+from testbed.runtime.frames import Frames
 
 PING_INTERVAL_S = 2.0
 RPC_SOCKET = "--data-parallel-rpc-port"
