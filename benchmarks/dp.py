@@ -168,7 +168,7 @@ def dp_timings(run) -> dict | None:
 
 def simulator_gpu(name: str | None, real_manifest: dict) -> str:
     """The simulator's GPU preset: --gpu-name, else the GPU of the real runs (H200 for a CPU smoke run)."""
-    from testbed.sim.hardware import get_gpu_spec
+    from testbed.specs.hardware import get_gpu_spec
     if name:
         return name
     try:

@@ -27,7 +27,7 @@ import torch
 
 from kernels import copy_bandwidth  # benchmarks/kernels.py (scripts run from benchmarks/ on sys.path)
 from testbed import LLM, SamplingParams
-from testbed.presets import get_model_spec
+from testbed.specs.presets import get_model_spec
 
 
 def make_checkpoint(name: str, folder: str, device: torch.device):

@@ -127,13 +127,13 @@ def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None) -> dict
     import numpy as np
 
     from testbed.engine.config import EngineConfig
-    from testbed.presets import get_model_spec
+    from testbed.specs.presets import get_model_spec
     from testbed.rundir import read_run
     from testbed.sim.cluster import simulate
     from testbed.sim.cost_model import RecordedCostModel
-    from testbed.sim.hardware import get_gpu_spec
+    from testbed.specs.hardware import get_gpu_spec
     from testbed.sim.run import load_cost_model, run_simulation
-    from testbed.sim.trace import load_trace
+    from testbed.workload.trace import load_trace
     run = read_run(run_dir)
     m = run.manifest
     cfg = EngineConfig(**{**m["config"], "num_gpu_blocks": m["num_gpu_blocks"], "max_model_len": m["max_model_len"]})

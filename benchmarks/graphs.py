@@ -165,7 +165,7 @@ def _engine_worker(conn, model: str, enforce_eager: bool, kw: dict) -> None:
     import os
 
     from e2e import bench_ours, workload
-    from testbed.presets import get_model_spec
+    from testbed.specs.presets import get_model_spec
     from testbed.worker.resolve import SHARED_GPU_ENV
     os.environ[SHARED_GPU_ENV] = "1"  # size the KV cache from this engine's share, as DP replicas sharing a GPU do
     llm = LLM(model, enforce_eager=enforce_eager, **kw)

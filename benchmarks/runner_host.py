@@ -13,10 +13,10 @@ import torch
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.request import Request, SamplingParams
-from testbed.presets import get_model_spec
+from testbed.specs.presets import get_model_spec
 from testbed.sim.cost_model import RooflineCostModel
 from testbed.sim.executor import SimExecutor
-from testbed.sim.hardware import get_gpu_spec
+from testbed.specs.hardware import get_gpu_spec
 from testbed.worker.loader import load_model
 from testbed.worker.model_runner import ModelRunner
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import summarize
-from testbed.presets import get_model_spec
+from testbed.specs.presets import get_model_spec
 from testbed.sim.cluster import simulate
 from testbed.sim.cost_model import RooflineCostModel, num_gpu_blocks
-from testbed.sim.hardware import get_gpu_spec
+from testbed.specs.hardware import get_gpu_spec
 from testbed.sim.run import load_cost_model
-from testbed.sim.trace import load_trace
+from testbed.workload.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from e2e import decode_steps, workload  # benchmarks/e2e.py: the same 256-request workload
 from testbed import LLM, SamplingParams
-from testbed.presets import get_model_spec
+from testbed.specs.presets import get_model_spec
 
 SIZES_TOKENS = (1, 8, 64, 256, 1024, 4096, 8192)
 

@@ -49,7 +49,7 @@ import pandas as pd
 
 from testbed import experiment, sweep
 from testbed.rundir import read_run
-from testbed.sim.trace import load_trace, write_jsonl
+from testbed.workload.trace import load_trace, write_jsonl
 
 out, env = experiment.start(output_dir, seeds={"arrivals_and_priorities": seed})
 env

@@ -45,10 +45,10 @@ load = 0.7  # offered load per replica, as a fraction of one replica's saturatio
 import matplotlib.pyplot as plt
 
 from testbed import experiment, sweep
-from testbed.presets import get_model_spec
+from testbed.specs.presets import get_model_spec
 from testbed.rundir import read_run
-from testbed.sim.prefix_reuse import prefix_reuse
-from testbed.sim.trace import load_trace
+from testbed.workload.prefix_reuse import prefix_reuse
+from testbed.workload.trace import load_trace
 
 out, env = experiment.start(output_dir, seeds={"arrivals": seed})
 env
@@ -58,7 +58,7 @@ env
 #
 # A prompt block can be served from the cache only if an earlier request had the same prefix up to and
 # including that block. Counting such blocks over the trace, in arrival order, bounds the hit rate of any
-# cache (`testbed.sim.prefix_reuse`, from `hash_ids` alone). Requests longer than the model's context are
+# cache (`testbed.workload.prefix_reuse`, from `hash_ids` alone). Requests longer than the model's context are
 # rejected by every configuration, so they are left out here as they are from the hit rate.
 
 # %%

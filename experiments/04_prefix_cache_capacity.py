@@ -11,7 +11,7 @@
 #
 # How much of the Mooncake trace's prompts does one replica serve from its prefix cache, as a function of
 # the number of KV blocks it has? The ceiling is a property of the trace: the share of prompt tokens that
-# repeat an earlier request's prefix, computed from `hash_ids` alone (`testbed.sim.prefix_reuse`). With a
+# repeat an earlier request's prefix, computed from `hash_ids` alone (`testbed.workload.prefix_reuse`). With a
 # cache that never has to evict, the simulator must reach exactly that ceiling, apart from requests that
 # arrive while the request they share a prefix with is still being prefilled: at a low enough rate there
 # are none.
@@ -35,9 +35,9 @@ idle_load = 0.02  # a rate low enough that no two requests are in flight togethe
 import matplotlib.pyplot as plt
 
 from testbed import experiment, sweep
-from testbed.presets import get_model_spec
-from testbed.sim.prefix_reuse import prefix_reuse
-from testbed.sim.trace import load_trace
+from testbed.specs.presets import get_model_spec
+from testbed.workload.prefix_reuse import prefix_reuse
+from testbed.workload.trace import load_trace
 
 out, env = experiment.start(output_dir, seeds={"arrivals": seed})
 env

@@ -14,7 +14,7 @@
 # (`testbed/sim/cost_model.py`) prices one step on one rank (weights, KV and FLOPs divided by TP) and adds
 # `2 x layers` ring all-reduces of `tokens x hidden` bf16 values, each costing
 # `latency + 2 (TP - 1) / TP x bytes / bandwidth`. Latency and bandwidth are the GPU preset's
-# (`testbed/sim/hardware.py`), fitted to an NCCL all-reduce microbenchmark between two H200s.
+# (`testbed/specs/hardware.py`), fitted to an NCCL all-reduce microbenchmark between two H200s.
 #
 # **Part 1** checks that model against the measured TP runs committed in the results
 # (`benchmarks/tp.py`, raw output `benchmarks/results/tp_h200x2_2026-11-21.json`: Llama-3.1-8B shape with
@@ -50,11 +50,11 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from testbed import experiment, sweep
-from testbed.presets import get_model_spec
+from testbed.specs.presets import get_model_spec
 from testbed.rundir import read_run
 from testbed.sim.cost_model import CALIBRATED, num_gpu_blocks, rank_shape
-from testbed.sim.hardware import get_gpu_spec
-from testbed.sim.trace import TraceRequest, write_jsonl
+from testbed.specs.hardware import get_gpu_spec
+from testbed.workload.trace import TraceRequest, write_jsonl
 
 out, env = experiment.start(output_dir, seeds={"arrivals": seed})
 env

@@ -21,7 +21,7 @@ from testbed.engine.request import (InvalidParam, PoolingParams, Request, Sampli
                                     check_token_ids, child_seed, truncate_prompt)
 from testbed.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics,
                              RequestOutput, logprob_dict, prompt_logprob_dicts)
-from testbed.worker.stepper import EngineStepper
+from testbed.engine.stepper import EngineStepper
 
 
 def pair_params(prompts, params, kind: str) -> tuple[list, list]:

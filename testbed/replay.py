@@ -13,7 +13,7 @@ from pathlib import Path
 from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import check_slos, summarize
 from testbed.rundir import check_output, environment_info, write_run
-from testbed.sim.trace import load_trace, synthesize_prompt
+from testbed.workload.trace import load_trace, synthesize_prompt
 
 RESERVED_TOKEN_IDS = 1000  # synthetic prompts avoid the low ids where tokenizers keep special tokens
 

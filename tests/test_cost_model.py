@@ -6,9 +6,9 @@ from hypothesis import given, settings, strategies as st
 
 from testbed.engine.outputs import SchedulerOutput
 from testbed.engine.request import Request, SamplingParams
-from testbed.presets import MODEL_PRESETS, get_model_spec
+from testbed.specs.presets import MODEL_PRESETS, get_model_spec
 from testbed.sim.cost_model import CALIBRATED, PHYSICAL, RooflineCostModel, num_gpu_blocks, rank_shape
-from testbed.sim.hardware import GPU_PRESETS, GPUSpec, get_gpu_spec
+from testbed.specs.hardware import GPU_PRESETS, GPUSpec, get_gpu_spec
 
 L8B, L70B = get_model_spec("Llama-3.1-8B"), get_model_spec("Llama-3.1-70B")
 H100 = get_gpu_spec("H100-SXM")
@@ -157,7 +157,7 @@ def test_gpu_presets_and_aliases():
 def test_tp2_all_reduce_term_comes_from_the_measured_nccl_fit():
     """`simulate --tensor-parallel-size 2` on H200 charges 2 all-reduces per layer at the measured
     17.9 us + bytes / 293.5 GB/s (benchmarks/tp.py), on top of half the TP=1 work."""
-    from testbed.sim.hardware import MEASURED_ALLREDUCE_BW, MEASURED_ALLREDUCE_LATENCY_S
+    from testbed.specs.hardware import MEASURED_ALLREDUCE_BW, MEASURED_ALLREDUCE_LATENCY_S
     m, g = get_model_spec("Llama-3.1-8B"), get_gpu_spec("H200")
     assert (g.interconnect_bandwidth, g.allreduce_latency_s) == (MEASURED_ALLREDUCE_BW, MEASURED_ALLREDUCE_LATENCY_S)
     so = SchedulerOutput(total_num_scheduled_tokens=64, num_decode_tokens=64, sum_context_tokens=64 * 1024,

@@ -28,7 +28,7 @@ def modules() -> dict[str, Path]:
 
 def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, int]]:
     """(imported module, line) for every import in the file: a testbed module where one is named (the deepest
-    that exists: `from testbed.sim import trace` is testbed.sim.trace), else the top-level name."""
+    that exists: `from testbed.sim import run` is testbed.sim.run), else the top-level name."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -106,11 +106,15 @@ def test_engine_imports_no_io_module():
     assert not bad, "testbed/engine/ must stay sans-I/O:\n" + "\n".join(bad)
 
 
-# Packages a package must never import, so the arrows between them point one way: engine <- runtime/worker
-# <- server <- cli. (The HTTP layer talks to the engine processes only through runtime/.)
+# Packages a package must never import, so the arrows between them point one way: engine <- workload/specs <-
+# sim/worker <- runtime <- server <- cli. (The HTTP layer talks to the engine processes only through runtime/.)
+MODE_NEUTRAL_FORBIDS = ("testbed.sim", "testbed.runtime", "testbed.server", "testbed.worker", "testbed.dashboard",
+                        "testbed.cli", "testbed.bench")
 FORBIDDEN = {
     "testbed.engine": ("testbed.runtime", "testbed.server", "testbed.worker", "testbed.sim", "testbed.dashboard",
-                       "testbed.cli"),
+                       "testbed.cli", "testbed.workload", "testbed.specs"),
+    "testbed.workload": MODE_NEUTRAL_FORBIDS,  # traces and specs serve both modes: they import neither
+    "testbed.specs": MODE_NEUTRAL_FORBIDS + ("testbed.workload",),
     "testbed.runtime": ("testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.llm"),
     "testbed.worker": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli"),
     "testbed.server": ("testbed.dashboard", "testbed.cli", "zmq"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from testbed.engine.config import EngineConfig
-from testbed.sim.prefix_reuse import prefix_reuse
+from testbed.workload.prefix_reuse import prefix_reuse
 from testbed.sim.run import run_simulation
-from testbed.sim.trace import TraceRequest, load_trace
+from testbed.workload.trace import TraceRequest, load_trace
 
 from conftest import REPO
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from testbed.sim.profiled import ProfileError, ProfiledCostModel, fit_nonnegative, nnls
-from testbed.sim.synthetic import StepFactory, decode_rows
+from testbed.workload.synthetic import StepFactory, decode_rows
 from testbed.sim.tables import Table1D, Table2D
 
 BS = 16

@@ -166,7 +166,7 @@ class _FailingExecutor:
     num_gpu_blocks, max_model_len, eos_token_id, vocab_size = 64, 128, None, 1000
 
     def execute(self, so):
-        from testbed.worker.stepper import ExecutorFailure
+        from testbed.engine.stepper import ExecutorFailure
         raise ExecutorFailure("boom in execute")
 
     def shutdown(self) -> None:

@@ -18,7 +18,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import REQUEST_COLUMNS, STEP_COLUMNS
 from testbed.rundir import FILES, read_run
 from testbed.sim.run import run_simulation
-from testbed.sim.trace import load_trace
+from testbed.workload.trace import load_trace
 
 from conftest import REPO
 

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import FIXED_TOKEN, FixedTokenExecutor, make_engine, make_request
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from testbed.worker.stepper import EngineStepper, ExecutorFailure
+from testbed.engine.stepper import EngineStepper, ExecutorFailure
 
 MARK = [3, 1, 4, 1, 5]
 

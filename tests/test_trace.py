@@ -1,4 +1,4 @@
-"""Trace loaders, re-timing, malformed-input errors and synthetic prompts (testbed.sim.trace)."""
+"""Trace loaders, re-timing, malformed-input errors and synthetic prompts (testbed.workload.trace)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed.sim.trace import TraceError, TraceRequest, load_trace, synthesize_prompt, write_jsonl
+from testbed.workload.trace import TraceError, TraceRequest, load_trace, synthesize_prompt, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "traces" / "azure_conv_10min.jsonl"
@@ -281,7 +281,7 @@ def test_synthesized_mooncake_prompts_share_their_hash_id_prefixes():
 def test_a_prompt_of_hashed_blocks_costs_its_own_length_whatever_the_block_size(tmp_path):
     """The largest hash block accepted synthesizes a short prompt without a block-sized array (2^31 once
     allocated 16 GiB), and the tokens are those of the per-block layout."""
-    from testbed.sim.trace import MAX_HASH_BLOCK_SIZE, synthesize_prompt
+    from testbed.workload.trace import MAX_HASH_BLOCK_SIZE, synthesize_prompt
     path = tmp_path / "t.jsonl"
     path.write_text('{"arrival_s": 0, "input_tokens": 5, "output_tokens": 1, "hash_ids": [7], '
                     f'"hash_block_size": {MAX_HASH_BLOCK_SIZE}}}\n'

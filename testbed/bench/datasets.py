@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from testbed.sim.trace import gamma_arrivals, load_trace, synthesize_prompt
+from testbed.workload.trace import gamma_arrivals, load_trace, synthesize_prompt
 
 RESERVED_IDS = 100  # low ids are special tokens in many vocabularies: random prompts avoid them
 

@@ -8,8 +8,8 @@ import streamlit as st
 from testbed.dashboard.launch import (REPO_TRACES, SimSettings, bundled_traces, inside, new_run_dir, save_upload,
                                       simulate_run)
 from testbed.engine.config import DP_POLICIES, SCHEDULING_POLICIES, ConfigError
-from testbed.presets import MODEL_PRESETS
-from testbed.sim.hardware import GPU_PRESETS
+from testbed.specs.presets import MODEL_PRESETS
+from testbed.specs.hardware import GPU_PRESETS
 
 SOURCES = ("bundled trace", "path", "upload")
 

@@ -38,7 +38,7 @@ from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames
 from testbed.runtime.engine_proc import (EngineProcConfig, StepLog, abort_in_core, add_to_core, first_scheduled,
                                        scheduler_stats, to_wire)
-from testbed.worker.stepper import EngineStepper
+from testbed.engine.stepper import EngineStepper
 
 HEARTBEAT_INTERVAL_S = 1.0
 PARENT_CHECK_S = 1.0

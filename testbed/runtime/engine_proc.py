@@ -25,7 +25,7 @@ from testbed.engine.request import PoolingParams, Request, check_token_ids
 from testbed.runtime import config_arg, freeze_startup_heap, run_process
 from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames
-from testbed.worker.stepper import EngineStepper
+from testbed.engine.stepper import EngineStepper
 
 PARENT_CHECK_S = 1.0
 

@@ -1,1 +1,2 @@
-"""Sim mode: trace loaders, cost models and the SimPy processes that drive the engine core."""
+"""Sim mode: cost models, the sim executor, the emulator and the SimPy processes that drive the engine core
+(the workloads they replay are in testbed/workload/, model and GPU specs in testbed/specs/)."""

@@ -17,11 +17,11 @@ import statistics
 from pathlib import Path
 from typing import Iterable
 
-from testbed.presets import get_model_spec
+from testbed.specs.presets import get_model_spec
 from testbed.sim.cost_model import PHYSICAL, RooflineConstants, RooflineCostModel, rank_shape
-from testbed.sim.hardware import get_gpu_spec
+from testbed.specs.hardware import get_gpu_spec
 from testbed.sim.profiled import PROFILES_DIR, ProfiledCostModel
-from testbed.sim.synthetic import StepFactory, decode_rows
+from testbed.workload.synthetic import StepFactory, decode_rows
 
 
 def _constants(cm: ProfiledCostModel) -> RooflineConstants:

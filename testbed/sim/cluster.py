@@ -25,7 +25,7 @@ from testbed.engine.metrics import Recorder
 from testbed.engine.request import Request
 from testbed.sim.cost_model import CostModel
 from testbed.sim.executor import SimExecutor
-from testbed.sim.trace import TraceRequest, synthesize_prompt
+from testbed.workload.trace import TraceRequest, synthesize_prompt
 
 
 class LazyPrompt(Sequence[int]):

@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from testbed.engine.outputs import SchedulerOutput
-from testbed.presets import ModelSpec
-from testbed.sim.hardware import GPUSpec
+from testbed.specs.presets import ModelSpec
+from testbed.specs.hardware import GPUSpec
 
 
 class CostModel(Protocol):

@@ -16,9 +16,9 @@ from typing import Callable
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from testbed.presets import get_model_spec
+from testbed.specs.presets import get_model_spec
 from testbed.sim.cost_model import num_gpu_blocks
-from testbed.sim.hardware import get_gpu_spec
+from testbed.specs.hardware import get_gpu_spec
 
 COST_MODELS = "'auto', 'roofline', 'zero' (no wait: the engine and API server alone) or a profile JSON"
 

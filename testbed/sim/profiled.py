@@ -255,7 +255,7 @@ class ProfiledCostModel:
     def validate(self) -> dict[str, float]:
         """Errors of this model on the profile's held-out mixed steps, which were measured whole on the
         executor alone (so the engine's host term is left out): MAPE and the worst error, sync and async."""
-        from testbed.sim.synthetic import StepFactory
+        from testbed.workload.synthetic import StepFactory
         f = StepFactory(1 << 30, self.block_size, 32000)
         steps = [(f.step([tuple(r) for r in v["rows"]]), v) for v in self.profile.get("validation", [])]
         out: dict[str, float] = {}

@@ -25,7 +25,7 @@ from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import SchedulerOutput
 from testbed.sim.cluster import SimResult, trace_to_request
 from testbed.sim.executor import SimExecutor
-from testbed.sim.trace import TraceRequest
+from testbed.workload.trace import TraceRequest
 
 # report fields a replica's state determines exactly (kv_usage follows from the block counts)
 CHECKED_STATS = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_waiting_tokens", "num_added")

@@ -10,14 +10,14 @@ from typing import Callable
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.metrics import check_slos, summarize
-from testbed.presets import ModelSpec, get_model_spec
+from testbed.specs.presets import ModelSpec, get_model_spec
 from testbed.rundir import RunDirError, check_output, environment_info, read_run, write_run
 from testbed.sim.cluster import simulate, trace_to_request
 from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel, num_gpu_blocks
-from testbed.sim.hardware import GPUSpec, get_gpu_spec
+from testbed.specs.hardware import GPUSpec, get_gpu_spec
 from testbed.sim.profiled import ProfiledCostModel, shipped_profile, shipped_profiles
 from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
-from testbed.sim.trace import load_trace
+from testbed.workload.trace import load_trace
 
 
 def _preset_name(name: str) -> str:

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from testbed.presets import get_model_spec
+from testbed.specs.presets import get_model_spec
 from testbed.worker.model import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from testbed.worker.logits_processors import RowContext
 from testbed.worker.model import LlamaForCausalLM
 from testbed.worker.pooler import Pooler
 from testbed.worker.sampler import Sampler
-from testbed.worker.stepper import ExecutorFailure
+from testbed.engine.stepper import ExecutorFailure
 from testbed.worker.timing import StepTimer
 
 CPU_KV_CACHE_BYTES = 2 << 30

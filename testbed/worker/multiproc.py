@@ -33,7 +33,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.worker.model_runner import ModelRunner, StepInputs
 from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, resolve_dtype
-from testbed.worker.stepper import ExecutorFailure
+from testbed.engine.stepper import ExecutorFailure
 
 CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
 PHASES = {CMD_STEP: "a step", CMD_PROFILE: "memory profiling", CMD_ALLOC: "KV cache allocation"}

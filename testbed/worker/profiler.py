@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from testbed.engine.config import EngineConfig
-from testbed.sim.synthetic import Row, StepFactory, decode_rows
+from testbed.workload.synthetic import Row, StepFactory, decode_rows
 from testbed.worker.host_costs import engine_host_costs
 from testbed.worker.step_measure import TIMING_FIELDS, StepMeasurer
 
@@ -241,7 +241,7 @@ def device_name(device: torch.device) -> str:
 
 def gpu_preset_name(name: str) -> str:
     """The GPU preset a device name maps to ("NVIDIA H100 80GB HBM3" -> "H100-SXM"), else the name itself."""
-    from testbed.sim.hardware import get_gpu_spec
+    from testbed.specs.hardware import get_gpu_spec
     try:
         return get_gpu_spec(name).name
     except ValueError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from testbed.sim.trace import TraceRequest
+from testbed.workload.trace import TraceRequest
 
 
 @dataclass(frozen=True)
