@@ -129,9 +129,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unrecognized(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> str:
+    """One line naming the flags `command` does not take, each with the closest flag it does take."""
+    import difflib
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    parts = []
+    for x in extras:
+        flag = x.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.8) if flag.startswith("-") else []
+        parts.append(f"{x} (did you mean {close[0]}?)" if close else x)
+    noun = "argument" if len(extras) == 1 else "arguments"
+    return f"testbed {command}: error: unrecognized {noun} {', '.join(parts)}; `testbed {command} --help` lists the flags"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; every expected failure is one line `testbed CMD: error: ...` and exit code 2."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # the subcommand's own one-line error, with the flag it most likely meant
+        print(unrecognized(parser, args.command, extras), file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ConfigError, ValueError, RuntimeError) as e:

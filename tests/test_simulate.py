@@ -404,3 +404,14 @@ def test_cli_lengths_csv_with_request_rate(tmp_path, capsys):
     assert d["num_requests"] == d["num_finished"] == 80
     arrivals = read_run(tmp_path / "ln").requests().arrival.sort_values().to_numpy()
     assert arrivals[0] == 0.0 and 80 / 4 / 3 < arrivals[-1] < 80 / 4 * 3, "about 4 req/s"
+
+
+def test_a_mistyped_flag_gets_the_subcommands_one_line_error_with_a_suggestion(capsys):
+    rc, out, err = cli(capsys, SAMPLE, "--enable-prefix-cache", "--limit", 5)
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert lines == ["testbed simulate: error: unrecognized argument --enable-prefix-cache (did you mean "
+                     "--enable-prefix-caching?); `testbed simulate --help` lists the flags"], err
+    rc, _, err = cli(capsys, SAMPLE, "--zzz-unknown=3", "--limit", 5)
+    assert rc == 2 and err.strip() == ("testbed simulate: error: unrecognized argument --zzz-unknown=3; "
+                                       "`testbed simulate --help` lists the flags")
