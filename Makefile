@@ -9,11 +9,9 @@ DASH := $(VENV)/.dashboard-installed
 EXP := $(VENV)/.experiments-installed
 ALL := $(VENV)/.all-installed
 
-# The real GPU run the demo simulates and compares against (a committed run directory), with the model and GPU
-# it ran on as the simulator's presets name them. These three lines are the demo's only choice of run.
+# The real GPU run the demo simulates and compares against (a committed run directory): `--like` takes its
+# requests, model, GPU, KV-cache size and engine flags. This line is the demo's only choice of run.
 DEMO_REAL ?= benchmarks/results/fidelity/2026-11-24_795c0af_h200_llama-3.2-1b/azure-80
-DEMO_MODEL ?= Llama-3.2-1B
-DEMO_GPU ?= H200
 DEMO_OUT ?= runs/demo
 RUNS ?= runs
 EXPERIMENTS_OUT ?= runs/experiments
@@ -21,7 +19,7 @@ EXPERIMENTS_OUT ?= runs/experiments
 .PHONY: demo test experiments setup serve dashboard clean
 
 demo: $(SIM)
-	$(BIN)/testbed simulate --like $(DEMO_REAL) --model $(DEMO_MODEL) --gpu $(DEMO_GPU) --output $(DEMO_OUT)/sim --no-progress
+	$(BIN)/testbed simulate --like $(DEMO_REAL) --output $(DEMO_OUT)/sim --no-progress
 	$(BIN)/testbed compare $(DEMO_OUT)/sim $(DEMO_REAL) --png $(DEMO_OUT)/latency_cdfs.png
 	@echo "Open both runs in the dashboard: make dashboard RUNS=\"$(DEMO_OUT)/sim $(DEMO_REAL)\""
 

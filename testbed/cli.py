@@ -18,6 +18,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ValueError("give a TRACE file, or --like RUN_DIR to simulate the requests a run served")
     if args.like is not None:
         from testbed.sim.like import like_config
+        cfg = take_from_run(args, cfg)
         cfg = like_config(args.like, cfg)
     out = args.output or default_run_dir("sim", trace, args.model)
     run_dir, summary = run_simulation(
@@ -26,6 +27,43 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, output=out, progress=not args.no_progress)
     print_result(summary, run_dir, args.format, "Simulation Result")
     return 0
+
+
+def take_from_run(args: argparse.Namespace, cfg):
+    """--like: the run's model, GPU and engine flags for every one not given on the command line (`args.given`),
+    with one line on stderr saying what was taken."""
+    import dataclasses
+
+    from testbed.sim.like import run_setup
+    model, gpu, engine = run_setup(args.like)
+    given = getattr(args, "given", set())
+    taken = []
+    if model is not None and "model" not in given and model != args.model:
+        args.model = model
+        taken.append(f"--model {model}")
+    if gpu is not None and "gpu" not in given and gpu != args.gpu:
+        args.gpu = gpu
+        taken.append(f"--gpu {gpu}")
+    changes = {k: v for k, v in engine.items() if k not in given and k not in ("num_gpu_blocks", "max_model_len")
+               and getattr(cfg, k) != v}
+    for k, v in changes.items():
+        taken.append(f"--{k.replace('_', '-')} {v}")
+    if taken:
+        print(f"testbed simulate: note: from {args.like}: {', '.join(taken)} (flags given here override)",
+              file=sys.stderr)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: list[str], command: str) -> set[str]:
+    """The destinations of the flags given on the command line for `command` (abbreviations too): the
+    subcommand's parser run again over a namespace that already holds every destination, so argparse
+    fills in no default and only what was given replaces the placeholder."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    unset = object()
+    ns = argparse.Namespace(**{a.dest: unset for a in sub._actions if a.dest != argparse.SUPPRESS})
+    rest = argv[argv.index(command) + 1:] if command in argv else argv
+    sub.parse_known_args(rest, ns)
+    return {k for k, v in vars(ns).items() if v is not unset}
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -87,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_args(p, trace_required=False)
     p.add_argument("--like", default=None, metavar="RUN_DIR",
                    help="simulate the workload of a recorded run: its requests (unless TRACE is given), its KV-cache "
-                        "size and max_model_len (unless --num-gpu-blocks / --max-model-len are given)")
+                        "size, max_model_len, model, GPU and engine flags (each unless given here)")
     add_engine_args(p, "Llama-3.1-8B")
     p.add_argument("--gpu", default="H100-SXM", help="GPU preset: H100-SXM, H200, A100-80GB, L4")
     p.add_argument("--cost-model", default="auto",
@@ -150,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     if extras:  # the subcommand's own one-line error, with the flag it most likely meant
         print(unrecognized(parser, args.command, extras), file=sys.stderr)
         return 2
+    if args.command == "simulate":
+        args.given = given_dests(parser, list(sys.argv[1:] if argv is None else argv), args.command)
     try:
         return args.func(args)
     except (ConfigError, ValueError, RuntimeError) as e:

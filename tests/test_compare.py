@@ -127,4 +127,31 @@ def test_make_demo_prints_the_comparison_and_writes_the_figure(tmp_path):
     assert f'make dashboard RUNS="{tmp_path / "demo" / "sim"} {demo_real}"' in proc.stdout
     manifest = json.loads((tmp_path / "demo" / "sim" / "manifest.json").read_text())
     assert manifest["mode"] == "sim"
+    real = read_run(REPO / demo_real).manifest  # the run's model and GPU, taken by --like
+    assert manifest["model"]["name"] == real["model"]["name"] and manifest["hardware"]["name"] == "H200"
     assert manifest["trace"]["num_requests"] == read_run(REPO / demo_real).summary["num_requests"]
+
+
+FIDELITY_RUN = REPO / "benchmarks" / "results" / "fidelity" / "2026-11-24_795c0af_h200_llama-3.2-1b" / "azure-80"
+
+
+def test_like_takes_the_runs_model_gpu_and_engine_flags_unless_given(tmp_path, capsys):
+    """--like without --model/--gpu simulates the run's model on the run's GPU (a replay of Llama-3.2-1B on an
+    H200), saying so on one line; flags given (abbreviated too) win; a simulated run's engine flags come along."""
+    rc, _, err = run_cli(capsys, "simulate", "--like", FIDELITY_RUN, "--limit", 20, "-o", tmp_path / "a", "--no-progress")
+    assert rc == 0, err
+    m = read_run(tmp_path / "a").manifest
+    assert (m["model"]["name"], m["hardware"]["name"]) == ("Llama-3.2-1B", "H200")
+    assert "note: from" in err and "--model Llama-3.2-1B" in err and "--gpu H200" in err
+    rc, _, err = run_cli(capsys, "simulate", "--like", FIDELITY_RUN, "--limit", 20, "--model", "Llama-3.1-8B",
+                         "--max-num-seq", 64, "-o", tmp_path / "b", "--no-progress")
+    m = read_run(tmp_path / "b").manifest
+    assert rc == 0 and (m["model"]["name"], m["hardware"]["name"]) == ("Llama-3.1-8B", "H200")
+    assert m["config"]["max_num_seqs"] == 64 and "--model" not in err
+    rc, _, err = run_cli(capsys, "simulate", SAMPLE, "--limit", 20, "--model", "Qwen3-0.6B", "--gpu", "H200",
+                         "--max-num-seqs", 32, "--enable-prefix-caching", "-o", tmp_path / "c", "--no-progress")
+    assert rc == 0, err
+    rc, _, err = run_cli(capsys, "simulate", "--like", tmp_path / "c", "-o", tmp_path / "d", "--no-progress")
+    m = read_run(tmp_path / "d").manifest
+    assert rc == 0 and m["model"]["name"] == "Qwen3-0.6B" and m["config"]["max_num_seqs"] == 32
+    assert m["config"]["enable_prefix_caching"] is True and "--max-num-seqs 32" in err

@@ -3,6 +3,8 @@
 The run's requests become the trace (`load_trace` reads a run directory as the trace of the requests it
 recorded); its KV-cache size and max_model_len fill the engine settings the flags left unset, so the
 simulator schedules into the same memory as the run (a real `bench serve`, `replay`, or another simulation).
+`run_setup` gives the model and GPU presets and the engine flags the run recorded, which `testbed simulate
+--like` takes for every flag not given on its command line.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 
 from testbed.engine.config import EngineConfig
 from testbed.rundir import RunDirError, read_run
+from testbed.specs.hardware import get_gpu_spec
+from testbed.specs.presets import get_model_spec
 
 
 def run_cache(run_dir: str | Path) -> tuple[int, int | None]:
@@ -36,3 +40,25 @@ def like_config(run_dir: str | Path, config: EngineConfig) -> EngineConfig:
     blocks, max_len = run_cache(run_dir)
     return dataclasses.replace(config, num_gpu_blocks=config.num_gpu_blocks or blocks,
                                max_model_len=config.max_model_len or max_len)
+
+
+def _preset(value, lookup) -> str | None:
+    """The preset name a manifest's model or hardware entry (a name, or a dict with one) maps to, or None."""
+    name = value.get("name") if isinstance(value, dict) else value
+    if not isinstance(name, str):
+        return None
+    try:
+        return lookup(name).name
+    except (ValueError, KeyError):
+        return None
+
+
+def run_setup(run_dir: str | Path) -> tuple[str | None, str | None, dict]:
+    """(model preset, GPU preset, engine flags) a run recorded: presets where its manifest names one (None
+    otherwise), engine flags from a `simulate` or `replay` manifest (a `bench serve` run records the client's
+    flags, not the server's: none then)."""
+    m = read_run(run_dir).manifest
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    config = m.get("config") if isinstance(m.get("config"), dict) else {}
+    engine = {k: v for k, v in config.items() if k in fields} if set(config) <= fields else {}
+    return _preset(m.get("model"), get_model_spec), _preset(m.get("hardware"), get_gpu_spec), engine
