@@ -1,6 +1,15 @@
 """testbed: one scheduler, block manager and DP coordinator, run in simulation or on real workers."""
 
 __version__ = "0.1.0"
+COMMAND_ENV = "TESTBED_COMMAND"  # the running `testbed` command, which the processes it starts inherit
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, prefixed by the running command (`testbed serve: warning: ...`, also from
+    the engine process a server started): the CLI names its command in TESTBED_COMMAND."""
+    import os
+    import sys
+    print(f"{os.environ.get(COMMAND_ENV) or 'testbed'}: warning: {message}", file=sys.stderr, flush=True)
 
 # vLLM's top-level names (and testbed's sweep), imported on first use (the simulator needs no torch)
 _LAZY = {"LLM": "testbed.llm", "SamplingParams": "testbed.engine.request", "PoolingParams": "testbed.engine.request",

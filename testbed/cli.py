@@ -190,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "simulate":
         args.given = given_dests(parser, list(sys.argv[1:] if argv is None else argv), args.command)
+    import os
+
+    from testbed import COMMAND_ENV
+    outer = os.environ.get(COMMAND_ENV)
+    os.environ[COMMAND_ENV] = f"testbed {args.command}"  # warnings, here and in the processes it starts
     try:
         return args.func(args)
     except (ConfigError, ValueError, RuntimeError) as e:
@@ -200,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"testbed {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if outer is None:
+            os.environ.pop(COMMAND_ENV, None)
+        else:
+            os.environ[COMMAND_ENV] = outer
     return 2
 
 

@@ -42,3 +42,15 @@ def test_emulation_refuses_a_recorded_timeline(tmp_path):
                         "--load-format", "dummy", "--cost-model", "recorded:/nowhere", "--port", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "emulation predicts each step" in (r.stderr + r.stdout)
+
+
+def test_warnings_carry_the_running_commands_name(monkeypatch, capsys):
+    """An emulated server's engine process warns as `testbed serve`, the command that started it (the CLI
+    names itself in TESTBED_COMMAND, which the processes it starts inherit), not as `testbed simulate`."""
+    from testbed import COMMAND_ENV
+    from testbed.engine.config import EngineConfig
+    from testbed.sim.emulator import EmulatedExecutor
+    monkeypatch.setenv(COMMAND_ENV, "testbed serve")
+    EmulatedExecutor("Llama-3.2-1B", EngineConfig(), gpu="A100-80GB")
+    err = capsys.readouterr().err
+    assert err.startswith("testbed serve: warning: no profile ships for Llama-3.2-1B on A100-80GB"), err

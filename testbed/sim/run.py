@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
+from testbed import warn
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.metrics import check_slos, summarize
@@ -37,9 +38,9 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
     if spec == "auto":
         path = shipped_profile(model.name, gpu.name, tp)
         if path is None:
-            print(f"testbed simulate: warning: no profile ships for {model.name} on {gpu.name} at TP={tp} "
-                  f"(shipped: {', '.join(shipped_profiles()) or 'none'}); using the roofline model, whose errors are "
-                  "much larger (README: Cost models); measure one with `testbed profile`", file=sys.stderr)
+            warn(f"no profile ships for {model.name} on {gpu.name} at TP={tp} (shipped: "
+                 f"{', '.join(shipped_profiles()) or 'none'}); using the roofline model, whose errors are much larger "
+                 "(README: Cost models); measure one with `testbed profile`")
             spec = "roofline"
         else:
             spec = str(path)
@@ -89,8 +90,8 @@ def warn_rejections(rec, trace: list, config: EngineConfig, blocks: int, max_mod
     first = next(tr for tr in trace if tr.id == rejected[0])
     reason = (EngineCore(config, blocks, max_model_len).rejection_reason(trace_to_request(first, vocab_size, config.seed))
               or f"the waiting queue was full (--max-num-waiting {config.max_num_waiting})")
-    print(f"testbed simulate: warning: {len(rejected)} of {len(trace)} requests were rejected and not simulated "
-          f"(finish_reason 'rejected' in requests.parquet); the first, {first.id!r}: {reason}", file=sys.stderr)
+    warn(f"{len(rejected)} of {len(trace)} requests were rejected and not simulated (finish_reason 'rejected' in "
+         f"requests.parquet); the first, {first.id!r}: {reason}")
 
 
 def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama-3.1-8B", gpu: str = "H100-SXM",
