@@ -35,6 +35,18 @@ def test_emulated_server_answers_with_the_profiles_timing_and_echoed_tokens(emul
     assert "no profile ships" not in log  # the H200 profile of Llama-3.2-1B was found
 
 
+def test_emulated_chat_works_with_the_bundled_tokenizer(emulated):
+    """A preset has no tokenizer files: emulation takes the bundled SmolLM2 tokenizer, so chat and text prompts
+    work with the official client (the reply echoes the prompt's tokens, as text)."""
+    client = openai.OpenAI(base_url=f"{emulated.url}/v1", api_key="none")
+    chat = client.chat.completions.create(model="Llama-3.2-1B", max_tokens=4,
+                                          messages=[{"role": "user", "content": "Hello there"}])
+    assert chat.choices[0].finish_reason == "length" and chat.choices[0].message.content
+    text = client.completions.create(model="Llama-3.2-1B", prompt="The capital of France is", max_tokens=5)
+    assert text.choices[0].text.startswith("The capital")
+    assert "emulating Llama-3.2-1B with the bundled SmolLM2 tokenizer" in emulated.log_text()
+
+
 def test_emulation_refuses_a_recorded_timeline(tmp_path):
     import subprocess
     import sys

@@ -24,6 +24,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
@@ -42,7 +43,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p, None)
     g = p.add_argument_group("server")
     g.add_argument("--served-model-name", default=None, help="name in the API (default: the model's folder name)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder or hub id (default: the model's; with --emulate of a preset, the bundled "
+                        "SmolLM2 tokenizer)")
     g.add_argument("--revision", default=None, help="with a hub id: the revision in the local Hugging Face cache")
     g.add_argument("--download-dir", default=None,
                    help="the Hugging Face cache a hub id is read from (default: $HF_HUB_CACHE, $HF_HOME/hub, "
@@ -278,6 +281,11 @@ async def run_server(args: argparse.Namespace) -> int:
         client = DPEngineClient(proc_cfg, topology)
     tokenizer_path = model if args.tokenizer is None else resolve_model(args.tokenizer, "auto", None,
                                                                         args.download_dir)
+    if args.emulate and args.tokenizer is None and not Path(model).exists():
+        # a preset has no tokenizer files: emulate with the bundled SmolLM2's, so text prompts and chat work
+        # (its ids fit every preset's vocabulary)
+        tokenizer_path = resolve_model(None, "auto")
+        _log(f"emulating {model} with the bundled SmolLM2 tokenizer (--tokenizer PATH for another)")
     tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path, args.trust_remote_code))
     start = asyncio.ensure_future(client.start())
     stopper = asyncio.ensure_future(stop.wait())
