@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"testbed {args.command}: error: {e}", file=sys.stderr)
+    except BrokenPipeError:  # stdout closed early (`| head`): no traceback, and none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:  # a file that cannot be read or written: name it
         where = f"{e.filename}: " if e.filename else ""
         print(f"testbed {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)

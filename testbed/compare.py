@@ -8,6 +8,7 @@ to percent); nothing is recomputed, so the table always agrees with what `testbe
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,13 +170,68 @@ def add_compare_parser(subparsers) -> None:
     p.add_argument("--baseline", default=None, metavar="RUN",
                    help="label or path of the run to compare against (default: the first real run, else the first)")
     p.add_argument("--png", default=None, metavar="FILE", help="write the TTFT / TPOT / E2E CDF figure to FILE")
+    p.add_argument("--format", choices=("table", "json", "csv"), default="table",
+                   help="table (default: the table, then the settings that differ), json (both) or csv (the table)")
     p.set_defaults(func=cmd_compare)
+
+
+def setting(run: RunMeta, key: str):
+    """A run's model, GPU, cost model or engine flag, as its manifest records it (None where it does not)."""
+    m = run.manifest
+    if key in ("model", "hardware"):
+        v = m.get(key)
+        name = v.get("name") if isinstance(v, dict) else v
+        if key == "hardware" and isinstance(name, str):
+            from testbed.specs.hardware import get_gpu_spec
+            try:
+                return get_gpu_spec(name).name  # "NVIDIA H200" and "H200" are one GPU
+            except ValueError:
+                return name
+        return name
+    if key == "cost_model":
+        return m.get("cost_model")
+    if key in ("num_gpu_blocks", "max_model_len") and m.get(key) is not None:
+        return m[key]  # what the run had, where the flag was left to be decided
+    config = m.get("config") if isinstance(m.get("config"), dict) else {}
+    return config.get(key)
+
+
+def differing_settings(runs: list[RunMeta]) -> dict[str, dict[str, object]]:
+    """{setting: {run label: value}} for the model, GPU, cost model and engine flags whose recorded values differ."""
+    keys = ["model", "hardware", "cost_model"]
+    keys += sorted({k for r in runs for k in (r.manifest.get("config") or {}) if isinstance(r.manifest.get("config"), dict)})
+    out = {}
+    for k in keys:
+        vals = {r.label: setting(r, k) for r in runs}
+        known = [v for v in vals.values() if v is not None]  # a run that does not record it (an older manifest,
+        if len({json.dumps(v, sort_keys=True, default=str) for v in known}) > 1:  # a real run's cost model) is no
+            out[k] = vals  # difference
+    return out
+
+
+def format_settings(diff: dict[str, dict[str, object]]) -> str:
+    if not diff:
+        return "Settings: the same in every run (model, GPU, cost model, engine flags)"
+    lines = ["Settings that differ:"]
+    for k, vals in diff.items():
+        lines.append(f"  {k}: " + ", ".join(f"{label} {v}" for label, v in vals.items()))
+    return "\n".join(lines)
 
 
 def cmd_compare(args) -> int:
     runs = load_runs(args.runs)
     baseline = pick_baseline(runs, args.baseline)
-    print(format_table(compare_table(runs, baseline), runs, baseline))
+    table = compare_table(runs, baseline)
+    if args.format == "csv":
+        print(table.to_csv(index=False), end="")
+    elif args.format == "json":
+        rows = [{k: (None if pd.isna(v) else v) for k, v in row.items()} for row in table.to_dict(orient="records")]
+        print(json.dumps({"baseline": baseline.label, "runs": [{"label": r.label, "mode": r.mode, "path": r.path}
+                                                               for r in runs],
+                          "metrics": rows, "settings_that_differ": differing_settings(runs)}, indent=2, default=str))
+    else:
+        print(format_table(table, runs, baseline))
+        print(format_settings(differing_settings(runs)))
     if args.png is not None:
         from testbed.dashboard import plots, series
         fig = plots.latency_cdfs([(plots.Series(r.label, r.mode, i), series.latency_samples(r.path))

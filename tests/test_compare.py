@@ -76,8 +76,10 @@ def test_compare_prints_the_dashboards_table_with_the_sim_vs_real_error(sim_like
     assert lines[0].startswith(f"Baseline: {REAL.name} [real]")  # the real run by default, as in the dashboard
     assert "sim-vs-real error (%)" in lines[2]
     sim, real = read_run(sim_like).summary, read_run(REAL).summary
-    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[4:-1])}
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip())
+                                               for line in lines[4:4 + len(COMPARE_METRICS)])}
     assert len(rows) == len(COMPARE_METRICS)
+    assert lines[4 + len(COMPARE_METRICS)].startswith("Settings")  # then the settings that differ, if any
     for label, key, scale in COMPARE_METRICS:
         s, r = metric(sim, key), metric(real, key)
         cells = rows[label]
@@ -155,3 +157,25 @@ def test_like_takes_the_runs_model_gpu_and_engine_flags_unless_given(tmp_path, c
     m = read_run(tmp_path / "d").manifest
     assert rc == 0 and m["model"]["name"] == "Qwen3-0.6B" and m["config"]["max_num_seqs"] == 32
     assert m["config"]["enable_prefix_caching"] is True and "--max-num-seqs 32" in err
+
+
+def test_compare_as_json_and_csv_with_the_settings_that_differ(sim_like, tmp_path, capsys):
+    rc, _, err = run_cli(capsys, "simulate", "--like", REAL, "--model", "Llama-3.2-1B", "--gpu", "H200",
+                         "--max-num-seqs", 64, "--limit", 30, "-o", tmp_path / "narrow", "--no-progress")
+    assert rc == 0, err
+    rc, out, _ = run_cli(capsys, "compare", sim_like, tmp_path / "narrow", REAL, "--format", "json")
+    data = json.loads(out)
+    assert rc == 0 and data["baseline"] == REAL.name and [r["mode"] for r in data["runs"]] == ["sim", "sim", "real"]
+    ttft = next(m for m in data["metrics"] if m["metric"] == "TTFT mean (ms)")
+    assert ttft[f"{REAL.name} [real]"] > 0
+    assert data["settings_that_differ"]["max_num_seqs"] == {"sim": 256, "narrow": 64, REAL.name: None}
+    rc, out, _ = run_cli(capsys, "compare", sim_like, REAL, "--format", "csv")
+    assert rc == 0 and out.splitlines()[0].startswith("metric,summary key,sim [sim],")
+    rc, out, _ = run_cli(capsys, "compare", sim_like, tmp_path / "narrow")
+    assert "Settings that differ:" in out and "max_num_seqs: sim 256, narrow 64" in out
+
+
+def test_compare_piped_into_head_exits_quietly(sim_like):
+    proc = subprocess.run(f"{sys.executable} -m testbed.cli compare {sim_like} {REAL} | head -1", shell=True,
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith("Baseline:") and proc.stderr == "", proc.stderr
