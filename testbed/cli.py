@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from testbed.cli_args import add_engine_args, add_model_args, add_trace_args, default_run_dir, engine_config, print_result
+from testbed.cli_args import ArgumentParser, add_engine_args, add_model_args, add_trace_args, default_run_dir, engine_config, print_result
 from testbed.engine.config import ConfigError
 
 
@@ -119,7 +119,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="testbed", description=__doc__)
+    parser = ArgumentParser(prog="testbed", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("simulate", help="replay a trace through the engine in simulated time")
     add_trace_args(p, trace_required=False)
@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dashboard", help="Streamlit dashboard over run directories (on 127.0.0.1)")
     p.add_argument("runs", nargs="*", default=["runs"], help="folders holding run directories (default: runs)")
-    p.add_argument("--port", type=int, default=8501)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8501, help="port of the Streamlit server")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (the dashboard has no password: keep it local)")
     p.set_defaults(func=cmd_dashboard)
 
     from testbed.bench.serve import add_bench_parser

@@ -14,13 +14,32 @@ from pathlib import Path
 from testbed.engine.config import DEFAULT_DP_ROUTING_DELAY, DP_POLICIES, SCHEDULING_POLICIES, EngineConfig
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help as vLLM's: every flag shows its default, unless its help already says it or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The CLI's parser: DefaultsHelpFormatter unless told otherwise (subcommands inherit the class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     """Engine flags shared by every command that builds an EngineCore (vLLM's names and defaults)."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=model_default,
                    help="model name or path (default: %(default)s; none = the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs each replica's model is split over")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas behind the DP coordinator")
     g.add_argument("--dp-policy", choices=DP_POLICIES, default="least_loaded", help="DP routing policy")
     g.add_argument("--dp-stats-interval", type=float, default=0.0, metavar="SECONDS",
                    help="least time between two stats reports of a DP replica to the coordinator "
@@ -28,19 +47,19 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     g.add_argument("--dp-routing-delay", type=float, default=DEFAULT_DP_ROUTING_DELAY, metavar="SECONDS",
                    help="simulator: arrival -> admission at a DP replica through the coordinator "
                         "(default: %(default)s, measured; real runs record theirs in routes.parquet)")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="most tokens in one step (the chunked-prefill budget)")
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per replica (default: from memory)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enable-prefix-caching", action="store_true")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    g.add_argument("--policy", "--scheduling-policy", dest="policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory for weights, activations and KV cache")
+    g.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help="schedule every prompt whole (default: in chunks under --max-num-batched-tokens)")
+    g.add_argument("--policy", "--scheduling-policy", dest="policy", choices=SCHEDULING_POLICIES, default="fcfs", help="waiting-queue order")
     g.add_argument("--max-num-waiting", type=int, default=None, help="reject new requests beyond this many waiting")
     g.add_argument("--async-scheduling", action="store_true",
                    help="keep one step in flight: schedule the next step while the device runs this one")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of sampling, synthetic prompts and arrivals")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="TOKENS",
                    help="token counts of the steps captured as CUDA graphs on a GPU (decode batches up to "
                         "--max-num-seqs, mixed/prefill steps up to --max-num-batched-tokens; default: 1 2 4 8, "
@@ -63,7 +82,7 @@ def add_trace_args(p: argparse.ArgumentParser, trace_required: bool = True) -> N
     p.add_argument("trace", **({} if trace_required else {"nargs": "?", "default": None}),
                    help="trace file: project JSONL, Azure CSV, Mooncake JSONL or a length-only CSV; or a run "
                         "directory (the requests it recorded)")
-    p.add_argument("--trace-format", default="auto", choices=("auto", "jsonl", "azure", "mooncake", "lengths"))
+    p.add_argument("--trace-format", default="auto", choices=("auto", "jsonl", "azure", "mooncake", "lengths"), help="trace file format (auto: from its first line)")
     p.add_argument("--request-rate", type=float, default=None, help="re-time arrivals at R req/s (gamma process)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")

@@ -415,3 +415,24 @@ def test_a_mistyped_flag_gets_the_subcommands_one_line_error_with_a_suggestion(c
     rc, _, err = cli(capsys, SAMPLE, "--zzz-unknown=3", "--limit", 5)
     assert rc == 2 and err.strip() == ("testbed simulate: error: unrecognized argument --zzz-unknown=3; "
                                        "`testbed simulate --help` lists the flags")
+
+
+def test_every_flag_has_help_and_help_shows_defaults(capsys):
+    """--help as vLLM's: every flag of every subcommand says what it is, with its default."""
+    import argparse
+
+    from testbed.cli import build_parser
+
+    def parsers(p):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    yield name, sp
+                    yield from parsers(sp)
+    missing = [f"{name} {a.option_strings or a.dest}" for name, sp in parsers(build_parser()) for a in sp._actions
+               if not a.help and not isinstance(a, argparse._HelpAction)]
+    assert not missing, missing
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "most requests in one step (default: 256)" in text and "(default: H100-SXM)" in text

@@ -29,36 +29,36 @@ if TYPE_CHECKING:  # the heavy imports wait until a benchmark runs, so building 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` (with its `serve` subcommand) on the CLI's subparsers."""
     p = subparsers.add_parser("bench", help="benchmark a running server")
-    sub = p.add_subparsers(dest="bench_command", required=True)
+    sub = p.add_subparsers(dest="bench_command", required=True, help="what to benchmark")
     s = sub.add_parser("serve", help="replay a trace or dataset against `testbed serve` (or any OpenAI server)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("trace", nargs="?", default=None, help="trace file (project JSONL, Azure CSV, Mooncake, lengths)")
     s.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)")
     s.add_argument("--endpoint", default="/v1/completions", help="completions path (default: %(default)s)")
     s.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    s.add_argument("--api-key", default=os.environ.get("TESTBED_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    s.add_argument("--api-key", default=os.environ.get("TESTBED_API_KEY") or os.environ.get("OPENAI_API_KEY"), help="sent as a bearer token (default: $TESTBED_API_KEY or $OPENAI_API_KEY)")
     s.add_argument("--dataset", choices=("random", "sharegpt"), default=None, help="instead of a TRACE")
     s.add_argument("--dataset-path", default=None, help="ShareGPT JSON file for --dataset sharegpt")
-    s.add_argument("--trace-format", default="auto", choices=("auto", "jsonl", "azure", "mooncake", "lengths"))
+    s.add_argument("--trace-format", default="auto", choices=("auto", "jsonl", "azure", "mooncake", "lengths"), help="trace file format (auto: from its first line)")
     s.add_argument("--num-prompts", type=int, default=None,
                    help="requests to send (default: 1000 for datasets, the whole trace)")
     s.add_argument("--request-rate", type=float, default=None,
                    help="req/s of a gamma arrival process (default: the trace's own arrivals; inf for datasets)")
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
     s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    s.add_argument("--random-input-len", type=int, default=1024)
-    s.add_argument("--random-output-len", type=int, default=128)
-    s.add_argument("--random-range-ratio", type=float, default=0.0)
+    s.add_argument("--random-input-len", type=int, default=1024, help="--dataset random: prompt tokens")
+    s.add_argument("--random-output-len", type=int, default=128, help="--dataset random: output tokens")
+    s.add_argument("--random-range-ratio", type=float, default=0.0, help="--dataset random: lengths vary by this fraction")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly the requested output lengths (default: on)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the dataset and arrivals")
     s.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds, for goodput")
     s.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds, for goodput")
     s.add_argument("--server-log-steps", default=None, metavar="DIR", help="the server's --log-steps DIR")
     s.add_argument("--timeout", type=float, default=6 * 3600.0, help="per-request timeout, seconds")
     s.add_argument("--output", "-o", default=None, help="run directory (default: runs/<date>-real-<trace>-<model>)")
     s.add_argument("--format", choices=("table", "json"), default="table", help="summary on stdout")
-    s.add_argument("--disable-tqdm", action="store_true")
+    s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_bench_serve)
     return p
 

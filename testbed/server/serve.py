@@ -51,12 +51,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="the Hugging Face cache a hub id is read from (default: $HF_HUB_CACHE, $HF_HOME/hub, "
                         "~/.cache/huggingface/hub); nothing is downloaded")
     g.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run code shipped with it")
-    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="weights: from the model folder or file, or dummy (random weights of the named shape)")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda when there is one)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=os.environ.get("TESTBED_API_KEY") or os.environ.get("VLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TESTBED_API_KEY, else vLLM's $VLLM_API_KEY; "
                         "unset = open). The environment keeps the key out of the process list, where a flag shows")
@@ -81,8 +81,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="prefix of the /metrics families: vllm (vLLM's names, for its dashboards, autoscalers and "
                         "routers) or testbed (default: %(default)s)")
     g.add_argument("--uvicorn-log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug", "trace"))
-    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+                   choices=("critical", "error", "warning", "info", "debug", "trace"), help="uvicorn's log level")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
     d = p.add_argument_group("data parallel (vLLM's flags)")
     d.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
                    help="replicas on this node (default: all of them)")
