@@ -29,6 +29,9 @@ class RunMeta:
 
     @property
     def mode(self) -> str:
+        """sim, real, or emulated (a `bench serve` run against `testbed serve --emulate`)."""
+        if self.manifest.get("emulated"):
+            return "emulated"
         return str(self.manifest.get("mode", "?"))
 
 

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import running_server
+from server_helpers import REPO, running_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,3 +66,37 @@ def test_warnings_carry_the_running_commands_name(monkeypatch, capsys):
     EmulatedExecutor("Llama-3.2-1B", EngineConfig(), gpu="A100-80GB")
     err = capsys.readouterr().err
     assert err.startswith("testbed serve: warning: no profile ships for Llama-3.2-1B on A100-80GB"), err
+
+
+def test_an_emulated_server_says_so_and_runs_against_it_are_labelled(emulated, tmp_path, capsys):
+    """/v1/models names what a server emulates; `bench serve` records it in its run, and compare labels the run
+    `emulated`, never as a real one to measure the simulator against."""
+    from testbed.cli import main
+    card = httpx.get(f"{emulated.url}/v1/models", timeout=10).json()["data"][0]
+    assert card["emulated"] == "H200, cost model auto"
+    out = tmp_path / "bench"
+    assert main(["bench", "serve", "--url", emulated.url, "--dataset", "random", "--num-prompts", "4",
+                 "--random-input-len", "16", "--random-output-len", "4", "-o", str(out), "--disable-tqdm"]) == 0
+    from testbed.rundir import read_run
+    assert read_run(out).manifest["emulated"] == "H200, cost model auto"
+    capsys.readouterr()
+    real = REPO / "benchmarks" / "results" / "fidelity" / "2026-11-24_795c0af_h200_llama-3.2-1b" / "azure-80"
+    assert main(["compare", str(out), str(real)]) == 0
+    text = capsys.readouterr().out
+    assert "[emulated]" in text and "[real]" in text and "sim-vs-real" not in text
+
+
+def test_an_emulator_that_falls_behind_its_cost_model_warns_once(capsys):
+    """Steps that end later than predicted (a busy host) make the emulator say, once, that its latencies are
+    the host's; steps on time say nothing."""
+    from testbed.engine.config import EngineConfig
+    from testbed.sim.emulator import LATE_WINDOW, EmulatedExecutor
+    on_time = EmulatedExecutor("Llama-3.2-1B", EngineConfig(), gpu="H200", cost_model="zero")
+    for _ in range(2 * LATE_WINDOW):
+        on_time._account(0.001, 0.002)  # 1 ms to spare
+    assert "falls behind" not in capsys.readouterr().err
+    late = EmulatedExecutor("Llama-3.2-1B", EngineConfig(), gpu="H200", cost_model="zero")
+    for _ in range(3 * LATE_WINDOW):
+        late._account(-0.002, 0.0023)  # 2 ms late on a 2.3 ms step, as on a loaded laptop
+    err = capsys.readouterr().err
+    assert err.count("emulation falls behind its cost model") == 1, err

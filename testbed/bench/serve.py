@@ -205,7 +205,7 @@ def run_bench(args: argparse.Namespace) -> tuple[Path | None, dict]:
         "trace": {"path": args.trace, "dataset": args.dataset, "dataset_path": args.dataset_path,
                   "format": args.trace_format, "num_requests": len(requests), "request_rate": rate,
                   "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "clipped": clipped},
-        "hardware": None, "seed": args.seed, "wall_time_s": duration, "step_log": args.server_log_steps,
+        "hardware": None, "emulated": info.get("emulated"), "seed": args.seed, "wall_time_s": duration, "step_log": args.server_log_steps,
         **environment_info(),
     }
     return write_run(out, manifest, rec, summary), summary

@@ -137,7 +137,7 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
         return JSONResponse({"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "testbed",
             "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
-            "vocab_size": state.vocab_size}]})
+            "vocab_size": state.vocab_size, "emulated": state.emulated}]})
 
     generation = R.openapi_responses(R.BAD_REQUEST, R.MODEL_NOT_FOUND, R.GENERATION_ERRORS, api_key=keyed, stream=True)
     plain = R.openapi_responses(R.BAD_REQUEST, R.MODEL_NOT_FOUND, api_key=keyed)

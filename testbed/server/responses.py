@@ -43,6 +43,7 @@ class ModelCard(BaseModel):
     parent: str | None
     max_model_len: int
     vocab_size: int
+    emulated: str | None = None  # testbed: the GPU and cost model `--emulate` times steps by, else null
 
 
 class ModelList(BaseModel):

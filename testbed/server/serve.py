@@ -319,7 +319,8 @@ async def run_server(args: argparse.Namespace) -> int:
     state = ServerState(client, tokenizer, served, model, metrics, ready.max_model_len, ready.vocab_size,
                         ready.num_gpu_blocks, ready.block_size, cfg.max_num_waiting, args.api_key,
                         TokenTexts(tokenizer), cfg.policy, pooler_config=pooler,
-                        structured_outputs_timeout=args.structured_outputs_timeout)
+                        structured_outputs_timeout=args.structured_outputs_timeout,
+                        emulated=f"{args.gpu}, cost model {args.cost_model}" if args.emulate else None)
     client.on_stats = state.on_stats
     app = build_app(state, args.max_request_bytes)
     what = (f"engine core pid {ready.pid}" if topology is None else

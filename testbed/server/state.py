@@ -53,6 +53,7 @@ class ServerState:
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar"))
     structured_outputs_timeout: float = 5.0
+    emulated: str | None = None  # --emulate: "GPU, cost model" (reported in /v1/models), else None
     _max_prompt_bytes: int | None = field(default=None, repr=False)
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:

@@ -21,6 +21,7 @@ from testbed.sim.cost_model import num_gpu_blocks
 from testbed.specs.hardware import get_gpu_spec
 
 COST_MODELS = "'auto', 'roofline', 'zero' (no wait: the engine and API server alone) or a profile JSON"
+LATE_WINDOW = 200  # steps a falling-behind check looks at
 
 
 class EmulatedExecutor:
@@ -46,6 +47,9 @@ class EmulatedExecutor:
         self.hidden_size = spec.hidden_size
         self.clock, self.sleep = clock, sleep
         self._device_free = 0.0  # when the emulated device finishes its last launched step
+        self._late = self._steps = 0  # steps (this window) that ended after their predicted end
+        self._late_s = self._pred_s = 0.0
+        self._warned = False
 
     def _tokens(self, so: SchedulerOutput) -> list[int]:
         out = []
@@ -76,10 +80,30 @@ class EmulatedExecutor:
     def _predict(self, so: SchedulerOutput) -> float:
         return self.cost.step_time(so) if self.cost is not None else 0.0
 
+    def _account(self, wait: float, predicted: float) -> None:
+        """Warn once when most steps of a window end after their predicted time: the host cannot keep up with
+        the cost model, so the served timings are the host's, not the emulated GPU's."""
+        self._steps += 1
+        self._pred_s += predicted
+        if wait < -max(1e-3, 0.2 * predicted):
+            self._late += 1
+            self._late_s -= wait
+        if self._steps < LATE_WINDOW:
+            return
+        if self._late > LATE_WINDOW // 2 and not self._warned:
+            from testbed import warn
+            warn(f"emulation falls behind its cost model: {self._late} of {self._steps} steps ended late, by "
+                 f"{1e3 * self._late_s / self._late:.1f} ms on average against {1e3 * self._pred_s / self._steps:.1f} ms "
+                 "predicted; the host is too busy to emulate this GPU, so latencies are the host's")
+            self._warned = True
+        self._late = self._steps = 0
+        self._late_s = self._pred_s = 0.0
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         start = so.step_state[0] if so.step_state else self.clock()
         d = self._predict(so)
         wait = start + d - self.clock()
+        self._account(wait, d)
         if wait > 0:
             self.sleep(wait)
         return ModelRunnerOutput(self._tokens(so), d, pooler_output=self._pooled(so))
