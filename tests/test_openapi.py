@@ -7,6 +7,8 @@ tokenizer, no model forward), so each of the few thousand generated requests is 
 """
 from __future__ import annotations
 
+import re
+
 import subprocess
 import sys
 
@@ -51,6 +53,12 @@ def test_document_is_served_and_states_errors(server):
     assert "ErrorResponse" in doc["components"]["schemas"]
     docs = httpx.get(f"{server.url}/docs", timeout=30)
     assert docs.status_code == 200 and "text/html" in docs.headers["content-type"] and "/openapi.json" in docs.text
+    # offline: every asset the page loads is served here, none from another host
+    assert "http://" not in docs.text and "https://" not in docs.text, docs.text
+    for asset in re.findall(r'(?:src|href)="(/docs-assets/[^"]+)"', docs.text):
+        r = httpx.get(f"{server.url}{asset}", timeout=30)
+        assert r.status_code == 200 and len(r.content) > 500, asset
+    assert len(re.findall(r'(?:src|href)="/docs-assets/', docs.text)) == 3  # script, style, icon
 
 
 def test_health_json_and_405_allow(server):

@@ -30,6 +30,7 @@ from testbed.server.schemas import (APIError, ChatCompletionRequest, CompletionR
 from testbed.server.state import ServerState
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")
+DOCS_ASSETS = "/docs-assets"  # Swagger UI's files, served from the swagger-ui-bundle package: /docs works offline
 
 
 class ASCIIJSONResponse(JSONResponse):
@@ -52,7 +53,7 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not scope["path"].startswith(DOCS_ASSETS):
             headers = dict(scope["headers"])
             scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
             # the scheme is case-insensitive (RFC 7235); the key is compared in constant time
@@ -86,12 +87,29 @@ class GuardMiddleware:
         await self.app(scope, replay_receive, send)
 
 
+def mount_docs(app: FastAPI) -> None:
+    """/docs: Swagger UI over /openapi.json, its script, style and icon served from the installed
+    swagger-ui-bundle package (FastAPI's default loads them from a CDN, a blank page offline)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def _docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="testbed API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+
 def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
     from testbed import __version__
-    app = FastAPI(title="testbed", version=__version__, docs_url="/docs", redoc_url=None,
+    app = FastAPI(title="testbed", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json", description="OpenAI-compatible API of `testbed serve` (vLLM's "
                   "extensions included). Every error has OpenAI's body: {\"error\": {message, type, param, code}}.")
     app.state.server = state
+    mount_docs(app)
     app.add_middleware(GuardMiddleware, api_key=state.api_key, max_bytes=max_request_bytes)
     keyed = state.api_key is not None
     R.document(app, keyed)
