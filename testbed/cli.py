@@ -25,7 +25,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         trace, cfg, model=args.model, gpu=args.gpu, cost_model=args.cost_model,
         request_rate=args.request_rate, burstiness=args.burstiness, limit=args.limit, trace_format=args.trace_format,
         slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, output=out, progress=not args.no_progress)
-    print_result(summary, run_dir, args.format, "Simulation Result")
+    setup = None
+    if run_dir is not None and args.format == "table":
+        from testbed.report import format_setup
+        from testbed.rundir import read_run
+        run = read_run(run_dir)
+        replicas = run.requests(columns=["replica"])["replica"].value_counts().sort_index()
+        setup = format_setup(run.manifest, [int(replicas.get(i, 0)) for i in range(cfg.data_parallel_size)])
+    print_result(summary, run_dir, args.format, "Simulation Result", setup)
     return 0
 
 

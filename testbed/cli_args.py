@@ -98,12 +98,12 @@ def default_run_dir(mode: str, trace: str, model: str) -> Path:
     return Path("runs") / f"{stamp}-{mode}-{slug}"
 
 
-def print_result(summary: dict, run_dir: Path | None, fmt: str, title: str) -> None:
+def print_result(summary: dict, run_dir: Path | None, fmt: str, title: str, setup: str | None = None) -> None:
     from testbed.report import format_summary
     if fmt == "json":
         print(json.dumps({"run_dir": str(run_dir) if run_dir else None, **summary}, sort_keys=True))
     else:
-        print(format_summary(summary, title))
+        print(format_summary(summary, title, setup))
         if run_dir is not None:
             print(f"Run directory: {run_dir}")
 

@@ -6,7 +6,8 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.2f}"
 
 
-def format_summary(s: dict, title: str = "Result") -> str:
+def format_summary(s: dict, title: str = "Result", setup: str | None = None) -> str:
+    """The result block; `setup` (format_setup's lines) after it, in place of the bare cost-model line."""
     w = 50
     lines = [f"{' ' + title + ' ':=^{w}}"]
 
@@ -33,7 +34,32 @@ def format_summary(s: dict, title: str = "Result") -> str:
     row("Prefix-cache hit rate:", f"{s['prefix_cache_hit_rate']:.1%}")
     row("Mean batch size (requests/step):", f"{s['mean_batch_size']:.2f}")
     row("Engine steps:", s["num_steps"])
-    if s.get("cost_model"):
+    if s.get("cost_model") and not setup:
         lines.append(f"Cost model: {s['cost_model']}")
     lines.append("=" * w)
+    if setup:
+        lines.append(setup)
+    return "\n".join(lines)
+
+
+def format_setup(manifest: dict, replicas: list[int] | None = None) -> str:
+    """What a simulation ran (model, GPU, TP, DP and its policy, prefix caching, cost model) and how fast
+    (simulated seconds per wall second); with DP, each replica's share of the requests and the imbalance
+    (the busiest replica's share over the mean)."""
+    cfg = manifest.get("config") or {}
+    name = lambda v: v.get("name") if isinstance(v, dict) else v  # noqa: E731
+    dp = cfg.get("data_parallel_size", 1)
+    lines = [f"Setup: {name(manifest.get('model'))} on {name(manifest.get('hardware'))}, TP {cfg.get('tensor_parallel_size', 1)}, "
+             + (f"DP {dp} ({cfg.get('dp_policy')})" if dp > 1 else "one replica")
+             + f", prefix caching {'on' if cfg.get('enable_prefix_caching') else 'off'}, "
+             f"max-num-seqs {cfg.get('max_num_seqs')}, max-num-batched-tokens {cfg.get('max_num_batched_tokens')}"]
+    if manifest.get("cost_model"):
+        lines.append(f"Cost model: {manifest['cost_model']}")
+    sim_s, wall = manifest.get("simulated_time_s"), manifest.get("wall_time_s")
+    if sim_s is not None and wall:
+        lines.append(f"Speed: {sim_s:,.1f} simulated s in {wall:.2f} wall s ({sim_s / wall:,.0f}x real time)")
+    if replicas and len(replicas) > 1:
+        mean = sum(replicas) / len(replicas)
+        lines.append("Replica load (requests): " + ", ".join(f"{i}: {n}" for i, n in enumerate(replicas))
+                     + (f"; imbalance (max / mean) {max(replicas) / mean:.2f}" if mean else ""))
     return "\n".join(lines)

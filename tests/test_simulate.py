@@ -436,3 +436,12 @@ def test_every_flag_has_help_and_help_shows_defaults(capsys):
         main(["simulate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "most requests in one step (default: 256)" in text and "(default: H100-SXM)" in text
+
+
+def test_the_summary_restates_the_setup_and_speed(tmp_path, capsys):
+    rc, out, err = cli(capsys, SAMPLE, "--limit", 60, "-dp", 2, "--dp-policy", "round_robin", "--model", "Llama-3.2-1B",
+                       "--gpu", "H200", "--enable-prefix-caching", "-o", tmp_path / "run")
+    assert rc == 0, err
+    assert "Setup: Llama-3.2-1B on H200, TP 1, DP 2 (round_robin), prefix caching on" in out
+    assert "Cost model: profile Llama-3.2-1B_H200_tp1.json" in out and "x real time)" in out
+    assert "Replica load (requests): 0: 30, 1: 30; imbalance (max / mean) 1.00" in out
