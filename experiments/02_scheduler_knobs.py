@@ -17,7 +17,7 @@
 # is not available here (neither in the repository nor in the public traces this project uses), so this
 # notebook derives a bursty workload instead, and says so: the request lengths of the Azure *conversation*
 # trace (`traces/azure_conv_10min.jsonl`, bundled; with `full=True` the whole hour from
-# `../shared/traces/azure_llm_2023_conv.csv`) with gamma-distributed inter-arrival times of shape
+# `azure_llm_2023_conv.csv` in `$TESTBED_TRACES_DIR`) with gamma-distributed inter-arrival times of shape
 # `burstiness` < 1 (`--request-rate R --burstiness B`; B = 0.25 gives inter-arrival times with a coefficient
 # of variation of 2, where Poisson has 1). Code completion has shorter outputs than conversation, so the
 # absolute numbers are not the code trace's; the comparison between knobs is the point.
@@ -30,7 +30,7 @@
 # can be turned off with a budget of 8192, as vLLM requires).
 
 # %% tags=["parameters"]
-full = False  # True: the whole Azure conversation hour (../shared/traces), more rates and every knob combination
+full = False  # True: the whole Azure conversation hour ($TESTBED_TRACES_DIR), more rates and every knob combination
 output_dir = "runs/experiments/02_scheduler_knobs"
 seed = 0  # arrivals (gamma process) and the interactive marks
 jobs = 2  # worker processes

@@ -22,7 +22,7 @@
 # rate; arrivals are re-drawn as a Poisson process (seeded), prompts and their shared prefixes are the
 # trace's. **Trace.** `traces/mooncake_synthetic_tail500.jsonl`, the last 500 requests of Mooncake's
 # synthetic trace (bundled; its first requests share almost no prefixes, its last ones do); `full=True`
-# uses all 3,993 from `../shared/traces/mooncake_synthetic.jsonl`. With 500 requests, 64 replicas get
+# uses all 3,993 from `mooncake_synthetic.jsonl` in `$TESTBED_TRACES_DIR`. With 500 requests, 64 replicas get
 # about 8 each, so the large-N end of the default run is a short transient; the full trace gives 62 each.
 #
 # **Metrics.** Prefix-cache hit rate (prompt tokens served from the cache / prompt tokens), TTFT p99, and
@@ -31,7 +31,7 @@
 # unlimited cache would reach: computed from the trace's `hash_ids` alone.
 
 # %% tags=["parameters"]
-full = False  # True: the whole Mooncake trace from ../shared/traces (3,993 requests)
+full = False  # True: the whole Mooncake trace from $TESTBED_TRACES_DIR (3,993 requests)
 output_dir = "runs/experiments/03_dp_routing"
 seed = 0  # Poisson arrivals
 jobs = 2  # worker processes

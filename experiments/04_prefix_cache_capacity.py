@@ -19,10 +19,10 @@
 # One replica with prefix caching, Poisson arrivals at `load` times its measured saturation rate, the
 # number of KV blocks swept from a few thousand to "unlimited" (every request's blocks at once, so nothing
 # is evicted: a what-if no GPU has). **Trace.** The bundled last 500 requests of Mooncake's synthetic trace;
-# `full=True` uses all 3,993 from `../shared/traces/mooncake_synthetic.jsonl`.
+# `full=True` uses all 3,993 from `mooncake_synthetic.jsonl` in `$TESTBED_TRACES_DIR`.
 
 # %% tags=["parameters"]
-full = False  # True: the whole Mooncake trace from ../shared/traces (3,993 requests)
+full = False  # True: the whole Mooncake trace from $TESTBED_TRACES_DIR (3,993 requests)
 output_dir = "runs/experiments/04_prefix_cache_capacity"
 seed = 0  # Poisson arrivals
 jobs = 2  # worker processes

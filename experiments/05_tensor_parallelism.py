@@ -28,7 +28,7 @@
 # shipped profiles) with the measured all-reduce fit, which part 1 says how far to trust.
 
 # %% tags=["parameters"]
-full = False  # True: the whole Azure conversation hour (../shared/traces) at more rates
+full = False  # True: the whole Azure conversation hour ($TESTBED_TRACES_DIR) at more rates
 output_dir = "runs/experiments/05_tensor_parallelism"
 measured = "benchmarks/results/tp_h200x2_2026-11-21.json"  # benchmarks/tp.py's raw output
 seed = 0  # Poisson arrivals of part 2

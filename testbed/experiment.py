@@ -55,13 +55,25 @@ def start(output_dir: str | Path, seeds: dict[str, int]) -> tuple[Path, dict[str
     return out, env
 
 
+TRACES_DIR_ENV = "TESTBED_TRACES_DIR"  # the folder holding the full public traces (not in the repository)
+
+
 def trace_path(full: bool, bundled: str, public: str) -> Path:
     """The trace a notebook reads: `bundled` (a file in the repository, the CI-sized default) or, with `full`,
-    `public` among the public traces beside the repository (../shared/traces); FileNotFoundError if missing."""
-    path = Path("../shared/traces") / public if full else Path(bundled)
+    `public` in the folder of full public traces that TESTBED_TRACES_DIR names; FileNotFoundError saying what
+    to fetch or set when it is missing."""
+    if not full:
+        path = Path(bundled)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing (run the notebooks from the repository's root)")
+        return path
+    folder = os.environ.get(TRACES_DIR_ENV)
+    if not folder:
+        raise FileNotFoundError(f"full=True reads the public trace {public}: download it and set {TRACES_DIR_ENV} "
+                                "to its folder (traces/README.md names the sources)")
+    path = Path(folder) / public
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing" + (" (full=True reads the public traces in ../shared/traces, "
-                                                        "beside the repository)" if full else ""))
+        raise FileNotFoundError(f"{path} is missing ({TRACES_DIR_ENV}={folder}; traces/README.md names the sources)")
     return path
 
 

@@ -135,3 +135,13 @@ def test_png_bytes_depend_only_on_the_figure():
     fig, ax = plt.subplots()
     ax.plot([0, 1, 2])
     assert to_png(fig) != runs[0]
+
+
+def test_full_experiments_name_the_traces_folder_they_need(monkeypatch, tmp_path):
+    from testbed.experiment import TRACES_DIR_ENV, trace_path
+    monkeypatch.delenv(TRACES_DIR_ENV, raising=False)
+    with pytest.raises(FileNotFoundError, match=f"set {TRACES_DIR_ENV}"):
+        trace_path(True, "traces/azure_conv_10min.jsonl", "azure_llm_2023_conv.csv")
+    (tmp_path / "azure_llm_2023_conv.csv").write_text("x")
+    monkeypatch.setenv(TRACES_DIR_ENV, str(tmp_path))
+    assert trace_path(True, "traces/azure_conv_10min.jsonl", "azure_llm_2023_conv.csv") == tmp_path / "azure_llm_2023_conv.csv"

@@ -33,8 +33,12 @@ class Series:
         return f"{self.label} ({self.mode})"
 
     def line(self) -> dict:
-        return {"color": f"C{self.index % 10}", "linestyle": "--" if self.mode == "real" else "-",
-                "linewidth": 1.4, "label": self.name, "zorder": 3 if self.mode == "real" else 2}
+        """Real runs wide, dashed and translucent on top, simulations thin and solid beneath: a simulation that
+        lies on a real curve (a recorded timeline) still shows through the dashes."""
+        if self.mode == "real":
+            return {"color": f"C{self.index % 10}", "linestyle": (0, (5, 3)), "linewidth": 2.6, "alpha": 0.75,
+                    "label": self.name, "zorder": 3}
+        return {"color": f"C{self.index % 10}", "linestyle": "-", "linewidth": 1.1, "label": self.name, "zorder": 2}
 
 
 def to_png(fig: Figure, dpi: int = 100) -> bytes:
