@@ -312,6 +312,7 @@ class LLM:
         left = {}  # unfinished sequences per prompt, for the progress bar
         for gen, *_ in seqs.values():
             left[gen.request_id] = left.get(gen.request_id, 0) + 1
+        tokens_in = tokens_out = 0  # of the prompts done, and generated so far: the bar's speeds, as vLLM's
         while self.has_unfinished_requests():
             for o in self.step():
                 if o.finish_reason == "rejected":  # data parallel: a replica refused it
@@ -319,6 +320,7 @@ class LLM:
                 gen, k, sp, detok, _ = seqs[o.request_id]
                 c = gen.outputs[k]
                 c.token_ids.extend(o.new_token_ids)
+                tokens_out += len(o.new_token_ids)
                 if o.new_logprobs and c.logprobs is not None:
                     c.logprobs.extend(logprob_dict(t, e, texts) for t, e in zip(o.new_token_ids, o.new_logprobs))
                     c.cumulative_logprob = (c.cumulative_logprob or 0.0) + sum(e[0] for e in o.new_logprobs)
@@ -341,6 +343,10 @@ class LLM:
                     c.finish_reason, c.stop_reason = reason, stop_reason
                     left[gen.request_id] -= 1
                     if left[gen.request_id] == 0 and bar is not None:
+                        tokens_in += len(gen.prompt_token_ids or ())
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(f"est. speed input: {tokens_in / elapsed:.2f} toks/s, output: "
+                                            f"{tokens_out / elapsed:.2f} toks/s", refresh=False)
                         bar.update(1)
         if bar is not None:
             bar.close()

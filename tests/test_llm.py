@@ -434,3 +434,14 @@ def test_a_request_failing_in_sampling_ends_with_an_error_and_the_engine_goes_on
         assert not llm.has_unfinished_requests()
     finally:
         llm.executor.shutdown()
+
+
+def test_the_progress_bar_shows_input_and_output_speeds_as_vllms(capsys):
+    from testbed import LLM, SamplingParams
+    llm = LLM(max_model_len=256, num_gpu_blocks=64)
+    try:
+        llm.generate(["Hello there", "One two"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=True)
+    finally:
+        llm.shutdown()
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "est. speed input:" in err and "toks/s, output:" in err, err[-500:]

@@ -118,9 +118,12 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
 
     bar = None
     horizon = trace[-1].arrival_s if trace else 0.0
-    if progress:
+    if progress and not sys.stderr.isatty():  # a log file: one plain line, no half-drawn bar
+        print(f"testbed simulate: simulating {len(trace)} requests over {horizon:,.1f} s of trace time",
+              file=sys.stderr, flush=True)
+    elif progress:  # a terminal: the bar, left in place when done
         from tqdm import tqdm
-        bar = tqdm(total=round(horizon, 1), unit="sim-s", desc="simulating", file=sys.stderr, leave=False, mininterval=0.5,
+        bar = tqdm(total=round(horizon, 1), unit="sim-s", desc="simulating", file=sys.stderr, leave=True, mininterval=0.5,
                    bar_format="{desc} {n:.0f}/{total:.0f} sim-s |{bar}| {postfix} [{elapsed}<{remaining}]")
 
     def report(now: float, finished: int) -> None:
