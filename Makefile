@@ -14,6 +14,7 @@ ALL := $(VENV)/.all-installed
 DEMO_REAL ?= benchmarks/results/fidelity/2026-11-24_795c0af_h200_llama-3.2-1b/azure-80
 DEMO_OUT ?= runs/demo
 RUNS ?= runs
+PORT ?= 8501
 EXPERIMENTS_OUT ?= runs/experiments
 
 .PHONY: demo test experiments setup serve dashboard clean
@@ -68,7 +69,7 @@ serve: $(ALL)
 	$(BIN)/testbed serve
 
 dashboard: $(DASH)
-	$(BIN)/testbed dashboard $(RUNS)
+	$(BIN)/testbed dashboard $(RUNS) --port $(PORT)
 
 clean:
 	rm -rf $(VENV) runs test-artifacts

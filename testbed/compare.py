@@ -157,6 +157,22 @@ def format_table(table: pd.DataFrame, runs: list[RunMeta], baseline: RunMeta) ->
                       *(line(r) for r in rows)])
 
 
+def format_value(metric: str, x) -> str:
+    """A metric's value with one precision per unit: milliseconds and seconds to 2 decimals, rates to 1,
+    counts whole, fractions as percent; "-" where there is none."""
+    if x is None or pd.isna(x):
+        return "-"
+    if "(%)" in metric or "/s)" in metric:
+        return f"{x:,.1f}"
+    if "(ms)" in metric or "(s)" in metric:
+        return f"{x:,.2f}"
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.2f}"
+
+
+def format_pct(x) -> str:
+    return "-" if x is None or pd.isna(x) else f"{x:+.1f}%"
+
+
 def _fmt(x, pct: bool = False) -> str:
     if pd.isna(x):
         return "-"

@@ -104,17 +104,19 @@ def test_comparison_equals_summaries_with_sim_vs_real_error(monkeypatch, runs_ro
     assert at.sidebar.multiselect(key="selected_runs").value == ["real_base", "sim_base"]  # one real, one sim
     assert at.sidebar.selectbox(key="baseline").value == "real_base"
     at.sidebar.multiselect(key="selected_runs").set_value(["real_base", "sim_base", "sim_dp2"]).run()
-    table = at.dataframe[1].value.set_index("summary key")
+    shown = at.dataframe[1].value
+    assert "summary key" not in shown.columns and "None" not in shown.to_string()  # no internal column, no None
+    table = shown.set_index("metric")
     for name in ("real_base", "sim_base", "sim_dp2"):
         s, col = summary(runs_root, name), table[f"{name} [{'real' if name.startswith('real') else 'sim'}]"]
         for label, key, scale in compare.COMPARE_METRICS:
             value = s
             for part in key.split("."):
                 value = value[part]
-            assert col[key] == value * scale, (name, label)
+            assert col[label] == compare.format_value(label, value * scale), (name, label)
     err = table["sim_base: sim-vs-real error vs real_base (%)"]
-    assert err["ttft_s.p50"] == pytest.approx(100 * (1 / 1.1 - 1))
-    assert err["tpot_s.p50"] == 0
+    assert err["TTFT p50 (ms)"] == compare.format_pct(100 * (1 / 1.1 - 1)) == "-9.1%"
+    assert err["TPOT p50 (ms)"] == "+0.0%"
     assert "sim_dp2: sim-vs-real error vs real_base (%)" in table.columns
     at.sidebar.selectbox(key="baseline").set_value("sim_base").run()
     assert "sim_dp2: rel. diff vs sim_base (%)" in at.dataframe[1].value.columns
