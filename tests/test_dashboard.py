@@ -163,6 +163,10 @@ def test_launch_simulation_adds_a_run(monkeypatch, runs_root, tmp_path):
     at.selectbox(key="launch_model").set_value("Llama-3.2-1B")
     at.number_input(key="launch_limit").set_value(40)
     at.number_input(key="launch_dp").set_value(2)
+    at.number_input(key="launch_burstiness").set_value(0.5)
+    at.number_input(key="launch_slo_ttft").set_value(200.0)
+    at.number_input(key="launch_blocks").set_value(3000)
+    at.checkbox(key="launch_async").check()
     at.button(key="launch_submit").click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     assert at.progress and at.progress[-1].value == 100  # percent
@@ -172,6 +176,8 @@ def test_launch_simulation_adds_a_run(monkeypatch, runs_root, tmp_path):
     assert at.sidebar.multiselect(key="selected_runs").value == [new.name]
     manifest = json.loads((new / "manifest.json").read_text())
     assert manifest["config"]["data_parallel_size"] == 2 and manifest["trace"]["limit"] == 40
+    assert manifest["trace"]["burstiness"] == 0.5 and manifest["config"]["async_scheduling"] is True
+    assert manifest["num_gpu_blocks"] == 3000 and json.loads((new / "summary.json").read_text())["slo"]["ttft_s"] == 0.2
     assert len(at.image) == 6  # a DP run: per-replica load drawn too
 
 

@@ -33,11 +33,20 @@ class SimSettings:
     enable_prefix_caching: bool = False
     request_rate: float | None = None
     limit: int | None = None
+    tensor_parallel_size: int = 1
+    cost_model: str = "auto"
+    burstiness: float = 1.0
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
+    num_gpu_blocks: int | None = None
+    async_scheduling: bool = False
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                             data_parallel_size=self.data_parallel_size, dp_policy=self.dp_policy, policy=self.policy,
-                            enable_prefix_caching=self.enable_prefix_caching)
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            tensor_parallel_size=self.tensor_parallel_size, num_gpu_blocks=self.num_gpu_blocks,
+                            async_scheduling=self.async_scheduling)
 
 
 def inside(path: Path, folders: list) -> bool:
@@ -76,8 +85,9 @@ def simulate_run(settings: SimSettings, out_dir: Path, on_progress: Callable[[fl
     run directory. Raises ValueError with the simulator's message on bad settings or traces."""
     from testbed.sim.run import run_simulation
     run_simulation(settings.trace, settings.engine_config(), model=settings.model, gpu=settings.gpu,
-                   request_rate=settings.request_rate, limit=settings.limit, output=out_dir, progress=False,
-                   on_progress=on_progress)
+                   cost_model=settings.cost_model, request_rate=settings.request_rate, burstiness=settings.burstiness,
+                   limit=settings.limit, slo_ttft=settings.slo_ttft, slo_tpot=settings.slo_tpot, output=out_dir,
+                   progress=False, on_progress=on_progress)
     return out_dir
 
 

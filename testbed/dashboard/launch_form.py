@@ -64,6 +64,13 @@ def launch_form(roots: list[str]) -> None:
         rate = c1.number_input("Request rate (req/s, 0 = trace timing)", 0.0, 1e6, 0.0, key="launch_rate")
         limit = c2.number_input("Limit (first N requests, 0 = all)", 0, 10**9, 0, key="launch_limit")
         folder = c3.text_input("Output folder", default_folder, key="launch_folder")
+        tp = c4.number_input("tensor-parallel-size", 1, 64, 1, key="launch_tp")
+        cost_model = c1.text_input("Cost model (auto, roofline, a profile JSON)", "auto", key="launch_cost_model")
+        burstiness = c2.number_input("Burstiness (gamma shape, 1 = Poisson)", 0.01, 100.0, 1.0, key="launch_burstiness")
+        slo_ttft = c3.number_input("TTFT SLO (ms, 0 = none)", 0.0, 1e7, 0.0, key="launch_slo_ttft")
+        slo_tpot = c4.number_input("TPOT SLO (ms, 0 = none)", 0.0, 1e7, 0.0, key="launch_slo_tpot")
+        blocks = c1.number_input("num-gpu-blocks (0 = from the GPU's memory)", 0, 1 << 30, 0, key="launch_blocks")
+        async_sched = c2.checkbox("Async scheduling", key="launch_async")
         submitted = st.form_submit_button("Run simulation", type="primary", key="launch_submit")
     if not submitted:
         return
@@ -74,7 +81,9 @@ def launch_form(roots: list[str]) -> None:
                              "one; the dashboard writes runs only there")
         trace = _trace(source, traces.get(bundled), path, upload, folder, roots)
         settings = SimSettings(trace, model, gpu, int(max_seqs), int(max_tokens), int(dp), dp_policy, policy,
-                               enable_prefix, float(rate) or None, int(limit) or None)
+                               enable_prefix, float(rate) or None, int(limit) or None, int(tp), cost_model.strip() or "auto",
+                               float(burstiness), float(slo_ttft) / 1e3 or None, float(slo_tpot) / 1e3 or None,
+                               int(blocks) or None, bool(async_sched))
         out = new_run_dir(folder, settings)
 
         def on_progress(now: float, horizon: float) -> None:
