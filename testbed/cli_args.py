@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from testbed.engine.config import DEFAULT_DP_ROUTING_DELAY, DP_POLICIES, SCHEDULING_POLICIES, EngineConfig
+from testbed.specs.presets import MODEL_PRESETS
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -37,7 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     """Engine flags shared by every command that builds an EngineCore (vLLM's names and defaults)."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=model_default,
-                   help="model name or path (default: %(default)s; none = the bundled SmolLM2-135M-Instruct)")
+                   help=f"a model preset ({', '.join(MODEL_PRESETS)}); default: {model_default}" if model_default else
+                        "model folder, .gguf file, hub id in the local cache, or a preset with --load-format dummy "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs each replica's model is split over")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas behind the DP coordinator")
     g.add_argument("--dp-policy", choices=DP_POLICIES, default="least_loaded", help="DP routing policy")
