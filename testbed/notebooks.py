@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ def inject_parameters(nb, parameters: dict[str, Any]) -> None:
 
 
 def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str, Any] | None = None, *,
-                     cwd: str | Path = ".", timeout: float = 900) -> Path:
+                     cwd: str | Path = ".", timeout: float = 900, progress: bool = False) -> Path:
     """Execute one notebook with `parameters` (plus `output_dir` = `output`) in a fresh kernel started in
     `cwd`; write the executed notebook to `output`/NAME.ipynb, also when a cell fails (NotebookError then)."""
     import nbformat
@@ -101,10 +102,24 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
     inject_parameters(nb, {"output_dir": str(out), **(parameters or {})})
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{src.stem}.ipynb"
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                            resources={"metadata": {"path": str(Path(cwd).resolve())}})
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+    def on_cell_executed(cell, cell_index: int, **_) -> None:  # a line per cell, so a long run shows where it is
+        if progress and cell.cell_type == "code":
+            print(f"  {src.stem}: cell {code.index(cell_index) + 1}/{len(code)} done", flush=True)
+
+    import tempfile
+
+    from jupyter_client.manager import KernelManager
+    ipc = tempfile.mkdtemp(prefix="testbed-kernel-")  # the kernel speaks over IPC sockets there, not TCP
+    km = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(ipc) / "kernel"))
+    client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(Path(cwd).resolve())}}, on_cell_executed=on_cell_executed)
     try:
-        client.execute()
+        with warnings.catch_warnings():  # jupyter_client's transport notices say nothing about the notebook
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            client.execute()
     except CellExecutionError as e:
         raise NotebookError(f"{src}: a cell failed (the executed notebook up to it: {target}):\n{e}") from None
     except CellTimeoutError:
@@ -113,6 +128,10 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
                             "or more --parameter jobs=N on more cores") from None
     finally:
         nbformat.write(nb, target)
+        if km.has_kernel:  # passed in, so not the client's to stop
+            km.shutdown_kernel(now=True)
+        import shutil
+        shutil.rmtree(ipc, ignore_errors=True)
     return target
 
 
@@ -142,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             params[name] = _literal(value)
         for nb in find_notebooks(args.notebooks):
             print(f"running {nb} ...", flush=True)
-            target = execute_notebook(nb, Path(args.output) / nb.stem, params, timeout=args.timeout)
+            target = execute_notebook(nb, Path(args.output) / nb.stem, params, timeout=args.timeout, progress=True)
             print(f"wrote {target}", flush=True)
     except (ValueError, OSError, NotebookError) as e:
         print(f"testbed.notebooks: error: {e}", file=sys.stderr)
