@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -108,18 +107,10 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
         if progress and cell.cell_type == "code":
             print(f"  {src.stem}: cell {code.index(cell_index) + 1}/{len(code)} done", flush=True)
 
-    import tempfile
-
-    from jupyter_client.manager import KernelManager
-    ipc = tempfile.mkdtemp(prefix="testbed-kernel-")  # the kernel speaks over IPC sockets there, not TCP
-    km = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(ipc) / "kernel"))
-    client = NotebookClient(nb, km=km, timeout=timeout, kernel_name="python3", record_timing=False,
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                             resources={"metadata": {"path": str(Path(cwd).resolve())}}, on_cell_executed=on_cell_executed)
     try:
-        with warnings.catch_warnings():  # jupyter_client's transport notices say nothing about the notebook
-            warnings.simplefilter("ignore", DeprecationWarning)
-            warnings.simplefilter("ignore", RuntimeWarning)
-            client.execute()
+        client.execute()
     except CellExecutionError as e:
         raise NotebookError(f"{src}: a cell failed (the executed notebook up to it: {target}):\n{e}") from None
     except CellTimeoutError:
@@ -128,10 +119,6 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
                             "or more --parameter jobs=N on more cores") from None
     finally:
         nbformat.write(nb, target)
-        if km.has_kernel:  # passed in, so not the client's to stop
-            km.shutdown_kernel(now=True)
-        import shutil
-        shutil.rmtree(ipc, ignore_errors=True)
     return target
 
 
