@@ -83,4 +83,4 @@ def get_gpu_spec(name: str) -> GPUSpec:
     if key in _ALIASES:
         return GPU_PRESETS[_ALIASES[key]]
     raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPU_PRESETS)} "
-                     f"(aliases: {', '.join(sorted(_ALIASES))}); or build a GPUSpec yourself")
+                     f"(aliases: {', '.join(sorted(_ALIASES))}); pick one with --gpu")
