@@ -134,15 +134,15 @@ def _detect(path: Path, lines: list[str]) -> str:
             return "mooncake"
         if set(obj) & set(JSONL_FIELDS):
             return "jsonl"
-        raise TraceError(path, first_no, "unrecognised JSON trace: expected `arrival_s` (project "
-                                         "JSONL) or `timestamp` + `input_length` (Mooncake); or name the format with --trace-format")
+        raise TraceError(path, first_no, "unrecognised JSON trace: expected `arrival_s` (project JSONL) or "
+                                         "`timestamp` + `input_length` (Mooncake); or name the format with --trace-format")
     header = [c.strip() for c in first.split(",")]
     if AZURE_COLUMNS[0] in header:
         return "azure"
     if LENGTHS_COLUMNS[0] in header:
         return "lengths"
-    raise TraceError(path, first_no, f"unrecognised trace header (expected JSONL, "
-                                     f"{','.join(AZURE_COLUMNS)} or {','.join(LENGTHS_COLUMNS)}; or name the format with --trace-format)")
+    raise TraceError(path, first_no, f"unrecognised trace header (expected JSONL, {','.join(AZURE_COLUMNS)} or "
+                                     f"{','.join(LENGTHS_COLUMNS)}; or name the format with --trace-format)")
 
 
 def _json_object(path, no: int, line: str) -> dict:
