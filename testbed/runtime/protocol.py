@@ -156,4 +156,3 @@ FromEngine = Union[Ready, Outputs, EngineError]
 
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
-encoder = msgspec.msgpack.Encoder()
