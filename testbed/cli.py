@@ -17,9 +17,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if trace is None:
         raise ValueError("give a TRACE file, or --like RUN_DIR to simulate the requests a run served")
     if args.like is not None:
+        from testbed.rundir import read_run
         from testbed.sim.like import like_config
-        cfg = take_from_run(args, cfg)
-        cfg = like_config(args.like, cfg)
+        run = read_run(args.like)
+        cfg = like_config(run, take_from_run(args, run, cfg))
     out = args.output or default_run_dir("sim", trace, args.model)
     run_dir, summary = run_simulation(
         trace, cfg, model=args.model, gpu=args.gpu, cost_model=args.cost_model,
@@ -36,13 +37,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def take_from_run(args: argparse.Namespace, cfg):
+def take_from_run(args: argparse.Namespace, run, cfg):
     """--like: the run's model, GPU and engine flags for every one not given on the command line (`args.given`),
     with one line on stderr saying what was taken."""
     import dataclasses
 
     from testbed.sim.like import run_setup
-    model, gpu, engine = run_setup(args.like)
+    model, gpu, engine = run_setup(run)
     given = getattr(args, "given", set())
     taken = []
     if model is not None and "model" not in given and model != args.model:
@@ -61,11 +62,16 @@ def take_from_run(args: argparse.Namespace, cfg):
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
+def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of the subcommand `command` (`testbed COMMAND ...`)."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+
+
 def given_dests(parser: argparse.ArgumentParser, argv: list[str], command: str) -> set[str]:
     """The destinations of the flags given on the command line for `command` (abbreviations too): the
     subcommand's parser run again over a namespace that already holds every destination, so argparse
     fills in no default and only what was given replaces the placeholder."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    sub = subcommand_parser(parser, command)
     unset = object()
     ns = argparse.Namespace(**{a.dest: unset for a in sub._actions if a.dest != argparse.SUPPRESS})
     rest = argv[argv.index(command) + 1:] if command in argv else argv
@@ -177,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 def unrecognized(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> str:
     """One line naming the flags `command` does not take, each with the closest flag it does take."""
     import difflib
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    sub = subcommand_parser(parser, command)
     known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
     parts = []
     for x in extras:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from testbed.rundir import RunDirError, read_run
+from testbed.rundir import RunDirError, entry_name, read_run
 
 
 @dataclass(frozen=True)
@@ -198,9 +198,8 @@ def setting(run: RunMeta, key: str):
     """A run's model, GPU, cost model or engine flag, as its manifest records it (None where it does not)."""
     m = run.manifest
     if key in ("model", "hardware"):
-        v = m.get(key)
-        name = v.get("name") if isinstance(v, dict) else v
-        if key == "hardware" and isinstance(name, str):
+        name = entry_name(m.get(key))
+        if key == "hardware" and name is not None:
             from testbed.specs.hardware import get_gpu_spec
             try:
                 return get_gpu_spec(name).name  # "NVIDIA H200" and "H200" are one GPU
@@ -211,14 +210,18 @@ def setting(run: RunMeta, key: str):
         return m.get("cost_model")
     if key in ("num_gpu_blocks", "max_model_len") and m.get(key) is not None:
         return m[key]  # what the run had, where the flag was left to be decided
-    config = m.get("config") if isinstance(m.get("config"), dict) else {}
-    return config.get(key)
+    return _config(run).get(key)
+
+
+def _config(run: RunMeta) -> dict:
+    config = run.manifest.get("config")
+    return config if isinstance(config, dict) else {}
 
 
 def differing_settings(runs: list[RunMeta]) -> dict[str, dict[str, object]]:
     """{setting: {run label: value}} for the model, GPU, cost model and engine flags whose recorded values differ."""
     keys = ["model", "hardware", "cost_model"]
-    keys += sorted({k for r in runs for k in (r.manifest.get("config") or {}) if isinstance(r.manifest.get("config"), dict)})
+    keys += sorted({k for r in runs for k in _config(r)})
     out = {}
     for k in keys:
         vals = {r.label: setting(r, k) for r in runs}

@@ -46,10 +46,10 @@ def format_setup(manifest: dict, replicas: list[int] | None = None) -> str:
     """What a simulation ran (model, GPU, TP, DP and its policy, prefix caching, cost model) and how fast
     (simulated seconds per wall second); with DP, each replica's share of the requests and the imbalance
     (the busiest replica's share over the mean)."""
+    from testbed.rundir import entry_name
     cfg = manifest.get("config") or {}
-    name = lambda v: v.get("name") if isinstance(v, dict) else v  # noqa: E731
     dp = cfg.get("data_parallel_size", 1)
-    lines = [f"Setup: {name(manifest.get('model'))} on {name(manifest.get('hardware'))}, TP {cfg.get('tensor_parallel_size', 1)}, "
+    lines = [f"Setup: {entry_name(manifest.get('model'))} on {entry_name(manifest.get('hardware'))}, TP {cfg.get('tensor_parallel_size', 1)}, "
              + (f"DP {dp} ({cfg.get('dp_policy')})" if dp > 1 else "one replica")
              + f", prefix caching {'on' if cfg.get('enable_prefix_caching') else 'off'}, "
              f"max-num-seqs {cfg.get('max_num_seqs')}, max-num-batched-tokens {cfg.get('max_num_batched_tokens')}"]

@@ -90,6 +90,12 @@ def check_output(out_dir: str | Path) -> Path:
     return out
 
 
+def entry_name(value) -> str | None:
+    """The name a manifest's `model` or `hardware` entry gives: a plain name, or a dict's "name" (None else)."""
+    name = value.get("name") if isinstance(value, dict) else value
+    return name if isinstance(name, str) else None
+
+
 def _is_our_manifest(path: Path) -> bool:
     """Whether `path` is a manifest.json that write_run wrote (a JSON object with MANIFEST_KEYS, mode sim/real)."""
     try:

@@ -12,16 +12,15 @@ import dataclasses
 from pathlib import Path
 
 from testbed.engine.config import EngineConfig
-from testbed.rundir import RunDirError, read_run
+from testbed.rundir import Run, RunDirError, entry_name, read_run
 from testbed.specs.hardware import get_gpu_spec
 from testbed.specs.presets import get_model_spec
 
 
-def run_cache(run_dir: str | Path) -> tuple[int, int | None]:
+def run_cache(run: Run) -> tuple[int, int | None]:
     """(KV blocks per replica, max_model_len or None) a run served with: from its manifest (`testbed simulate`
     and `replay` record both; `bench serve` records the server's max_model_len), else the blocks from its
     step records (a `bench serve` run with --server-log-steps)."""
-    run = read_run(run_dir)
     m = run.manifest
     server_model = (m.get("server") or {}).get("model") or {}
     max_len = m.get("max_model_len") or server_model.get("max_model_len")
@@ -30,22 +29,23 @@ def run_cache(run_dir: str | Path) -> tuple[int, int | None]:
         total = run.steps(columns=["kv_blocks_total"])["kv_blocks_total"]
         blocks = int(total.max()) if len(total) else None
     if blocks is None:
-        raise RunDirError(f"{run_dir}: the run records no KV-cache size (no num_gpu_blocks in manifest.json and no "
+        raise RunDirError(f"{run.path}: the run records no KV-cache size (no num_gpu_blocks in manifest.json and no "
                           "step records; a `bench serve` run needs --server-log-steps); pass --num-gpu-blocks")
     return int(blocks), (int(max_len) if max_len else None)
 
 
-def like_config(run_dir: str | Path, config: EngineConfig) -> EngineConfig:
-    """`config` with num_gpu_blocks and max_model_len taken from the run where they are unset (None)."""
-    blocks, max_len = run_cache(run_dir)
+def like_config(run: str | Path | Run, config: EngineConfig) -> EngineConfig:
+    """`config` with num_gpu_blocks and max_model_len taken from the run (a directory, or one already read)
+    where they are unset (None)."""
+    blocks, max_len = run_cache(run if isinstance(run, Run) else read_run(run))
     return dataclasses.replace(config, num_gpu_blocks=config.num_gpu_blocks or blocks,
                                max_model_len=config.max_model_len or max_len)
 
 
 def _preset(value, lookup) -> str | None:
-    """The preset name a manifest's model or hardware entry (a name, or a dict with one) maps to, or None."""
-    name = value.get("name") if isinstance(value, dict) else value
-    if not isinstance(name, str):
+    """The preset name a manifest's model or hardware entry maps to, or None."""
+    name = entry_name(value)
+    if name is None:
         return None
     try:
         return lookup(name).name
@@ -53,11 +53,11 @@ def _preset(value, lookup) -> str | None:
         return None
 
 
-def run_setup(run_dir: str | Path) -> tuple[str | None, str | None, dict]:
+def run_setup(run: Run) -> tuple[str | None, str | None, dict]:
     """(model preset, GPU preset, engine flags) a run recorded: presets where its manifest names one (None
     otherwise), engine flags from a `simulate` or `replay` manifest (a `bench serve` run records the client's
     flags, not the server's: none then)."""
-    m = read_run(run_dir).manifest
+    m = run.manifest
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     config = m.get("config") if isinstance(m.get("config"), dict) else {}
     engine = {k: v for k, v in config.items() if k in fields} if set(config) <= fields else {}
