@@ -131,3 +131,12 @@ def metric(text: str, name: str, **labels: str) -> float:
                 found = True
     assert found, f"metric {name} {labels} not on the page"
     return total
+
+
+def deep_schema(levels: int, required: bool = False) -> dict:
+    """A JSON schema of `levels` nested objects (2 JSON levels each) around a string; `required`: each
+    object requires its one property."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, **({"required": ["a"]} if required else {})}
+    return schema

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from server_helpers import running_server, sse_events
+from server_helpers import deep_schema, running_server, sse_events
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,15 +51,8 @@ schemas = st.recursive(leaf_schema, lambda inner: st.one_of(
     inner.map(lambda item: {"type": "array", "items": item, "maxItems": 3})), max_leaves=8)
 
 
-def _nested(levels: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return schema
-
-
 hostile_schemas = st.one_of(
-    st.integers(65, 200).map(_nested),  # past the depth bound (128 JSON levels)
+    st.integers(65, 200).map(deep_schema),  # past the depth bound (128 JSON levels)
     st.sampled_from([{"$ref": "file:///etc/passwd"}, {"$ref": "http://127.0.0.1:9/x.json"},
                      {"type": "object", "properties": {"a": {"$ref": "other.json#/a"}}}]),
     st.integers(100, 300).map(lambda n: {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}),
@@ -295,18 +288,11 @@ def test_huge_prompts_are_refused_before_tokenizing_and_delay_no_one(server):
     assert asyncio.run(scenario()) < 15
 
 
-def _deep_schema(levels: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
-
-
 def test_a_slow_schema_check_is_bounded_and_holds_no_one_up(tmp_path, server):
     """--structured-outputs-timeout: a schema whose check takes longer (63 levels deep: about 40 ms here,
     against a bound of 5 ms) gets a 400 naming the field, while requests sent with it are served; the same
     schema under the default bound is accepted (it is within the depth limit)."""
-    deep = {"type": "json_schema", "json_schema": {"name": "deep", "schema": _deep_schema(63)}}
+    deep = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep_schema(63, required=True)}}
     chat = [{"role": "user", "content": "Hi"}]
     with running_server("--structured-outputs-timeout", "0.005", log_dir=tmp_path,
                         env={"OMP_NUM_THREADS": "1"}) as srv:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from llm_helpers import OpenAIPenalties, hf_greedy
-from server_helpers import REPO, running_server, sse_events
+from server_helpers import REPO, deep_schema, running_server, sse_events
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
@@ -213,14 +213,7 @@ def test_front_end_fields(client, tok):
     assert shown[0].text.startswith("<|im_") and len(shown[0].text) > 12
 
 
-def _deep_schema(levels: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(levels):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return schema
-
-
-DEEP_SCHEMA = _deep_schema(300)  # 600 JSON levels: parse time grows steeply with depth
+DEEP_SCHEMA = deep_schema(300)  # 600 JSON levels: parse time grows steeply with depth
 
 
 def _error(http, path: str, body: dict, param: str) -> str:
