@@ -166,6 +166,29 @@ def dp_timings(run) -> dict | None:
             "suggested_dp_routing_delay_s": 2 * q(hop, 50) if len(hop) else None}
 
 
+def parse_layout(text: str) -> tuple[int, int]:
+    """(GPUs, replicas per GPU) of a --layouts entry such as 2x1."""
+    try:
+        g, r = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--layouts {text!r}: expected GxR, e.g. 2x1 (2 GPUs, 1 replica each)") from None
+    if g < 1 or r < 1:
+        raise SystemExit(f"--layouts {text!r}: G and R must be >= 1")
+    return g, r
+
+
+def visible_gpus() -> list[str]:
+    """This host's GPUs in CUDA_VISIBLE_DEVICES order (empty without CUDA)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d for d in env.split(",") if d.strip()]
+    try:
+        import torch
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
+
+
 def simulator_gpu(name: str | None, real_manifest: dict) -> str:
     """The simulator's GPU preset: --gpu-name, else the GPU of the real runs (H200 for a CPU smoke run)."""
     from testbed.specs.hardware import get_gpu_spec
@@ -181,6 +204,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=1, help="GPUs to use (CUDA_VISIBLE_DEVICES order)")
     ap.add_argument("--replicas-per-gpu", type=int, default=2)
+    ap.add_argument("--layouts", nargs="+", default=None, metavar="GxR",
+                    help="layouts to run instead of the two of --gpus/--replicas-per-gpu: G GPUs (the first G "
+                         "visible) with R replicas each, e.g. 1x1 2x1 (DP=1 on one GPU against DP=2 on two)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of each replica")
     ap.add_argument("--model", default="Llama-3.2-1B", help="model folder, or a preset with --load-format dummy")
     ap.add_argument("--load-format", default="dummy")
@@ -222,8 +248,11 @@ def main() -> int:
     runs.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(args.engine_args)
     model = ["--model", args.model, "--load-format", args.load_format, *(["--device", args.device] if args.device else [])]
-    layouts = [("1/gpu", args.gpus, args.utilization), (f"{args.replicas_per_gpu}/gpu",
-               args.gpus * args.replicas_per_gpu, args.utilization / args.replicas_per_gpu)]
+    layouts = [("1/gpu", args.gpus, args.utilization, args.gpus), (f"{args.replicas_per_gpu}/gpu",
+               args.gpus * args.replicas_per_gpu, args.utilization / args.replicas_per_gpu, args.gpus)]
+    if args.layouts:
+        layouts = [(f"{g}x{r}", g * r, args.utilization / r, g) for g, r in (parse_layout(x) for x in args.layouts)]
+    visible = visible_gpus() if args.device != "cpu" else []
     results: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": [], "phases_s": {}}
     results_path = args.out / "dp_results.json"
 
@@ -243,8 +272,12 @@ def main() -> int:
         results["runs"] = earlier_runs(args.resimulate, earlier_entries)
     else:
         warmed = False
-        for name, dp, util in layouts:
+        for name, dp, util, gpus in layouts:
             tag = name.replace("/", "per")
+            if visible:  # the layout's GPUs: the replicas (and a single engine) see only these
+                if len(visible) < gpus:
+                    raise SystemExit(f"layout {name} needs {gpus} GPUs; {len(visible)} visible")
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[:gpus])
             t0 = time.perf_counter()
             todo = [(rate, runs / f"real-{tag}-rate{rate:g}") for rate in args.rates]
             failure = None

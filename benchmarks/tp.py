@@ -1,19 +1,25 @@
-"""Tensor-parallel benchmark (needs 2 GPUs): NCCL all-reduce cost, TP=1 vs TP=2 decode latency and throughput.
+"""Tensor-parallel benchmark (needs 2 GPUs): the all-reduce, and TP=1 against TP=2 with CUDA graphs on every rank.
 
-  python benchmarks/tp.py --model Llama-3.1-8B --out tp.json
-1. All-reduce microbenchmark (2 ranks, bf16) over the sizes a step all-reduces (tokens x hidden):
-   latency and bus bandwidth (2(n-1)/n x bytes / time), fitted as time = latency + bytes / bus_bw.
-2. TP=1 and TP=2 engines (dummy bf16 weights), each eager and with CUDA graphs: median decode step at batch 1 and 64, and offline output tok/s on the 256-request
-   workload of benchmarks/e2e.py (imported from it). Estimated all-reduce time per step = 2 x layers x fit(bytes).
-   Each case runs in a process of its own, so its engine's weights and KV cache leave the GPUs before the next
-   case profiles their free memory.
+  python benchmarks/tp.py --model Llama-3.1-8B --out tp.json [--cases 1g,2g,2e]
+1. All-reduce microbenchmark (2 ranks, bf16) over the sizes a step all-reduces (tokens x hidden): NCCL eager,
+   the symmetric-memory one-shot and two-shot all-reduces of worker/tp_all_reduce.py replayed inside a CUDA
+   graph; each checked against the sum (and a chain of 20 dependent all-reduces in one graph against NCCL's),
+   timed over replays and fitted as time = latency + bytes / bw.
+2. Engine cases (dummy bf16 weights, max_model_len 4096), each in a process of its own so its GPU memory is
+   gone before the next case profiles: TP size + g (CUDA graphs) or e (eager), + a for async scheduling. Per case: median decode step at
+   batch 1, 64 and 256 (512-token prompts); median mixed step of one 512-token chunk beside 32 decodes; offline
+   output tok/s on the 256-request workload of benchmarks/e2e.py; greedy tokens and logprobs of 8 prompts, so
+   graph and eager (and TP=1 and TP=2) outputs are compared.
+Every case has a wall-clock bound (--case-timeout); a case that passes it is killed and reported, the rest run.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import socket
+import sys
 import time
 from multiprocessing.connection import Connection
 
@@ -27,63 +33,168 @@ from testbed import LLM, SamplingParams
 from testbed.specs.presets import get_model_spec
 
 SIZES_TOKENS = (1, 8, 64, 256, 1024, 4096, 8192)
+MIXED_DECODES, MIXED_CHUNK = 32, 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time_ms(fn, n: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
 
 
 def _ar_worker(rank: int, port: int, hidden: int, q) -> None:
+    faulthandler.dump_traceback_later(240, exit=True)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from testbed.worker import tp_all_reduce as tar
+    symm = tar.init_tp_all_reduce(max(SIZES_TOKENS), hidden, torch.bfloat16, torch.device("cuda", rank))
     rows = []
+
+    def inputs(t: int, r: int) -> torch.Tensor:
+        return torch.randn(t, hidden, dtype=torch.bfloat16, device="cuda", generator=torch.Generator("cuda").manual_seed(r))
+
     for t in SIZES_TOKENS:
-        x = torch.randn(t, hidden, dtype=torch.bfloat16, device="cuda")
-        for _ in range(5):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        n = 50
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            dist.all_reduce(x)
-        end.record()
-        torch.cuda.synchronize()
-        sec = start.elapsed_time(end) / 1e3 / n
-        nbytes = x.numel() * 2
-        rows.append({"tokens": t, "bytes": nbytes, "seconds": sec, "bus_bw": 2 * (2 - 1) / 2 * nbytes / sec})
+        x = inputs(t, rank)
+        want = sum(inputs(t, r).float() for r in range(2))
+        row = {"tokens": t, "bytes": x.numel() * 2}
+        y = x.clone()
+        dist.all_reduce(y)
+        row["nccl_max_err"] = float((y.float() - want).abs().max())
+        row["nccl_eager_us"] = _time_ms(lambda: dist.all_reduce(y), 50) * 1e3
+        for name in ("one_shot", "two_shot") if symm else ():
+            fn = getattr(tar._symmetric, name)
+            row[f"{name}_max_err"] = float((fn(x).float() - want).abs().max())
+            # a chain in a graph: each message depends on the last, so a region rewritten too early shows
+            chain, ref = x.clone(), x.clone()
+            g = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                c = chain
+                for i in range(20):
+                    c = fn(c, first=(i == 0)) * 0.5
+                chain_out = c
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+            for i in range(20):
+                dist.all_reduce(ref)
+                ref = ref * 0.5
+            row[f"{name}_graph_chain_max_err"] = float((chain_out.float() - ref.float()).abs().max())
+            g2 = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g2, capture_error_mode="thread_local"):
+                for i in range(20):
+                    fn(x, first=(i == 0))
+            g2.replay()
+            row[f"{name}_graph_us"] = _time_ms(g2.replay, 10) * 1e3 / 20
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
     if rank == 0:
-        q.put(rows)
+        q.put({"symmetric_memory": symm, "one_shot_max_bytes": tar.ONE_SHOT_MAX_BYTES, "rows": rows})
+    tar.close_tp_all_reduce()
     dist.destroy_process_group()
 
 
+def _fit(rows: list[dict], key: str) -> dict:
+    b = np.array([r["bytes"] for r in rows], dtype=float)
+    t = np.array([r[key] for r in rows]) * 1e-6
+    slope, lat = np.polyfit(b, t, 1)  # t = latency + bytes * slope
+    return {"latency_s": float(max(lat, 0.0)), "bandwidth": float(1.0 / slope)}
+
+
 def allreduce_bench(hidden: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_ar_worker, args=(r, port, hidden, q)) for r in range(2)]
     for p in procs:
         p.start()
-    rows = q.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-    b = np.array([r["bytes"] for r in rows], dtype=float)
-    t = np.array([r["seconds"] for r in rows])
-    slope, lat = np.polyfit(b, t, 1)  # t = lat + bytes * slope; bus bw for a ring of 2 = bytes / (bytes*slope)
-    return {"rows": rows, "latency_s": float(max(lat, 0.0)), "bus_bandwidth": float(1.0 / slope)}
+    try:
+        res = q.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for key in ("nccl_eager_us", "one_shot_graph_us", "two_shot_graph_us"):
+        if all(key in r for r in res["rows"]):
+            res[f"fit_{key.removesuffix('_us')}"] = _fit(res["rows"], key)
+    return res
 
 
-def decode_step_ms(llm: LLM, batch: int, out_len: int = 128, prompt_len: int = 512) -> float:
+def decode_step_ms(llm: LLM, batch: int, out_len: int = 64, prompt_len: int = 512) -> float:
     return float(np.median(decode_steps(llm, batch, prompt_len, out_len)[0]) * 1e3)
 
 
-def engine_case(model: str, tp: int, eager: bool, n_requests: int) -> dict:
+def mixed_step_ms(llm: LLM, reps: int = 20) -> float:
+    """Median step of one 512-token prefill chunk beside 32 requests in decode."""
+    steps = llm.engine.records
+    for i in range(MIXED_DECODES):
+        llm.add_request(f"dec{i}", [1000 + (i * 13 + j) % 20000 for j in range(128)],
+                        SamplingParams(temperature=0, max_tokens=4 * reps + 64, ignore_eos=True))
+    for _ in range(8):  # the decodes' prompts are prefilled
+        llm.step()
+    times = []
+    for r in range(reps):
+        llm.add_request(f"chunk{r}", [2000 + (r * 31 + j) % 20000 for j in range(MIXED_CHUNK)],
+                        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        start = len(steps.steps)
+        llm.step()
+        cols = steps.step_columns()
+        sel = slice(start, None)
+        # async scheduling: the step may also hold the last chunk request's final (discarded) token
+        hit = (cols["num_prefill_tokens"][sel] == MIXED_CHUNK) & (cols["num_reqs"][sel] >= MIXED_DECODES + 1)
+        times.extend(cols["duration"][sel][hit].tolist())
+        llm.step()
+    for i in range(MIXED_DECODES):
+        llm.abort_request(f"dec{i}")
+    while llm.has_unfinished_requests():
+        llm.step()
+    return float(np.median(times) * 1e3) if times else float("nan")
+
+
+def greedy_outputs(llm: LLM, vocab: int) -> list[dict]:
+    """Greedy tokens of 8 prompts with their logprobs, and the top 5 logprobs of each first token."""
+    prompts = [[(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(64 + 16 * i)] for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5))
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append({"tokens": list(c.token_ids),
+                    "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                    "first_top5": {str(t): v.logprob for t, v in c.logprobs[0].items()}})
+    return res
+
+
+def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: int) -> dict:
+    """One engine: `case` is the TP size, then g (CUDA graphs) or e (eager), then a for async scheduling."""
     spec = get_model_spec(model)
+    tp, eager, async_ = int(case[0]), case[1] == "e", case.endswith("a")
     t0 = time.perf_counter()
     llm = LLM(model, load_format="dummy", tensor_parallel_size=tp, enforce_eager=eager, max_num_seqs=256,
-              max_num_batched_tokens=16384, max_model_len=4096, gpu_memory_utilization=0.85)
-    load_s = time.perf_counter() - t0
-    res = {"tp": tp, "eager": eager, "load_s": load_s, "num_gpu_blocks": llm.executor.num_gpu_blocks}
-    res["decode_ms_b1"] = decode_step_ms(llm, 1)
-    res["decode_ms_b64"] = decode_step_ms(llm, 64)
+              max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096, gpu_memory_utilization=0.85,
+              async_scheduling=async_)
+    res = {"case": case, "tp": tp, "eager": eager, "async_scheduling": async_, "load_s": time.perf_counter() - t0,
+           "num_gpu_blocks": llm.executor.num_gpu_blocks}
+    graphs = llm.executor.runner.graphs
+    if graphs is not None:
+        res["capture_s"], res["capture_gib"] = graphs.capture_s, graphs.capture_bytes / 2**30
+        res["graphs"] = len(graphs.decode) + len(graphs.mixed)
+    print(json.dumps(res), flush=True)
+    res["greedy"] = greedy_outputs(llm, spec.vocab_size)
+    for b in (1, 64, 256):
+        res[f"decode_ms_b{b}"] = decode_step_ms(llm, b)
+    res["mixed_512_ms"] = mixed_step_ms(llm)
     prompts, outs = workload(n_requests, spec.vocab_size)
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
     torch.cuda.synchronize()
@@ -94,61 +205,98 @@ def engine_case(model: str, tp: int, eager: bool, n_requests: int) -> dict:
     res["throughput_output_tok_s"] = sum(len(x.outputs[0].token_ids) for x in r) / dt
     res["throughput_seconds"] = dt
     llm.shutdown()
-    print(json.dumps(res), flush=True)
+    print(json.dumps({k: v for k, v in res.items() if k != "greedy"}), flush=True)
     return res
 
 
-def _case_main(model: str, tp: int, eager: bool, n_requests: int, conn: Connection) -> None:
-    conn.send(engine_case(model, tp, eager, n_requests))
+def _case_main(args: tuple, conn: Connection) -> None:
+    faulthandler.dump_traceback_later(args[-1] - 5, exit=True)  # a stuck case shows where it is stuck
+    conn.send(engine_case(*args[:-1]))
 
 
-def engine_case_in_process(model: str, tp: int, eager: bool, n_requests: int) -> dict:
-    """`engine_case` in a fresh spawned process: the GPU memory its engine held is released when the process
-    ends, so every case sees the same free memory whatever ran before it."""
+def engine_case_in_process(model: str, case: str, n_requests: int, mnbt: int, timeout: float) -> dict:
+    """`engine_case` in a fresh spawned process with a wall-clock bound: the GPU memory its engine held is
+    released when the process ends, so every case sees the same free memory whatever ran before it."""
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_case_main, args=(model, tp, eager, n_requests, send), name=f"tp-case-{tp}")
+    proc = ctx.Process(target=_case_main, args=((model, case, n_requests, mnbt, timeout), send),
+                       name=f"tp-case-{case}")
     proc.start()
     send.close()
     try:
+        if not recv.poll(timeout):
+            raise TimeoutError(f"case {case} did not finish in {timeout:g} s")
         return recv.recv()
     except EOFError:  # the case process ended without a result
         proc.join()
-        raise RuntimeError(f"the TP={tp} {'eager' if eager else 'CUDA graphs'} case failed (exit code "
-                           f"{proc.exitcode}); its error is above") from None
+        raise RuntimeError(f"case {case} failed (exit code {proc.exitcode}); its error is above") from None
     finally:
-        proc.join(timeout=120)
+        proc.join(timeout=20)
         if proc.is_alive():
             proc.kill()
             proc.join()
+        for child in mp.active_children():  # a killed case's TP workers
+            child.kill()
+
+
+def agreement(a: dict, b: dict) -> dict:
+    """How far two cases' greedy outputs on the same prompts are apart: the first token (computed from the same
+    prompt by both: the logits' difference) and, over whole outputs, matching tokens up to the first
+    difference (a near-tie flips greedy decoding on random weights) with their largest logprob difference."""
+    first = [x["tokens"][0] == y["tokens"][0] for x, y in zip(a["greedy"], b["greedy"])]
+    top = [abs(x["first_top5"][t] - y["first_top5"][t]) for x, y in zip(a["greedy"], b["greedy"])
+           for t in x["first_top5"] if t in y["first_top5"]]
+    same, total, diff = 0, 0, 0.0
+    for x, y in zip(a["greedy"], b["greedy"]):
+        total += len(x["tokens"])
+        for i, (s, t) in enumerate(zip(x["tokens"], y["tokens"])):
+            if s != t:
+                break
+            same += 1
+            diff = max(diff, abs(x["logprobs"][i] - y["logprobs"][i]))
+    return {"first_token_match": sum(first) / len(first), "first_top5_max_logprob_diff": max(top, default=None),
+            "prefix_token_match": same / max(total, 1), "max_logprob_diff": diff}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="Llama-3.1-8B")
     ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--cases", default="1g,1e,2e,2g", help="TP size + g (CUDA graphs) or e (eager), comma-separated")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--cases", default="1g,2g,1ga,2ga,2e",
+                    help="TP size + g (CUDA graphs) or e (eager) [+ a: async scheduling], comma-separated")
+    ap.add_argument("--case-timeout", type=float, default=240)
+    ap.add_argument("--skip-allreduce", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     spec = get_model_spec(args.model)
     out = {"gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "model": spec.name, "date": time.strftime("%Y-%m-%d"),
-           "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE")}
-    out["allreduce"] = ar = allreduce_bench(spec.hidden_size)
-    print(json.dumps({k: v for k, v in ar.items() if k != "rows"}), flush=True)
+           "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                  "TESTBED_TP_ALL_REDUCE")}}
+    if not args.skip_allreduce:
+        out["allreduce"] = ar = allreduce_bench(spec.hidden_size)
+        print(json.dumps(ar), flush=True)
     cases = {}
-    for c in args.cases.split(","):  # e.g. 1g = TP 1 with CUDA graphs, 2e = TP 2 eager
-        cases[c] = engine_case_in_process(args.model, int(c[:-1]), c[-1] == "e", args.num_requests)
-    out["cases"] = list(cases.values())
-    per_ar = {b: ar["latency_s"] + b * spec.hidden_size * 2 / ar["bus_bandwidth"] for b in (1, 64)}
-    out["allreduce_ms_per_step"] = {f"batch{b}": 2 * spec.num_hidden_layers * t * 1e3 for b, t in per_ar.items()}
-    for name, (a, b) in {"graphs": ("1g", "2g"), "eager": ("1e", "2e")}.items():
-        if a not in cases or b not in cases:
-            continue
-        e1, e2 = cases[a], cases[b]
-        out[f"scaling_efficiency_throughput_{name}"] = e2["throughput_output_tok_s"] / (2 * e1["throughput_output_tok_s"])
-        out[f"speedup_decode_b1_{name}"] = e1["decode_ms_b1"] / e2["decode_ms_b1"]
-        out[f"speedup_decode_b64_{name}"] = e1["decode_ms_b64"] / e2["decode_ms_b64"]
+    for c in args.cases.split(","):
+        try:
+            cases[c] = engine_case_in_process(args.model, c, args.num_requests, args.max_num_batched_tokens,
+                                              args.case_timeout)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"case {c}: {e}", file=sys.stderr, flush=True)
+            cases[c] = {"error": str(e)}
+    out["cases"] = cases
+    ok = {k: v for k, v in cases.items() if "error" not in v}
+    for a, b in (("1g", "2g"), ("1ga", "2ga")):  # TP=2 over TP=1 (dummy weights differ between them: no agreement)
+        if a in ok and b in ok:
+            one, two = ok[a], ok[b]
+            r = {f"decode_b{n}": two[f"decode_ms_b{n}"] / one[f"decode_ms_b{n}"] for n in (1, 64, 256)}
+            r["mixed_512"] = two["mixed_512_ms"] / one["mixed_512_ms"]
+            r["throughput"] = two["throughput_output_tok_s"] / one["throughput_output_tok_s"]
+            out[f"{b}_over_{a}"] = r
+    for a, b in (("2g", "2e"), ("2ga", "2e")):
+        if a in ok and b in ok:
+            out[f"agreement_{a}_{b}"] = agreement(ok[a], ok[b])
     print(json.dumps({k: v for k, v in out.items() if k not in ("allreduce", "cases")}, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -144,3 +144,6 @@ def test_a_padded_mixed_step_equals_the_unpadded_one_and_stores_nothing_else():
         assert padded.isfinite().all()
         for c, e in zip(cache, after_eager):
             assert torch.equal(c, e), "a padded token was stored, or a real one was not"
+    # more sequences than max_num_seqs (a synthetic step, never a scheduled one) fit no mixed graph: eager
+    x = make_step(rng, tables, {}, [1] * 8 + [3], 64)
+    assert graphs.size_for(x) is None

@@ -120,6 +120,20 @@ def test_tiny_llama_tp2_matches_tp1_and_hf(name, tmp_path, engines):
     assert cached["p0"] > 0 and again == {"p0": ref["t1"], "p1": ref["t2"]}
 
 
+def test_tiny_llama_tp2_async_scheduling_matches_tp1(tmp_path, engines):
+    """Async scheduling on TP: rank 0 launches step k+1 before it reads step k, so the tokens sampled at step k
+    reach the other rank's inputs by broadcast, on the device."""
+    hf = save_tiny_llama(tmp_path, 4, 2, seed=3)
+    prompts = random_prompts([5, 40, 17, 2, 26, 33], hf.config.vocab_size, seed=2)
+    arrivals = [0, 0, 1, 1, 4, 9]
+    tp1 = engines(str(tmp_path), skip_tokenizer_init=True, **ENGINE)
+    ref = _run(tp1, prompts, arrivals, "t")
+    tp1.executor.shutdown()
+    tp2 = engines(str(tmp_path), skip_tokenizer_init=True, tensor_parallel_size=2, async_scheduling=True, **ENGINE)
+    assert tp2.stepper.async_scheduling
+    assert _run(tp2, prompts, arrivals, "t") == ref
+
+
 @pytest.fixture
 def tiny_folder(tmp_path):
     save_tiny_llama(tmp_path, 4, 2, seed=1)

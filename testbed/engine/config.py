@@ -91,8 +91,6 @@ class EngineConfig:
             self.cuda_graph_sizes = sorted(set(sizes))
         need(self.max_num_waiting is None or self.max_num_waiting >= 1, "max_num_waiting",
              f"must be a positive integer, got {self.max_num_waiting!r}")
-        need(not self.async_scheduling or self.tensor_parallel_size == 1, "async_scheduling",
-             "runs with --tensor-parallel-size 1 only (tensor-parallel ranks step in lockstep); drop one of them")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  f"({self.max_num_batched_tokens}) must be >= --max-model-len ({self.max_model_len}) when chunked "

@@ -134,10 +134,15 @@ class CudaGraphs:
         return min(num_tokens, self.max_num_seqs) + 1
 
     @torch.inference_mode()
-    def capture(self, device: torch.device) -> None:
-        """Capture every size, largest first, in one memory pool; logs the time and memory it took."""
+    def capture(self, device: torch.device, sync: Callable[[], None] | None = None,
+                capture_error_mode: str = "global") -> None:
+        """Capture every size, largest first, in one memory pool; logs the time and memory it took. `sync` waits
+        for the device (the tensor-parallel executor's watches the other ranks meanwhile, so a rank that fails
+        during the warm-ups ends the capture within its timeout); `capture_error_mode` "thread_local" lets
+        NCCL's watchdog thread query its events while this thread captures."""
+        sync = sync or (lambda: torch.cuda.synchronize(device))
         t0 = time.perf_counter()
-        torch.cuda.synchronize(device)
+        sync()
         before = torch.cuda.mem_get_info(device)[0]
         b = self.buf
         b.cu_seqlens_q.copy_(torch.arange(b.cu_seqlens_q.numel(), dtype=torch.int32, device=device))
@@ -155,16 +160,16 @@ class CudaGraphs:
             b.set_context(is_decode, n, seqs)
             try:
                 self.model(b.input_ids[:n], b.positions[:n])  # warm up: compiles every kernel outside the graph
-                torch.cuda.synchronize(device)
+                sync()
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool):
+                with torch.cuda.graph(g, pool, capture_error_mode=capture_error_mode):
                     out = self.model(b.input_ids[:n], b.positions[:n])
             finally:
                 reset_context()
             pool = g.pool() if pool is None else pool
             (self.decode if is_decode else self.mixed)[n] = (g, out)
         b.seq_lens.zero_()
-        torch.cuda.synchronize(device)
+        sync()
         self.capture_s = time.perf_counter() - t0
         self.capture_bytes = before - torch.cuda.mem_get_info(device)[0]
         logger.info("captured %d CUDA graphs (%d decode, %d mixed, up to %d tokens) in %.1f s, %.2f GiB",
@@ -172,10 +177,13 @@ class CudaGraphs:
                     self.capture_s, self.capture_bytes / 2**30)
 
     def size_for(self, x) -> tuple[bool, int] | None:
-        """(is a decode graph, its size) for step x, or None when no capture size fits it."""
+        """(is a decode graph, its size) for step x, or None when no capture size fits it (a step of more
+        tokens, or of more sequences than max_num_seqs, which no scheduler step has but a synthetic one may)."""
         n = x.input_ids.numel()
         if x.is_decode and self.decode_sizes and n <= self.decode_sizes[-1]:
             return True, next(s for s in self.decode_sizes if s >= n)
+        if x.seq_lens.numel() > self.max_num_seqs:
+            return None
         if self.mixed_sizes and n <= self.mixed_sizes[-1]:
             return False, next(s for s in self.mixed_sizes if s >= n)
         return None

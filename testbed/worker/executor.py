@@ -65,10 +65,10 @@ class UniprocExecutor:
 def create_executor(model: str | None, engine_config: EngineConfig, load_format: str = "auto",
                     dtype: str = "auto", device: str | None = None, enforce_eager: bool = False):
     """The executor for these flags (model None = the bundled SmolLM2). On a GPU every step up to the
-    largest capture size replays a CUDA graph (worker/cuda_graphs.py) unless enforce_eager;
-    tensor-parallel ranks still run eager (a lockstep capture with NCCL inside is not enabled yet)."""
+    largest capture size replays a CUDA graph (worker/cuda_graphs.py) unless enforce_eager, on every
+    tensor-parallel rank too (captured in lockstep, the symmetric-memory all-reduces inside the graphs)."""
     model = resolve_model(model, load_format)
     if engine_config.tensor_parallel_size > 1:
         from testbed.worker.multiproc import MultiprocExecutor
-        return MultiprocExecutor(model, engine_config, load_format, dtype, device)
+        return MultiprocExecutor(model, engine_config, load_format, dtype, device, enforce_eager)
     return UniprocExecutor(model, engine_config, load_format, dtype, device, enforce_eager)

@@ -19,6 +19,7 @@ from torch import nn
 
 from testbed.kernels import silu_and_mul
 from testbed.kernels.reference import rope_ref
+from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce
 
 _TP_OVERRIDE: tuple[int, int] | None = None
 
@@ -259,9 +260,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if _collectives(self.tp_size):
-            dist.all_reduce(y)
-        return y
+        return tp_all_reduce(y) if _collectives(self.tp_size) else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -291,9 +290,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         y = F.embedding((input_ids - self.vocab_start).masked_fill(~mine, 0), self.weight)
         y = y.masked_fill(~mine.unsqueeze(-1), 0)
-        if _collectives(self.tp_size):
-            dist.all_reduce(y)
-        return y
+        return tp_all_reduce(y, first=True) if _collectives(self.tp_size) else y
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import NO_TOKEN_LEFT, ModelRunnerOutput, SchedulerOutput
@@ -83,7 +84,7 @@ class ModelRunner:
         self.num_gpu_blocks = 0
         self.memory_baseline = 0  # bytes on the GPU that are another tenant's (executor.memory_in_use)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.broadcast_inputs = None  # set by the TP executor: sends each step's inputs to the other ranks
+        self.broadcast_inputs = None  # set by the TP executor: sends each step's packed inputs to the other ranks
         self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers, used in turn
         self._dev_staging: list[torch.Tensor | None] = [None, None]  # their device twins (GPU only)
         self._staging_turn = 0
@@ -233,33 +234,61 @@ class ModelRunner:
         return row
 
     def _upload(self, longs: list, ints: list, is_decode: bool) -> StepInputs:
-        """Pack int64 and int32 arrays into one pinned host buffer, copy it to a persistent device buffer
-        without a stream sync (one host-to-device copy, no allocation), and cut the views. Two pairs of
-        buffers alternate: a pair is reused two steps later, when its copy and every reader of the step's
-        views (the step's kernels, a TP broadcast) have long finished (each step's results are read back
-        before the step after next).
-        Every view starts 16-byte aligned: Triton compiles a kernel variant per pointer alignment, so
-        views whose alignment followed the batch size cost a fresh compile on new batch shapes."""
+        """Pack the step's arrays into one pinned host buffer (`_pack`), hand the bytes to the other
+        tensor-parallel ranks, and load them onto the device (`load_packed`)."""
+        layout, host = self._pack(longs, ints)
+        if self.broadcast_inputs is not None:
+            self.broadcast_inputs(host, layout, is_decode)
+        return self.load_packed(layout, is_decode)
+
+    def _staging_buffer(self, nbytes: int) -> np.ndarray:
+        """The next of two pinned host buffers, at least nbytes, as a uint8 array. A buffer is reused two
+        steps later, when its copy and every reader of the step's views (the step's kernels) have long
+        finished (each step's results are read back before the step after next)."""
+        self._staging_turn ^= 1
+        buf = self._staging[self._staging_turn]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1 << 16) * 2, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self._staging[self._staging_turn] = buf
+        return buf.numpy()
+
+    def _pack(self, longs: list, ints: list) -> tuple[tuple, np.ndarray]:
+        """(layout, the packed bytes) of int64 and int32 arrays in the next staging buffer. Every array starts
+        16-byte aligned: Triton compiles a kernel variant per pointer alignment, so views whose alignment
+        followed the batch size cost a fresh compile on new batch shapes. The layout is (int64 lengths,
+        int32 lengths, the previous step's sampled-token count)."""
         n64 = [len(a) for a in longs]
         n32 = [int(np.size(a)) for a in ints]
         p64 = np.cumsum([0] + [-(-n // 2) * 2 for n in n64]).tolist()  # int64 offsets, 16-byte steps
         p32 = np.cumsum([0] + [-(-n // 4) * 4 for n in n32]).tolist()
         off32 = 8 * p64[-1]
         nbytes = off32 + 4 * p32[-1]
-        pin = self.device.type == "cuda"
-        self._staging_turn ^= 1
-        buf = self._staging[self._staging_turn]
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1 << 16) * 2, dtype=torch.uint8, pin_memory=pin)
-            self._staging[self._staging_turn] = buf
-        host = buf.numpy()
+        host = self._staging_buffer(nbytes)
         v64 = host[:off32].view(np.int64)
         v32 = host[off32:nbytes].view(np.int32)
         for a, n, o in zip(longs, n64, p64):
             v64[o:o + n] = a
         for a, n, o in zip(ints, n32, p32):
             v32[o:o + n] = np.ravel(a)
-        if pin:
+        n_prev = self._prev_tokens.numel() if n64[4] else 0
+        return (tuple(n64), tuple(n32), n_prev), host[:nbytes]
+
+    def load_packed(self, layout: tuple, is_decode: bool, packed: bytes | None = None) -> StepInputs:
+        """The step's device views of packed bytes: this rank's staging buffer (`_pack`'s), or `packed` (the
+        bytes rank 0 sent a tensor-parallel rank, first copied into a staging buffer). One host-to-device
+        copy without a stream sync into a persistent device buffer, no allocation. Positions the core has no
+        token for yet (async scheduling) take the previous step's sampled tokens; ranks other than 0 get
+        them from rank 0 by a broadcast."""
+        n64, n32, n_prev = layout
+        p64 = np.cumsum([0] + [-(-n // 2) * 2 for n in n64]).tolist()
+        p32 = np.cumsum([0] + [-(-n // 4) * 4 for n in n32]).tolist()
+        off32 = 8 * p64[-1]
+        nbytes = off32 + 4 * p32[-1]
+        if packed is not None:
+            host = self._staging_buffer(nbytes)
+            host[:nbytes] = np.frombuffer(packed, dtype=np.uint8, count=nbytes)
+        buf = self._staging[self._staging_turn]
+        if self.device.type == "cuda":
             dev = self._dev_staging[self._staging_turn]
             if dev is None or dev.numel() < nbytes:
                 dev = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
@@ -274,17 +303,24 @@ class ModelRunner:
         seq_lens, cu, tables = (d32[p32[i]:p32[i] + n32[i]] for i in range(3))
         B = n32[0]
         if n64[4]:
-            input_ids[ph_dst] = self._prev_tokens[ph_src]
+            prev = self._prev_tokens
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                if dist.get_rank() != 0:
+                    prev = torch.empty(n_prev, dtype=torch.long, device=self.device)
+                dist.broadcast(prev, 0)
+            input_ids[ph_dst] = prev[ph_src]
         return StepInputs(input_ids, positions, slots, tables.view(B, n32[2] // B if B else 0), seq_lens, cu,
                           sample_idx, is_decode)
 
     @torch.inference_mode()
-    def capture_cuda_graphs(self) -> None:
+    def capture_cuda_graphs(self, sync: Callable[[], None] | None = None) -> None:
         """Capture every step kind and size of worker/cuda_graphs.py (decode batches, mixed and prefill
         steps up to the largest capture size); `forward` replays them from then on. Every tensor-parallel
-        rank captures the same graphs, in the same order."""
+        rank captures the same graphs, in the same order, their all-reduces inside (worker/tp_all_reduce.py);
+        `sync` waits for the device (torch.cuda.synchronize by default)."""
         self.graphs = CudaGraphs(self.model, self.config, self.max_model_len, self.device)
-        self.graphs.capture(self.device)
+        tp = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.graphs.capture(self.device, sync, "thread_local" if tp else "global")
 
     @property
     def graph_sizes(self) -> list[int]:
@@ -335,9 +371,7 @@ class ModelRunner:
             self._track(so)
         rows = sampled_rows(so)
         plp = prompt_logprobs.prompt_logprob_rows(so) if self._prompt_logprobs else None
-        x = self.prepare(so, rows, plp.flat if plp is not None else ())
-        if self.broadcast_inputs is not None:
-            self.broadcast_inputs(x)
+        x = self.prepare(so, rows, plp.flat if plp is not None else ())  # sent to the other TP ranks too
         if timer is not None:
             timer.prepared(t0)
         try:

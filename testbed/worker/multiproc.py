@@ -1,9 +1,11 @@
 """Tensor parallelism: one worker process per rank over torch.distributed (NCCL on GPUs, gloo on CPU).
 
-Rank 0 lives in the executor's process and drives the others: per step it broadcasts one small
-header and one packed int64 buffer (token ids, positions, slots, block tables, lengths), every
-rank runs its shard of the model (row-parallel layers all-reduce), and rank 0 gathers the logits
-and samples. Failure handling: a rank that dies or stops answering makes `execute` raise within
+Rank 0 lives in the executor's process and drives the others: per step it writes one command with the
+step's packed inputs (token ids, positions, slots, block tables, lengths) into a ring in shared host
+memory (worker/shm_broadcast.py), every rank copies them to its GPU and runs its shard of the model
+(row-parallel layers all-reduce, inside the CUDA graphs: worker/tp_all_reduce.py), and rank 0 gathers
+the logits and samples. No rank waits for its device to learn the next command, so each prepares step
+k+1 while its GPU runs step k. Failure handling: a rank that dies or stops answering makes `execute` raise within
 `TESTBED_TP_TIMEOUT_S` (default 60 s) with an error naming it; processes are cleaned up on exit. A rank
 whose command raises (start-up, profiling, KV cache allocation, a step) sends its traceback to rank 0
 over a pipe and exits at once; rank 0 reads the pipes before each collective, after one fails and while
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import multiprocessing as mp
 import os
 import socket
@@ -26,23 +29,29 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from testbed.worker.model_runner import ModelRunner, StepInputs
+from testbed.worker.model_runner import ModelRunner
+from testbed.worker.shm_broadcast import ShmBroadcast
 from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, resolve_dtype
 from testbed.engine.stepper import ExecutorFailure
+from testbed.worker.tp_all_reduce import close_tp_all_reduce, init_tp_all_reduce, symmetric_available
 
-CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN = 0, 1, 2, 3
-PHASES = {CMD_STEP: "a step", CMD_PROFILE: "memory profiling", CMD_ALLOC: "KV cache allocation"}
+logger = logging.getLogger(__name__)
+
+CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN, CMD_CAPTURE = 0, 1, 2, 3, 4
+PHASES = {CMD_STEP: "a step", CMD_PROFILE: "memory profiling", CMD_ALLOC: "KV cache allocation",
+          CMD_CAPTURE: "CUDA graph capture"}
 REPORT_CHARS = 8000  # a failed rank's traceback is cut to its last characters: the pipe must not fill up
 DEATH_WAIT_S = 2.0  # after a failed collective: how long a dying rank gets to be reaped, so the error names it
 MAIN_GUARD_HINT = ("the script that creates the engine has no `if __name__ == \"__main__\":` guard, so each "
                    "spawned tensor-parallel worker runs it again and builds an engine of its own; put the code "
                    "that creates the LLM (and uses it) under that guard")
-HEADER = 7  # cmd, T, B, max_blocks, n_sample, is_decode, arg
+HEAD = 6  # a command's int64 header: cmd, arg, is_decode, sampled tokens of the last step, int64 arrays, int32 arrays
 
 
 class TPWorkerError(ExecutorFailure):
@@ -78,16 +87,26 @@ def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, l
     runner = ModelRunner(net, config, max_model_len, device, dt, partial(load_tokenizer, model) if rank == 0 else None)
     runner.memory_baseline = in_use
     runner.hf_config = hf_config  # type: ignore[attr-defined]
+    if device.type == "cuda":
+        init_tp_all_reduce(config.max_num_batched_tokens, int(hf_config["hidden_size"]), dt, device)
     return runner
 
 
-def _recv_inputs(runner: ModelRunner, header: list[int]) -> StepInputs:
-    _, T, B, mb, ns, is_decode, _ = header
-    buf = torch.empty(3 * T + B * mb + 2 * B + 1 + ns, dtype=torch.long, device=runner.device)
-    dist.broadcast(buf, 0)
-    parts = torch.split(buf, [T, T, T, B * mb, B, B + 1, ns])
-    return StepInputs(parts[0], parts[1], parts[2], parts[3].view(B, mb).int(), parts[4].int(), parts[5].int(),
-                      parts[6], bool(is_decode))
+def encode_command(cmd: int, arg: int = 0, layout: tuple = ((), (), 0), is_decode: bool = False,
+                   payload: np.ndarray | None = None) -> bytes:
+    """One command as bytes: the int64 header, the layout's lengths, then the payload (a step's packed inputs)."""
+    n64, n32, n_prev = layout
+    head = np.array([cmd, arg, int(is_decode), n_prev, len(n64), len(n32), *n64, *n32], dtype=np.int64).tobytes()
+    return head if payload is None else head + payload.tobytes()
+
+
+def decode_command(msg: bytes) -> tuple[int, int, tuple, bool, memoryview]:
+    """(cmd, arg, layout, is_decode, payload) of `encode_command`'s bytes."""
+    head = np.frombuffer(msg, dtype=np.int64, count=HEAD)
+    k64, k32 = int(head[4]), int(head[5])
+    lens = np.frombuffer(msg, dtype=np.int64, count=k64 + k32, offset=8 * HEAD).tolist()
+    layout = (tuple(lens[:k64]), tuple(lens[k64:]), int(head[3]))
+    return int(head[0]), int(head[1]), layout, bool(head[2]), memoryview(msg)[8 * (HEAD + k64 + k32):]
 
 
 def _report_and_exit(report: Connection, rank: int, phase: str) -> None:
@@ -105,31 +124,34 @@ def _report_and_exit(report: Connection, rank: int, phase: str) -> None:
 
 
 def _worker_main(rank: int, world: int, port: int, model: str, config: EngineConfig, load_format: str, dtype: str,
-                 device_type: str, started, report: Connection) -> None:
-    """Rank `rank`'s loop: run each command rank 0 broadcasts until CMD_SHUTDOWN; a command that raises is
-    reported to rank 0 and ends this process."""
+                 device_type: str, started, report: Connection, channel: tuple) -> None:
+    """Rank `rank`'s loop: run each command rank 0 writes into the shared-memory ring until CMD_SHUTDOWN; a
+    command that raises is reported to rank 0 and ends this process, and so does rank 0's disappearance."""
     with started.get_lock():
         started.value += 1
     phase = "start-up"
+    parent = os.getppid()
     try:
+        commands = ShmBroadcast.attach(channel)
         runner = _build(rank, world, port, model, config, load_format, dtype, device_type)
-        header = torch.zeros(HEADER, dtype=torch.long, device=runner.device)
         while True:
             phase = "waiting for a command"
-            dist.broadcast(header, 0)
-            h = header.tolist()
-            phase = PHASES.get(h[0], "shutdown")
-            if h[0] == CMD_STEP:
-                runner.run(_recv_inputs(runner, h))
-            elif h[0] == CMD_PROFILE:
+            cmd, arg, layout, is_decode, payload = decode_command(commands.recv(rank - 1, lambda: os.getppid() == parent))
+            phase = PHASES.get(cmd, "shutdown")
+            if cmd == CMD_STEP:
+                runner.run(runner.load_packed(layout, is_decode, payload))
+            elif cmd == CMD_PROFILE:
                 n = torch.tensor([runner.profile_num_blocks()], dtype=torch.long, device=runner.device)
                 dist.all_reduce(n, op=dist.ReduceOp.MIN)
-            elif h[0] == CMD_ALLOC:
-                runner.allocate_kv_cache(h[6])
+            elif cmd == CMD_ALLOC:
+                runner.allocate_kv_cache(arg)
+            elif cmd == CMD_CAPTURE:
+                runner.capture_cuda_graphs()
             else:
                 break
     except BaseException:
         _report_and_exit(report, rank, phase)
+    close_tp_all_reduce()
     dist.destroy_process_group()
 
 
@@ -143,7 +165,7 @@ class MultiprocExecutor:
     """tensor_parallel_size > 1: rank 0 here, ranks 1.. in spawned worker processes."""
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
-                 device: str | None = None) -> None:
+                 device: str | None = None, enforce_eager: bool = False) -> None:
         if getattr(mp.current_process(), "_inheriting", False):  # a spawned worker importing the main script
             raise RuntimeError(f"a tensor-parallel worker was asked to build an engine while starting up: "
                                f"{MAIN_GUARD_HINT}")
@@ -161,15 +183,16 @@ class MultiprocExecutor:
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]
         self._report_conns: dict[int, Connection] = {r: recv for r, (recv, _) in enumerate(pipes, 1)}
         self._reports: dict[int, tuple[str, str, str]] = {}  # rank -> (phase, exception type, traceback) it sent
+        self._commands = ShmBroadcast.create(world - 1)
         self.procs = [ctx.Process(target=_worker_main, name=f"testbed-tp-rank{r}", daemon=True,
-                                  args=(r, world, port, model, config, load_format, dtype, dev.type, started, send))
+                                  args=(r, world, port, model, config, load_format, dtype, dev.type, started, send,
+                                        self._commands.spec))
                       for r, (_, send) in enumerate(pipes, 1)]
         for p in self.procs:
             p.start()
         for _, send in pipes:
             send.close()  # the workers hold the write ends
         self._closed = False
-        self._header = None
         self.device = dev
         self._failure: str | None = None  # set once a rank died or timed out; every later call fails fast
         atexit.register(self.shutdown)
@@ -179,7 +202,7 @@ class MultiprocExecutor:
             self.device = self.runner.device
             self.hf_config = self.runner.hf_config  # type: ignore[attr-defined]
             self.max_model_len, self.eos_token_id, self.vocab_size = model_limits(self.hf_config, config)
-            self._header = torch.zeros(HEADER, dtype=torch.long, device=self.device)
+            self._commands.unlink()  # every worker has attached (they joined the process group after)
             blocks = config.num_gpu_blocks
             if not blocks:
                 self._send(CMD_PROFILE)
@@ -190,10 +213,23 @@ class MultiprocExecutor:
                 blocks = int(n.item())
             self._send(CMD_ALLOC, arg=blocks)
             self.runner.allocate_kv_cache(blocks)
+            if self.device.type == "cuda" and not enforce_eager:
+                self._capture()
         except BaseException as e:
             self._startup_failed(e)
         self.num_gpu_blocks = blocks
         self.runner.broadcast_inputs = self._broadcast_inputs  # type: ignore[attr-defined]
+
+    def _capture(self) -> None:
+        """Every rank captures the same CUDA graphs in lockstep, rank 0 watching the others whenever it waits
+        for its device (a rank that fails ends the capture within seconds, naming it). Only with the graph-safe
+        all-reduce: NCCL collectives are never captured."""
+        if not symmetric_available():
+            logger.warning("tensor-parallel ranks run eager: the symmetric-memory all-reduce CUDA graphs need is "
+                           "unavailable (see the warning above)")
+            return
+        self._send(CMD_CAPTURE)
+        self._guard(self.runner.capture_cuda_graphs, self._wait_device)
 
     def _startup_failed(self, e: BaseException) -> NoReturn:
         """End every rank after start-up failed with `e`, and raise: a TPWorkerError naming the failed workers
@@ -271,14 +307,16 @@ class MultiprocExecutor:
     def _verb(self) -> str:
         return "failed" if self._reports else "died"
 
-    def _wait_device(self) -> None:
-        """Wait for the work queued on rank 0's GPU while watching the other ranks: a rank that fails while
-        rank 0 waits in a collective ends the wait within milliseconds (NCCL alone would wait until its
-        timeout). Nothing to wait for on CPU, where gloo's collectives return or raise on the host."""
+    def _wait_device(self, done: torch.cuda.Event | None = None) -> None:
+        """Wait for the work queued on rank 0's GPU (up to event `done`, else all of it) while watching the other
+        ranks: a rank that fails while rank 0 waits in a collective ends the wait within milliseconds (NCCL
+        alone would wait until its timeout). Nothing to wait for on CPU, where gloo's collectives return or
+        raise on the host."""
         if self.device.type != "cuda":
             return
-        done = torch.cuda.Event()
-        done.record()
+        if done is None:
+            done = torch.cuda.Event()
+            done.record()
         deadline = time.monotonic() + _timeout().total_seconds()
         check = 0.0
         while not done.query():
@@ -330,30 +368,38 @@ class MultiprocExecutor:
                 raise self._fail(f"tensor-parallel step failed ({type(e).__name__}: {e})") from e
             raise  # one request's failure on rank 0 after the collectives (e.g. in sampling): the group is fine
 
-    def _send(self, cmd: int, T: int = 0, B: int = 0, mb: int = 0, ns: int = 0, is_decode: bool = False,
-              arg: int = 0) -> None:
-        self._header.copy_(torch.tensor([cmd, T, B, mb, ns, int(is_decode), arg]))
-        self._guard(dist.broadcast, self._header, 0)
+    def _send(self, cmd: int, arg: int = 0, layout: tuple = ((), (), 0), is_decode: bool = False,
+              payload: np.ndarray | None = None) -> None:
+        """Write one command for every worker; waits (checking on the workers) only while the ring is full."""
+        self._raise_if_failed()
+        self._commands.send(encode_command(cmd, arg, layout, is_decode, payload), check=self._raise_if_failed)
 
-    def _broadcast_inputs(self, x: StepInputs) -> None:
-        B, mb = x.block_tables.shape
-        T = x.input_ids.numel()
-        self._send(CMD_STEP, T, B, mb, x.sample_idx.numel(), x.is_decode)
-        buf = torch.cat([x.input_ids, x.positions, x.slot_mapping, x.block_tables.reshape(-1).long(),
-                         x.seq_lens.long(), x.cu_seqlens_q.long(), x.sample_idx])
-        self._guard(dist.broadcast, buf, 0)
+    def _broadcast_inputs(self, packed: np.ndarray, layout: tuple, is_decode: bool) -> None:
+        self._send(CMD_STEP, layout=layout, is_decode=is_decode, payload=packed)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(so)()
+
+    def execute_async(self, so: SchedulerOutput):
+        """Launch the step on every rank; returns a function that waits for it (watching the other ranks) and
+        gives its output (async scheduling launches the next step first)."""
         finish = self._guard(self.runner.execute_async, so)
-        self._wait_device()
-        return self._guard(finish)
+        launched = torch.cuda.Event() if self.device.type == "cuda" else None
+        if launched is not None:
+            launched.record()
+
+        def result() -> ModelRunnerOutput:
+            self._wait_device(launched)
+            return self._guard(finish)
+
+        return result
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
             return
         self._closed = True
         try:
-            if self._header is not None and self._failure is None and not self._dead_ranks() and dist.is_initialized():
+            if self._failure is None and not self._dead_ranks():
                 self._send(CMD_SHUTDOWN)
         except RuntimeError:
             pass
@@ -362,9 +408,11 @@ class MultiprocExecutor:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        self._commands.unlink()
         for conn in self._report_conns.values():
             conn.close()
         self._report_conns.clear()
+        close_tp_all_reduce()
         if dist.is_initialized():
             dist.destroy_process_group()
         atexit.unregister(self.shutdown)  # the registration holds this executor (and its GPU memory) alive

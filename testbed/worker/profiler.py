@@ -37,7 +37,7 @@ CONTEXTS = (16, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 CHUNK_CONTEXTS = (0, 512, 2048, 8192, 16384, 32768, 65536, 131072)
 ROW_BATCHES = (1, 4, 16, 64, 128, 256)
-ROW_CHUNK = 16  # the small chunk that makes a step of decode rows eager
+ROW_CHUNK = 16  # the small chunk that makes a step of decode rows a mixed step
 TAIL_BASE = 256  # decode tail steps: every row at this context but one, which has `delta` more
 TAIL_DELTAS = (1024, 4096, 16384, 65536, 131072)
 TAIL_BATCHES = (1, 2, 4, 8, 16, 33, 64, 128, 256)
@@ -79,7 +79,7 @@ def default_grid(config: EngineConfig, max_model_len: int, graph_sizes: list[int
     top_chunk = min(mnbt, max_model_len)  # one sequence's chunk: a longer one cannot be scheduled
     chunks = sorted({n for n in CHUNKS if n <= top_chunk} | {top_chunk})
     batches = batch_edges(graph_sizes, mns)
-    rows = sorted({b for b in ROW_BATCHES if b < mns} | {mns})
+    rows = sorted({b for b in ROW_BATCHES if b < mns} | {max(1, mns - 1)})  # beside the chunk: at most mns in all
     if quick:  # a smoke test of every sweep on a CPU: tiny shapes, one timed run each
         small = lambda xs, top: sorted({x for x in xs if x <= top} | {min(xs)})[:2]
         return Grid(small(batches, 4), small(contexts, 64), small(chunks, 64), [0, min(32, max_model_len // 4)],
@@ -118,7 +118,7 @@ def sweep_grid(m: StepMeasurer, f: StepFactory, rows: Callable[[int, int], list[
 
 
 def sweep_rows_tail(m: StepMeasurer, f: StepFactory, grid: Grid, capacity: int, tick: Callable[[], None]) -> dict:
-    """The same unevenness for decode rows inside an eager step: device time in attention of the uneven
+    """The same unevenness for decode rows inside a mixed step: device time in attention of the uneven
     step (rows at TAIL_BASE, one at TAIL_BASE + delta, plus a ROW_CHUNK chunk) and of the even step with
     the same total context."""
     batches, base = grid.row_batches, grid.tail_base
@@ -214,7 +214,7 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
             # one prefill/extend chunk of `tokens` new after `context` cached ones
             "chunk": run(lambda n, c: [(c, n, False)], {"tokens": grid.chunk_tokens, "context": grid.chunk_contexts},
                          {}, "attention_s"),
-            # decode rows in an eager step (with a ROW_CHUNK-token chunk at context 0)
+            # decode rows in a mixed step (beside a ROW_CHUNK-token chunk at context 0)
             "decode_rows": run(lambda b, c: decode_rows(b, c) + chunk, {"batch": grid.row_batches,
                                                                         "context": grid.contexts},
                                {"chunk": ROW_CHUNK}, "attention_s"),

@@ -1,0 +1,121 @@
+"""The tensor-parallel all-reduce of the row-parallel layers and the vocabulary-parallel embedding.
+
+On GPUs it runs over symmetric memory (torch's symm_mem, peer-to-peer over NVLink/PCIe): each rank copies its
+partial sum into a buffer every peer can read, the ranks meet at a barrier on device signal pads, and each
+reads every peer's copy and sums them, in one kernel (one-shot; two-shot, a reduce-scatter and an all-gather,
+for large messages; vLLM's custom all-reduce works the same way). Its only host state is which buffer region
+the next message takes, fixed by the message's place in the forward, so it is captured inside CUDA graphs and
+replayed with them. NCCL stays outside the graphs (the step's broadcast, the LM head's gather, steps larger
+than the buffer). NVLink multicast is never used. Elsewhere (CPU/gloo, no symmetric memory, a message larger
+than the buffer, another dtype, TESTBED_TP_ALL_REDUCE=nccl) it is torch.distributed's.
+
+Invariant: every rank calls `all_reduce` with the same shapes, dtypes and order (the model is the same on
+each), so every rank takes the same path for each message and the barriers pair up.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "TESTBED_TP_ALL_REDUCE"  # auto (symmetric memory where available) | nccl
+
+
+ONE_SHOT_MAX_BYTES = 512 << 10  # larger messages take the two-shot all-reduce: the crossover on 2x H200 (benchmarks/tp.py)
+
+
+class SymmetricAllReduce:
+    """All-reduce of up to `max_numel` elements of `dtype` through symmetric buffers: one-shot for messages of
+    up to ONE_SHOT_MAX_BYTES (copy in, barrier, every rank sums all copies), two-shot above (reduce-scatter,
+    all-gather; half the reads per rank).
+
+    A one-shot kernel writes its rank's buffer before its barrier, so the buffer of one all-reduce must not be
+    written by the next while a slower peer still reads it: the messages take turns between two regions, and
+    the first all-reduce of a forward (the embedding's) has a third. Any two all-reduces writing the same
+    region then have another all-reduce's barrier between them, which every peer passes only after its
+    earlier reads, so a forward needs no synchronisation with the previous one."""
+
+    def __init__(self, max_numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+        self.group_name = dist.group.WORLD.group_name
+        self.dtype = dtype
+        self.max_numel = max_numel
+        self.buffer = symm_mem.empty(3 * max_numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+        self.turn = 0
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.max_numel and x.is_contiguous()
+
+    def _region(self, first: bool, n: int) -> torch.Tensor:
+        region, self.turn = (2, 0) if first else (self.turn, 1 - self.turn)
+        return self.buffer[region * self.max_numel: region * self.max_numel + n]
+
+    def one_shot(self, x: torch.Tensor, first: bool = False) -> torch.Tensor:
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(self._region(first, x.numel()), x.view(-1), "sum",
+                                                        self.group_name, out.view(-1))
+        return out
+
+    def two_shot(self, x: torch.Tensor, first: bool = False) -> torch.Tensor:
+        buf = self._region(first, x.numel())
+        buf.copy_(x.view(-1))
+        torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
+        out = torch.empty_like(x)
+        out.view(-1).copy_(buf)
+        return out
+
+    def __call__(self, x: torch.Tensor, first: bool = False) -> torch.Tensor:
+        if x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
+            return self.one_shot(x, first)
+        return self.two_shot(x, first)
+
+
+_symmetric: SymmetricAllReduce | None = None
+
+
+def init_tp_all_reduce(max_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Set up the symmetric-memory all-reduce for messages of up to max_tokens x hidden_size on every rank
+    (a collective: all ranks call it). Returns whether every rank has it; when one rank cannot, none uses it."""
+    global _symmetric
+    _symmetric = None
+    if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    choice = os.environ.get(BACKEND_ENV, "auto")
+    if choice not in ("auto", "nccl"):
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected 'auto' or 'nccl'")
+    mine = None
+    if choice == "auto":
+        try:
+            mine = SymmetricAllReduce(max_tokens * hidden_size, dtype, device)
+        except Exception as e:  # an old torch, no peer access between these GPUs, no symmetric memory backend
+            logger.warning("tensor-parallel all-reduce: symmetric memory unavailable on rank %d (%s: %s); using NCCL",
+                           dist.get_rank(), type(e).__name__, e)
+    ok = torch.tensor([int(mine is not None)], device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    _symmetric = mine if bool(ok.item()) else None
+    return _symmetric is not None
+
+
+def symmetric_available() -> bool:
+    """Whether the graph-safe all-reduce is set up (else a captured graph would hold NCCL collectives)."""
+    return _symmetric is not None
+
+
+def all_reduce(x: torch.Tensor, first: bool = False) -> torch.Tensor:
+    """The sum of `x` over the tensor-parallel ranks (a new tensor, or `x` summed in place); `first`: the first
+    all-reduce of a forward (see SymmetricAllReduce)."""
+    if _symmetric is not None and _symmetric.fits(x):
+        return _symmetric(x, first)
+    dist.all_reduce(x)
+    return x
+
+
+def close_tp_all_reduce() -> None:
+    """Drop the symmetric buffer (before the process group is destroyed)."""
+    global _symmetric
+    _symmetric = None
