@@ -1,4 +1,4 @@
-"""`testbed simulate | replay | serve | bench | profile | compare | dashboard` — flags named as vLLM's."""
+"""`testbed simulate | replay | serve | bench | profile | calibrate | compare | dashboard` — flags named as vLLM's."""
 from __future__ import annotations
 
 import argparse
@@ -174,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     from testbed.bench.serve import add_bench_parser
     from testbed.compare import add_compare_parser
     from testbed.server.serve import add_serve_parser
+    from testbed.sim.rescale import add_calibrate_parser
     add_serve_parser(sub)
+    add_calibrate_parser(sub)
     add_bench_parser(sub)
     add_compare_parser(sub)
     return parser

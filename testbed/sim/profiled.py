@@ -29,6 +29,7 @@ import numpy as np
 
 from testbed.engine.outputs import SchedulerOutput
 from testbed.sim.cost_model import GRAMMAR_ROW_S
+from testbed.sim.step_terms import DECODE_ASYNC, DECODE_SYNC, MIXED_ASYNC, MIXED_SYNC, Scales, combine
 from testbed.sim.tables import Table1D, Table2D
 
 FORMAT = "testbed-profile"
@@ -92,6 +93,9 @@ class ProfiledCostModel:
         self.sample = Table1D(b, [statistics.median(v for v in row if v is not None) for row in d["sample_s"]])
         self.output = Table1D(b, [statistics.median(v for v in row if v is not None) for row in d["output_s"]])
         # attention: a chunk of n tokens after ctx cached ones; decode rows inside an eager step
+        if not any(v for row in ch["attention_s"] for v in row if v is not None):
+            raise ProfileError(f"{name or 'profile'}: it measured no time in attention (made while graphed steps "
+                               "hid the attention modules from the profiler); re-make it with `testbed profile`")
         self.chunk_attn = Table2D(ch["tokens"], ch["context"], ch["attention_s"])
         self.rows_attn = Table2D(dr["batch"], dr["context"], dr["attention_s"])
         self.row_chunk = int(dr["chunk"])
@@ -148,6 +152,10 @@ class ProfiledCostModel:
         self.admit = {k: Table1D(eh["admit_tokens"], [max(0.0, v - base) for v in vals])
                       for k, vals in eh["admit_step_s"].items()}
         self.graph_max = max(b)
+        try:  # per-component scales of a rescaled or calibrated profile (rescale.py); 1 for a measured one
+            self.scales = Scales.from_dict(profile.get("scales"))
+        except ValueError as e:
+            raise ProfileError(f"{name or 'profile'}: {e}") from None
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
@@ -208,9 +216,13 @@ class ProfiledCostModel:
 
     def _step(self, so: SchedulerOutput, engine: float | None) -> float:
         """The step's time; `engine` overrides the engine's host term (validation against executor-only times)."""
-        B = len(so.requests)
-        if B == 0:
+        if not so.requests:
             return 0.0
+        return combine(*self.terms(so, engine), self.scales)
+
+    def terms(self, so: SchedulerOutput, engine: float | None = None) -> tuple[int, tuple]:
+        """(kind, measured terms) of a non-empty step, as step_terms.combine takes them."""
+        B = len(so.requests)
         grammar = GRAMMAR_ROW_S * so.num_structured_reqs
         overlap = self.async_scheduling and not grammar
         if so.num_decode_tokens == B and B <= self.graph_max:
@@ -218,16 +230,15 @@ class ProfiledCostModel:
             skew = so.max_context_tokens - 1.0 - ctx  # how far the longest row is past the mean
             eng = self.engine_step(B) if engine is None else engine
             if overlap and self.dec_async is not None:
-                device = self.dec_async(B, ctx) + (self.dec_tail_async(B, skew) if self.dec_tail_async else 0.0)
-                return max(device, self.dec_host(B, ctx) + eng)
-            return eng + self.dec_wall(B, ctx) + (self.dec_tail(B, skew) if self.dec_tail else 0.0) + grammar
+                cycle = self.dec_async(B, ctx) + (self.dec_tail_async(B, skew) if self.dec_tail_async else 0.0)
+                return DECODE_ASYNC, (eng, cycle, self.dec_host(B, ctx))
+            return DECODE_SYNC, (eng, self.dec_wall(B, ctx), self.dec_host(B, ctx),
+                                 self.dec_tail(B, skew) if self.dec_tail else 0.0, grammar)
         lin, attn, samp, prep, sampled = self._eager_terms(so)
         eng = self._engine(B, so.num_prefill_tokens) if engine is None else engine
-        device = lin + attn + samp
         out = self.output(sampled) if sampled else 0.0
-        if overlap:
-            return max(device + self.sync_gap, eng + prep + self.eager_launch + out)
-        return eng + prep + grammar + max(self.eager_launch, device) + out + self.sync_gap
+        return (MIXED_ASYNC if overlap else MIXED_SYNC), (eng, prep, grammar, self.eager_launch, lin, attn, samp,
+                                                           out, self.sync_gap)
 
     def explain(self, so: SchedulerOutput) -> dict[str, float | str]:
         """The terms of one step's predicted time (seconds), and which dominates."""

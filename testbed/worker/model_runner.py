@@ -92,6 +92,7 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> its row in _prev_tokens
         self.record_timing = False  # attach a StepTiming to every output (testbed profile)
         self.graphs: CudaGraphs | None = None  # captured CUDA graphs (capture_cuda_graphs), None: eager
+        self.eager_steps = False  # run every step eagerly even with graphs (`testbed profile` times attention so)
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property
@@ -330,7 +331,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, x: StepInputs) -> torch.Tensor:
         """The decoder over the step's tokens (a captured graph when one fits): hidden states [T, hidden]."""
-        hidden = self.graphs.replay(x) if self.graphs is not None else None
+        hidden = self.graphs.replay(x) if self.graphs is not None and not self.eager_steps else None
         if hidden is None:
             set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)
             try:

@@ -139,6 +139,7 @@ def _worker_main(rank: int, world: int, port: int, model: str, config: EngineCon
             cmd, arg, layout, is_decode, payload = decode_command(commands.recv(rank - 1, lambda: os.getppid() == parent))
             phase = PHASES.get(cmd, "shutdown")
             if cmd == CMD_STEP:
+                runner.eager_steps = bool(arg)
                 runner.run(runner.load_packed(layout, is_decode, payload))
             elif cmd == CMD_PROFILE:
                 n = torch.tensor([runner.profile_num_blocks()], dtype=torch.long, device=runner.device)
@@ -375,7 +376,8 @@ class MultiprocExecutor:
         self._commands.send(encode_command(cmd, arg, layout, is_decode, payload), check=self._raise_if_failed)
 
     def _broadcast_inputs(self, packed: np.ndarray, layout: tuple, is_decode: bool) -> None:
-        self._send(CMD_STEP, layout=layout, is_decode=is_decode, payload=packed)
+        """A step for every rank; arg 1: run it eagerly (every rank takes the path rank 0 takes)."""
+        self._send(CMD_STEP, arg=int(self.runner.eager_steps), layout=layout, is_decode=is_decode, payload=packed)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(so)()

@@ -228,6 +228,9 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
             bar.close()
     result["sweep_wall_s"] = time.perf_counter() - t0
     result["graph_sizes"] = graph_sizes
+    if not any(v for row in result["chunk"]["attention_s"] for v in row if v is not None):
+        raise RuntimeError("the profile measured no time in attention (its forward hooks did not run); the "
+                           "profile would fold attention into the linear layers and misprice long contexts")
     return result
 
 

@@ -1,5 +1,5 @@
 """Timing one synthetic step on a real executor: StepTiming medians (sync), the pipelined cycle (async
-scheduling), and the device time inside the attention modules (forward hooks, eager steps only)."""
+scheduling), and the device time inside the attention modules (forward hooks, the step run eagerly)."""
 from __future__ import annotations
 
 import statistics
@@ -16,7 +16,7 @@ TIMING_FIELDS = tuple(StepTiming.__dataclass_fields__)
 
 class AttentionTimer:
     """Forward hooks on the model's attention modules (rope + KV store + attention) that time them on the
-    device; used only on eager steps (a graph replay runs no hooks)."""
+    device; only eager steps run them (a graph replay runs no hooks)."""
 
     def __init__(self, model, device: torch.device) -> None:
         self.layers = model.attention_layers()
@@ -70,13 +70,19 @@ class StepMeasurer:
         return _median_timing([self.executor.execute(so).timing for _ in range(self.reps)])
 
     def attention_s(self, so) -> float:
-        """Median device time inside the attention modules over `reps` eager runs."""
+        """Median device time inside the attention modules over `reps` runs of the step forced eager (a graph
+        replay runs no hooks; the attention kernels are the same ones the graph replays)."""
+        runner = self.runner
         with self.attention.installed():
             times = []
-            for _ in range(self.reps):
-                self.attention.take()
-                self.executor.execute(so)
-                times.append(self.attention.take())
+            runner.eager_steps = True
+            try:
+                for _ in range(self.reps):
+                    self.attention.take()
+                    self.executor.execute(so)
+                    times.append(self.attention.take())
+            finally:
+                runner.eager_steps = False
         return statistics.median(times)
 
     def async_cycle(self, so) -> float | None:

@@ -1,0 +1,239 @@
+"""A profile rescaled to another machine of its kind: per-component scales fitted to steps measured there.
+
+`testbed calibrate RUN_DIR`: the run's own step timeline is replayed (`recorded:`, so every batch is the one the
+run formed: decision parity), the profile's terms of each step (step_terms.py) are paired with the time the step
+took, and the scales of the host, GEMM, attention and decode components are fitted to those pairs. The result
+is the profile with `scales` (used by ProfiledCostModel) and a `calibration` record of what was fitted, on what,
+and the per-step error before and after.
+
+The fit minimises the squared error of the steps' times (non-negative least squares), so the run's total time,
+its throughput, is matched first and long steps weigh as much as the many short ones they outlast; it re-decides
+which branch of each step's max (host- or device-bound) holds after every pass. A component that makes up less
+than MIN_SHARE of the run's predicted time keeps its scale: the run says nothing about it.
+
+A step's measured time is its cycle, schedule to next schedule (what the profile predicts), except before an idle
+gap (the engine waited for arrivals): then its own recorded duration.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import time
+from pathlib import Path
+
+import numpy as np
+
+from testbed.sim.profiled import fit_nonnegative
+from testbed.sim.step_terms import COMPONENTS, DECODE_ASYNC, DECODE_SYNC, Scales, combine, design
+
+MIN_SHARE = 0.01
+PASSES = 6
+POLISH_EVALS = 400
+IDLE_GAP_S = 1e-3  # a cycle this much longer than the step itself held an idle wait
+
+
+@dataclasses.dataclass
+class StepSample:
+    """One measured step: its kind and profile terms, and the seconds it took."""
+
+    kind: int
+    terms: tuple
+    seconds: float
+
+
+def step_errors(samples: list[StepSample], scales: Scales) -> np.ndarray:
+    """(predicted - measured) / measured of every step at these scales."""
+    pred = np.array([combine(s.kind, s.terms, scales) for s in samples])
+    meas = np.array([s.seconds for s in samples])
+    return (pred - meas) / meas
+
+
+def error_report(samples: list[StepSample], scales: Scales) -> dict:
+    """Per-step error at these scales: mean absolute, median, the error of the steps' total time, and the first
+    two for decode-only and mixed steps."""
+    err = step_errors(samples, scales)
+    meas = np.array([s.seconds for s in samples])
+    out = {"steps": len(samples), "mape": float(np.mean(np.abs(err))), "median": float(np.median(err)),
+           "total": float(((1 + err) * meas).sum() / meas.sum() - 1)}
+    for name, kinds in (("decode", (DECODE_SYNC, DECODE_ASYNC)), ("mixed", None)):
+        sel = np.array([(s.kind in kinds) if kinds else (s.kind not in (DECODE_SYNC, DECODE_ASYNC)) for s in samples])
+        if sel.any():
+            out[f"{name}_steps"] = int(sel.sum())
+            out[f"{name}_mape"] = float(np.mean(np.abs(err[sel])))
+            out[f"{name}_median"] = float(np.median(err[sel]))
+    return out
+
+
+def _sse(samples: list[StepSample], scales: Scales, meas: np.ndarray) -> float:
+    pred = np.array([combine(s.kind, s.terms, scales) for s in samples])
+    return float(((pred - meas) ** 2).sum())
+
+
+def _branch_nnls(samples: list[StepSample], start: Scales, meas: np.ndarray) -> Scales:
+    """Non-negative least squares on the branch of every max that holds at the current scales, repeated until
+    the branches settle (or PASSES); components under MIN_SHARE of the predicted time stay put."""
+    scales = start
+    for _ in range(PASSES):
+        rows = [design(s.kind, s.terms, scales) for s in samples]
+        X = np.array([[r.get(c, 0.0) for c in COMPONENTS] for r in rows])
+        cur = np.array([getattr(scales, c) for c in COMPONENTS])
+        share = (X * cur).sum(axis=0) / max((X * cur).sum(), 1e-30)
+        free = share >= MIN_SHARE
+        if not free.any():
+            break
+        y = meas - X[:, ~free] @ cur[~free]
+        new = cur.copy()
+        new[free] = [max(v, 1e-3) for v in fit_nonnegative(X[:, free].tolist(), y.tolist())]
+        nxt = Scales(**dict(zip(COMPONENTS, new.tolist())))  # a component measured to cost nothing still costs
+        if nxt == scales:
+            break
+        scales = nxt
+    return scales
+
+
+def _polish(samples: list[StepSample], scales: Scales, meas: np.ndarray) -> Scales:
+    """Pattern search on the exact (piecewise) squared error: each component up or down by a factor while that
+    helps, the factor shrinking to 1e-5 (at most POLISH_EVALS evaluations). Branch-wise least squares can stop
+    where a branch flips."""
+    best, err = scales, _sse(samples, scales, meas)
+    step, evals = 0.25, 0
+    while step > 1e-5 and evals < POLISH_EVALS:
+        improved = False
+        for c in COMPONENTS:
+            for f in (1 + step, 1 / (1 + step)):
+                trial = dataclasses.replace(best, **{c: max(getattr(best, c) * f, 1e-3)})
+                e = _sse(samples, trial, meas)
+                evals += 1
+                if e < err:
+                    best, err, improved = trial, e, True
+        if not improved:
+            step /= 2
+    return best
+
+
+def fit_scales(samples: list[StepSample], base: Scales = Scales()) -> Scales:
+    """The scales that minimise the squared error of the steps' times: branch-wise least squares from `base` and
+    from every corner of [1/2, 2] (a step's max can hold a start on the wrong branch), the best polished on the
+    exact error."""
+    if not samples:
+        raise ValueError("no measured steps to fit the scales to")
+    meas = np.array([s.seconds for s in samples])
+    if not (meas > 0).all():
+        raise ValueError("every measured step must have a positive duration")
+    starts = [base] + [Scales(*corner) for corner in itertools.product((0.5, 2.0), repeat=len(COMPONENTS))]
+    fits = [_branch_nnls(samples, s, meas) for s in starts]
+    return _polish(samples, min(fits, key=lambda f: _sse(samples, f, meas)), meas)
+
+
+def samples_from_run(run_dir: str | Path, cost_model) -> list[StepSample]:
+    """Replay a single-replica run's recorded timeline and pair each step's terms under `cost_model` (a
+    ProfiledCostModel) with the time the step took."""
+    from testbed.rundir import read_run
+    from testbed.sim.cluster import simulate
+    from testbed.sim.cost_model import RecordedCostModel
+    from testbed.sim.like import run_cache, run_setup
+    from testbed.specs.presets import get_model_spec
+    from testbed.engine.config import EngineConfig
+    from testbed.workload.trace import load_trace
+
+    run = read_run(run_dir)
+    model, _, engine = run_setup(run)
+    if model is None or not engine:
+        raise ValueError(f"{run_dir}: the run records no model preset or engine flags (a `testbed replay` or "
+                         "`simulate` run directory does); calibrate needs both to replay its steps")
+    if engine.get("data_parallel_size", 1) > 1:
+        raise ValueError(f"{run_dir}: a data-parallel run; calibrate on a single-replica run (e.g. `testbed replay` "
+                         "without -dp) of the same engine")
+    recorded = RecordedCostModel.from_run_dir(run_dir)  # refuses async runs, whose steps overlap
+    own = run.steps(columns=["duration"])["duration"].tolist()
+    blocks, max_len = run_cache(run)
+    config = dataclasses.replace(EngineConfig(**engine), num_gpu_blocks=blocks, max_model_len=max_len)
+    samples: list[StepSample] = []
+
+    class Pairing:
+        """The recorded time of each step (so the batches stay the run's), with the profile's terms noted."""
+
+        def step_time(self, so) -> float:
+            i = recorded.step
+            cycle = recorded.step_time(so)
+            if so.requests:
+                kind, terms = cost_model.terms(so)
+                samples.append(StepSample(kind, terms, cycle if cycle <= own[i] + IDLE_GAP_S else own[i]))
+            return cycle
+
+    spec = get_model_spec(model)
+    trace = load_trace(str(run_dir), seed=config.seed)
+    simulate(trace, config, Pairing(), blocks, max_len or spec.max_position_embeddings, vocab_size=spec.vocab_size)
+    if recorded.step != len(recorded.durations):
+        raise ValueError(f"{run_dir}: the replay used {recorded.step} of the run's {len(recorded.durations)} recorded "
+                         "steps: its decisions diverged from the run's (was it made by another version?)")
+    return samples
+
+
+def calibrated_profile(profile: dict, scales: Scales, source: str, before: dict, after: dict) -> dict:
+    """A copy of `profile` carrying the fitted scales and the record of the fit."""
+    out = copy.deepcopy(profile)
+    out["scales"] = scales.to_dict()
+    out["calibration"] = {"fitted_on": source, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                          "base_scales": Scales.from_dict(profile.get("scales")).to_dict(),
+                          "error_before": before, "error_after": after}
+    return out
+
+
+def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict, dict]:
+    """(calibrated profile, per-step error before, after) of `cost_model` ('auto': the profile shipped for the
+    run's model, GPU and TP; or a profile file) fitted to a run's recorded steps."""
+    from testbed.engine.config import EngineConfig
+    from testbed.rundir import read_run
+    from testbed.sim.like import run_setup
+    from testbed.sim.profiled import ProfiledCostModel
+    from testbed.sim.run import load_cost_model
+    from testbed.specs.hardware import get_gpu_spec
+    from testbed.specs.presets import get_model_spec
+
+    run = read_run(run_dir)
+    model, gpu, engine = run_setup(run)
+    if model is None or gpu is None or not engine:
+        raise ValueError(f"{run_dir}: the run records no model or GPU preset, or no engine flags; calibrate takes a "
+                         "`testbed replay` run directory of a preset model on a preset GPU")
+    if cost_model in ("roofline",) or cost_model.startswith("recorded:"):
+        raise ValueError(f"--cost-model {cost_model}: calibrate rescales a profile; give 'auto' or a profile file")
+    cm, _ = load_cost_model(cost_model, get_model_spec(model), get_gpu_spec(gpu), EngineConfig(**engine))
+    if not isinstance(cm, ProfiledCostModel):
+        raise ValueError(f"--cost-model {cost_model}: no profile ships for {model} on {gpu}; give a profile file "
+                         "(`testbed profile` writes one)")
+    samples = samples_from_run(run_dir, cm)
+    before = error_report(samples, cm.scales)
+    scales = fit_scales(samples, cm.scales)
+    after = error_report(samples, scales)
+    return calibrated_profile(cm.profile, scales, str(run_dir), before, after), before, after
+
+
+def cmd_calibrate(args) -> int:
+    import json
+    import sys
+    profile, before, after = calibrate(args.run_dir, args.cost_model)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(profile, indent=1) + "\n")
+    tmp.replace(out)
+    print("scales: " + ", ".join(f"{k} {v:.3f}" for k, v in profile["scales"].items()))
+    print(f"{'steps':<12}{'count':>7}{'MAPE before':>13}{'after':>8}{'median before':>15}{'after':>8}")
+    for name, prefix in (("all", ""), ("decode-only", "decode_"), ("mixed", "mixed_")):
+        if prefix + "mape" in before:
+            print(f"{name:<12}{before.get(prefix + 'steps', before['steps']):>7}{before[prefix + 'mape']:>13.1%}"
+                  f"{after[prefix + 'mape']:>8.1%}{before[prefix + 'median']:>+15.1%}{after[prefix + 'median']:>+8.1%}")
+    print(f"total time of the steps: {before['total']:+.1%} before, {after['total']:+.1%} after")
+    print(f"wrote {out} (use: testbed simulate TRACE --cost-model {out})", file=sys.stderr)
+    return 0
+
+
+def add_calibrate_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="rescale a profile to this machine from the steps a real run recorded")
+    p.add_argument("run_dir", help="a `testbed replay` run directory (one replica, without --async-scheduling)")
+    p.add_argument("--cost-model", default="auto",
+                   help="the profile to rescale: 'auto' (the one shipped for the run's model, GPU and TP) or a file")
+    p.add_argument("--output", "-o", required=True, help="the calibrated profile JSON to write")
+    p.set_defaults(func=cmd_calibrate)
