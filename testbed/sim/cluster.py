@@ -12,19 +12,22 @@ one hop after it was sampled. Routes and reports are recorded (routes / publicat
 """
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import simpy
 
 from testbed.engine.block_manager import prompt_block_hashes
 from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import DPCoordinator, StatsPublisher
 from testbed.engine.core import EngineCore
+from testbed.engine.fast_forward import fast_forward
 from testbed.engine.metrics import Recorder
 from testbed.engine.request import Request
 from testbed.sim.cost_model import CostModel
-from testbed.sim.executor import SimExecutor
+from testbed.sim.environment import SimEnvironment
+from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor
 from testbed.workload.trace import TraceRequest, synthesize_prompt
 
 
@@ -64,6 +67,7 @@ class SimResult:
     sim_time: float
     prefix_queries: int
     prefix_hits: int
+    fast_forwarded_steps: int = 0  # of the steps in the records, those advanced by engine/fast_forward.py
 
     @classmethod
     def collect(cls, engines: list[EngineCore], records: Recorder, sim_time: float) -> "SimResult":
@@ -76,20 +80,27 @@ class SimResult:
 
 def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostModel, num_gpu_blocks: int,
              max_model_len: int, vocab_size: int = 32000,
-             on_progress: Callable[[float, int], None] | None = None, progress_interval_s: float = 5.0) -> SimResult:
-    """Replay a trace through `config.data_parallel_size` EngineCore replicas in simulated time."""
-    env = simpy.Environment()
+             on_progress: Callable[[float, int], None] | None = None, progress_interval_s: float = 5.0,
+             fast_forward_decodes: bool = True) -> SimResult:
+    """Replay a trace through `config.data_parallel_size` EngineCore replicas in simulated time.
+
+    `fast_forward_decodes`: advance stretches of decode-only steps in one go (engine/fast_forward.py); the
+    records are the same either way (False steps through every one, for the tests that check that)."""
+    env = SimEnvironment()
     dp = config.data_parallel_size
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False) for r in range(dp)]
     coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks)
     executor = SimExecutor(cost_model)
     wake = [env.event() for _ in range(dp)]
     done = env.event()
-    state = {"admitted": 0, "idle": set(range(dp)), "seq": 0}
+    # next_arrival: when the arrival process resumes next (no request reaches a replica before it)
+    state = {"admitted": 0, "idle": set(range(dp)), "seq": 0, "next_arrival": math.inf}
+    in_transit: deque[float] = deque()  # when each routed request still on its hop reaches its replica
     need_hashes = config.dp_policy == "prefix_affinity"
     hop = config.dp_routing_delay / 2 if dp > 1 else 0.0  # one ZMQ hop; dp 1 has no coordinator
     publishers = [StatsPublisher(config.dp_stats_interval) for _ in range(dp)]
     steps_done = [0] * dp
+    skipped = [0]  # steps fast-forwarded
     routes: list[list] = []        # ROUTE_COLUMNS rows
     publications: list[list] = []  # PUBLICATION_COLUMNS rows
 
@@ -104,6 +115,8 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             done.succeed()
 
     def admit(r: int, req: Request, route: list | None) -> None:
+        if hop:
+            in_transit.popleft()
         if route is not None:
             route[-1] = env.now
         state["admitted"] += 1
@@ -134,6 +147,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         for tr in trace:
             delay = tr.arrival_s + hop - env.now  # the coordinator sees it one hop after its arrival
             if delay > 0:
+                state["next_arrival"] = env.now + delay  # the time SimPy schedules the timeout at
                 yield env.timeout(delay)
             req = trace_to_request(tr, vocab_size, config.seed)
             hashes = ()
@@ -145,7 +159,10 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 route = [state["seq"], req.request_id, r, tr.arrival_s, tr.arrival_s, env.now, None]
                 routes.append(route)
                 state["seq"] += 1
+            if hop:
+                in_transit.append(env.now + hop)
             after_hop(admit, r, req, route)
+        state["next_arrival"] = math.inf
 
     def replica(r: int):
         """The replica's step loop. With async scheduling it keeps one step in flight like the real
@@ -153,6 +170,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         and N is updated at its end (host work hidden); the core sees the same call order."""
         eng = engines[r]
         overlap = config.async_scheduling
+        skip = fast_forward_decodes and not overlap
         in_flight = None  # (SchedulerOutput, ModelRunnerOutput, end time) of the launched step
         while True:
             if not eng.requests and in_flight is None:
@@ -161,6 +179,13 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 wake[r] = env.event()
                 yield wake[r]
                 state["idle"].discard(r)
+            if skip and not publishers[r].dirty:  # a report pending would go out after one of these steps
+                until = min(state["next_arrival"], in_transit[0]) if in_transit else state["next_arrival"]
+                k, end = fast_forward(eng, env.now, until, step_end, SIM_TOKEN_ID)
+                if k:
+                    steps_done[r] += k
+                    skipped[0] += k
+                    yield env.timeout_at(end)
             so = eng.schedule(env.now)
             if so.is_empty and in_flight is None:
                 raise RuntimeError(f"replica {r}: nothing schedulable with {len(eng.requests)} requests live "
@@ -183,6 +208,11 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                     publish(r)
             in_flight = launched
 
+    def step_end(so, start: float) -> float:
+        """When a step scheduled at `start` ends: where `yield env.timeout(start + d - env.now)` lands."""
+        end = start + cost_model.step_time(so)
+        return start + (end - start)
+
     def progress():
         while True:
             yield env.timeout(progress_interval_s)
@@ -199,5 +229,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
     if trace:
         env.run(until=done)
     # reports still on their way when the run ended never reached the coordinator: not recorded
-    return SimResult.collect(engines, Recorder(routes=[tuple(row) for row in routes], publications=[
+    result = SimResult.collect(engines, Recorder(routes=[tuple(row) for row in routes], publications=[
         tuple(row) for row in publications if row[0] is not None]), env.now)
+    result.fast_forwarded_steps = skipped[0]
+    return result
