@@ -60,9 +60,7 @@ def ordinary_step(core: EngineCore, now: float, pure_decode: bool = False) -> fl
         assert not so.preempted_req_ids
     out = ModelRunnerOutput([TOKEN if r.num_computed_tokens >= r.num_tokens else -1 for r in so.requests])
     end = step_end(so, now)
-    finished = [o for o in core.update(so, out, end) if o.finished]
-    if pure_decode:
-        assert not finished
+    core.update(so, out, end)
     return end
 
 
@@ -104,7 +102,7 @@ def test_fast_forward_leaves_the_state_stepping_leaves_after_every_stretch(scena
             now = pending[0][1][0]
             continue
         until = pending[0][1][0] if pending else math.inf
-        k, end = fast_forward(skipping, now, until, step_end, TOKEN, max_steps=chunks[n % len(chunks)])
+        k, end, _ = fast_forward(skipping, now, until, step_end, TOKEN, max_steps=chunks[n % len(chunks)])
         n += 1
         for _ in range(k):
             now = ordinary_step(stepping, now, pure_decode=True)
@@ -124,18 +122,26 @@ def test_a_stretch_stops_before_an_arrival_a_finish_and_a_preemption():
     for rid in "ab":
         core.add_request(make_request(rid, 3, 20), 0.0)
     now = ordinary_step(core, 0.0)  # both prefills: 3 tokens in one block each, the first output tokens sampled
-    assert fast_forward(core, now, now, step_end, TOKEN) == (0, now)  # `until` reached: nothing advanced
-    k, t = fast_forward(core, now, math.inf, step_end, TOKEN)
+    assert fast_forward(core, now, now, step_end, TOKEN) == (0, now, False)  # `until` reached: nothing advanced
+    k, t, _ = fast_forward(core, now, math.inf, step_end, TOKEN)
     assert k == 13 and core.block_manager.num_free_blocks == 0  # 4 blocks each hold 16 tokens; the 17th needs a 5th
     assert fast_forward(core, t, math.inf, step_end, TOKEN)[0] == 0  # the next step preempts: stepping does it
     for req in core.requests.values():
         assert req.num_computed_tokens == 16 and req.num_tokens == 17 and req.status == RequestStatus.RUNNING
 
-    core = make_engine(num_gpu_blocks=64, max_model_len=128)
-    core.add_request(make_request("b", 8, 5), 0.0)
-    now = ordinary_step(core, 0.0)
-    assert fast_forward(core, now, math.inf, step_end, TOKEN)[0] == 3  # the 5th (last) token is a stepped step
-    assert core.requests["b"].num_tokens == 12
+
+
+def test_a_stretch_goes_on_past_a_finish_with_the_smaller_batch_unless_told_to_stop():
+    for stop in (False, True):
+        core = make_engine(num_gpu_blocks=64, max_model_len=128)
+        core.add_request(make_request("b", 8, 5), 0.0)
+        core.add_request(make_request("c", 8, 9), 0.0)
+        now = ordinary_step(core, 0.0)  # both prompts, and the first token of each
+        k, t, finished = fast_forward(core, now, math.inf, step_end, TOKEN, stop_after_finish=stop)
+        assert finished and "b" not in core.requests
+        assert k == (4 if stop else 8) and (("c" in core.requests) == stop)
+        assert [(row[0], row[8], row[-1]) for row in core.records.requests] == [("b", 5, "length")] + (
+            [] if stop else [("c", 9, "length")])
 
 
 def test_nothing_is_fast_forwarded_while_someone_could_be_admitted():

@@ -1,26 +1,34 @@
 """Exact fast-forward of decode-only stretches of one EngineCore (sim mode).
 
-While no request arrives, finishes or is preempted and nobody can be admitted, every step of an engine
-is the same batch of decodes, one token each: the scheduler's decisions follow from counters alone. Such
-a stretch is advanced here in one call, with the core, scheduler, block manager and records left exactly
-as `schedule` -> executor -> `update` would leave them step by step (same step rows, same ITL samples in
-the same order, the same block ids allocated at the same block boundaries, in the same order).
+While no request arrives or is preempted and nobody can be admitted, every step of an engine is the same
+batch of decodes, one token each: the scheduler's decisions follow from counters alone. Such a stretch is
+advanced here in one call, with the core, scheduler, block manager and records left exactly as
+`schedule` -> executor -> `update` would leave them step by step (same step rows, same ITL samples in the
+same order, the same block ids allocated at the same block boundaries, in the same order).
 
-Preconditions (checked; 0 steps are taken otherwise): no step in flight, no pooling request, every
-running request decodes (one token to compute, nothing pending, no stop tokens, its prompt done), the
-whole batch fits the token budget, and the waiting queue is empty or cannot be admitted from
-(`max_num_seqs` reached or no token budget left). A stretch stops before the step whose block
-allocations the free pool cannot cover (stepping would preempt there), before the step in which a
-request reaches its length limit, and before the first step that would start at or after `until`
-(the driver's next arrival). The executor is a simulator's: every row samples `token_id`, no logprobs.
+A stretch is made of segments, each ending in the step where a request reaches its length limit; that
+step's update is the core's own `update` (the finishing requests end exactly as in stepping), and the
+stretch goes on with the smaller batch while the conditions still hold.
+
+Preconditions of every segment (0 steps are taken otherwise): no step in flight, no pooling request, every
+running request decodes (one token to compute, nothing pending, no stop tokens, its prompt done), the whole
+batch fits the token budget, and the waiting queue is empty or cannot be admitted from (`max_num_seqs`
+reached or no token budget left). A stretch stops before the step whose block allocations the free pool
+cannot cover (stepping would preempt there), before the first step that would start at or after `until`
+(the driver's next admission), and, with `stop_after_finish`, after a step that finished a request (a
+data-parallel replica reports its stats then). The executor is a simulator's: every row samples `token_id`,
+no logprobs.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Callable, Iterator, Sequence
 
 from testbed.engine.core import EngineCore
-from testbed.engine.outputs import SchedulerOutput
+from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.engine.request import RequestStatus
+
+StepEnd = Callable[[SchedulerOutput, float], float]
 
 
 class ShiftedCounts(Sequence[int]):
@@ -44,9 +52,9 @@ class ShiftedCounts(Sequence[int]):
         return (c + s for c in self.base)
 
 
-def decode_stretch_limit(core: EngineCore) -> int:
-    """How many steps from now are plain decodes of the running batch with nothing finishing (0: none,
-    or the state is not one this module advances). Block allocation and `until` may stop a stretch sooner."""
+def decode_segment_length(core: EngineCore) -> int:
+    """How many steps from now are plain decodes of the running batch, the last of them the first in which a
+    request appends its last token (0: the state is not one this module advances)."""
     sched = core.scheduler
     running = sched.running
     b = len(running)
@@ -60,23 +68,37 @@ def decode_stretch_limit(core: EngineCore) -> int:
         if (req.num_pending or req.num_tokens - computed != 1 or computed < req.num_prompt_tokens
                 or req.token_stops or req.status != RequestStatus.RUNNING):
             return 0
-        left = req.length_limit - req.num_tokens - 1  # steps before the one that appends its last token
+        left = req.length_limit - req.num_tokens  # its step that appends the last token is step left - 1
         if left < limit:
             limit = left
-    return max(limit, 0)
+    return limit
 
 
-def fast_forward(core: EngineCore, now: float, until: float, step_end: Callable[[SchedulerOutput, float], float],
-                 token_id: int, max_steps: int | None = None) -> tuple[int, float]:
-    """Advance the stretch of decode steps that starts at `now`; returns (steps taken, time after the last).
+def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
+                 max_steps: int | None = None, stop_after_finish: bool = False) -> tuple[int, float, bool]:
+    """Advance the stretch of decode steps that starts at `now`; returns (steps taken, time after the last,
+    whether the last step finished a request).
 
     `step_end(so, start)` is the driver's clock: when a step scheduled at `start` ends (it calls the cost
     model, so it is called once per step, in order, as stepping would)."""
-    limit = decode_stretch_limit(core)
-    if max_steps is not None:
-        limit = min(limit, max_steps)
-    if limit <= 0 or now >= until:
-        return 0, now
+    steps, t, finished = 0, now, False
+    budget = (1 << 62) if max_steps is None else max_steps
+    while steps < budget and t < until:
+        k, t, ended = _segment(core, t, until, step_end, token_id, budget - steps)
+        steps += k
+        finished = ended or (finished and not k)
+        if not ended or stop_after_finish:
+            break
+    return steps, t, finished
+
+
+def _segment(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
+             max_steps: int) -> tuple[int, float, bool]:
+    """One segment: steps of one running batch; the last may finish requests (then through `core.update`)."""
+    length = decode_segment_length(core)
+    limit = min(length, max_steps)
+    if limit <= 0:
+        return 0, now, False
     sched, bm, records = core.scheduler, core.block_manager, core.records
     running = list(sched.running)
     b, bs = len(running), bm.block_size
@@ -86,59 +108,68 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: Callable[
     for i, r in enumerate(running):
         j = len(bm.req_blocks[r.request_id]) * bs - computed0[i]
         if j < 0:
-            return 0, now  # blocks short of its computed tokens: not a state stepping leaves
+            return 0, now, False  # blocks short of its computed tokens: not a state stepping leaves
         if j < limit:
             due.setdefault(j, []).append(i)
     sum_ctx0, max_ctx0 = sum(computed0), max(computed0)
     n_struct = sum(1 for r in running if r.structured) if sched.num_structured else 0
     so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=[bm.req_blocks[r.request_id] for r in running],
                          total_num_scheduled_tokens=b, num_decode_tokens=b, num_structured_reqs=n_struct)
-    replica, total_blocks, waiting, steps = core.replica, bm.num_blocks, sched.num_waiting, records.steps
-    itl = records.itl
+    replica, total_blocks, waiting, rows_out = core.replica, bm.num_blocks, sched.num_waiting, records.steps
+    itl, used, free_ids, cached = records.itl, bm.num_used_blocks, bm.free_ids, bm.cached
+    so.num_computed_before = before = ShiftedCounts(computed0, 0)
     last_update = core._last_update
-    j = 0
-    t = now
+    sched.finished_req_ids = []  # what the first step's schedule() hands out (to runners; a simulator has none)
+    finishing = length <= max_steps  # step length - 1, if reached, finishes a request
+    j, t, prev = 0, now, now
     while j < limit and t < until:
         rows = due.pop(j, None)
         if rows is not None:
-            if len(rows) > len(bm.free_ids) + len(bm.cached):
-                due[j] = rows
+            if len(rows) > len(free_ids) + len(cached):
                 break  # stepping would preempt in this step
             rows.sort()
-            for i in rows:
-                req = running[i]
-                req.num_computed_tokens = computed0[i] + j
-                if not bm.allocate_slots(req, 1):
-                    raise AssertionError(f"fast_forward: block allocation failed for {req.request_id!r} with "
-                                         "free blocks counted")
+            for i in rows:  # in batch order, as the scheduler reaches them
+                bm.append_block(running[i], computed0[i] + j + 1)
                 if j + bs < limit:
                     due.setdefault(j + bs, []).append(i)
-        if j == 0:
-            sched.finished_req_ids = []
+            used += len(rows)
         ctx = sum_ctx0 + b * (j + 1)
-        so.num_computed_before = ShiftedCounts(computed0, j)
+        before.shift = j
         so.sum_context_tokens = so.sum_attn_pairs = ctx
         so.max_context_tokens = max_ctx0 + j + 1
-        so.step_state = (t, bm.num_used_blocks, waiting, b)
+        so.step_state = (t, used, waiting, b)
         end = step_end(so, t)
+        if finishing and j == limit - 1:  # the core's own update ends the requests this step finishes
+            _materialize(running, computed0, j, token_id, prev)
+            for r in running:
+                r.num_computed_tokens += 1
+                r.num_pending = 1
+            core.token_counts.generation += b * j
+            core._last_update = last_update
+            core.update(so, ModelRunnerOutput([token_id] * b), end)
+            return j + 1, end, True
         start = t if t > last_update else last_update
-        if j == 0:
+        if j:
+            itl.extend(repeat(end - t, b))
+        else:
             for r in running:
                 itl.append(end - r.last_token_time)
-        else:
-            itl.extend([end - t] * b)
-        steps.append((replica, start, end - start, b, 0, b, ctx, ctx, so.step_state[1], total_blocks, waiting, b, 0))
-        last_update = t = end
+        rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
+        last_update = prev = t = end
         j += 1
     if j:
-        for i, r in enumerate(running):
-            r.num_computed_tokens = computed0[i] + j
-            r.output_token_ids.extend([token_id] * j)
-            r.num_tokens += j
-            r.last_token_time = t
+        _materialize(running, computed0, j, token_id, t)
         core.token_counts.generation += b * j
         core._last_update = last_update
-    else:
-        for i, r in enumerate(running):
-            r.num_computed_tokens = computed0[i]
-    return j, t
+    return j, t, False
+
+
+def _materialize(running: list, computed0: list[int], steps: int, token_id: int, last_token_time: float) -> None:
+    """Each request as `steps` updated decode steps leave it (nothing to do for 0)."""
+    if not steps:
+        return
+    for i, r in enumerate(running):
+        r.num_computed_tokens = computed0[i] + steps
+        r.output_token_ids.extend(repeat(token_id, steps))
+        r.num_tokens += steps
+        r.last_token_time = last_token_time

@@ -181,11 +181,14 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 state["idle"].discard(r)
             if skip and not publishers[r].dirty:  # a report pending would go out after one of these steps
                 until = min(state["next_arrival"], in_transit[0]) if in_transit else state["next_arrival"]
-                k, end = fast_forward(eng, env.now, until, step_end, SIM_TOKEN_ID)
+                k, end, finished = fast_forward(eng, env.now, until, step_end, SIM_TOKEN_ID, stop_after_finish=dp > 1)
                 if k:
                     steps_done[r] += k
                     skipped[0] += k
                     yield env.timeout_at(end)
+                    if dp > 1 and publishers[r].after_update(env.now, finished, idle=not eng.requests):
+                        publish(r)
+                    continue  # the stretch may go on (an arrival it stopped for went elsewhere)
             so = eng.schedule(env.now)
             if so.is_empty and in_flight is None:
                 raise RuntimeError(f"replica {r}: nothing schedulable with {len(eng.requests)} requests live "

@@ -29,7 +29,7 @@ import numpy as np
 
 from testbed.engine.outputs import SchedulerOutput
 from testbed.sim.cost_model import GRAMMAR_ROW_S
-from testbed.sim.tables import Table1D, Table2D
+from testbed.sim.tables import LastLookup, Table1D, Table2D
 
 FORMAT = "testbed-profile"
 ISSUE_BOUND_TOKENS = 1024  # eager steps this small take longer to issue than to run: their launch time is pure host
@@ -133,7 +133,7 @@ class ProfiledCostModel:
                     continue
                 extra = [[0.0] + [None if w is None else max(0.0, w - table(bb, base + dd / bb))
                                   for dd, w in zip(t["delta"], row)] for bb, row in zip(t["batch"], t[key])]
-                setattr(self, attr, Table2D(t["batch"], [0] + t["delta"], extra))
+                setattr(self, attr, LastLookup(Table2D(t["batch"], [0] + t["delta"], extra)))
         if "rows_tail" in profile:
             t = profile["rows_tail"]
             extra = [[0.0] + [None if u is None or e is None else max(0.0, u - e) for u, e in zip(ur, er)]
@@ -143,7 +143,7 @@ class ProfiledCostModel:
         self.eager_launch = statistics.fmean(launch)
         self.sync_gap = max(0.0, statistics.median(eps))
         # engine host work: per decode batch size, and per admitted prompt token
-        self.engine_step = Table1D(eh["decode_batch"], eh["decode_step_s"])
+        self.engine_step = LastLookup(Table1D(eh["decode_batch"], eh["decode_step_s"]))
         base = self.engine_step(1)  # an admission step schedules and updates one request
         self.admit = {k: Table1D(eh["admit_tokens"], [max(0.0, v - base) for v in vals])
                       for k, vals in eh["admit_step_s"].items()}
