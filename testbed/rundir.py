@@ -109,15 +109,15 @@ def _is_our_manifest(path: Path) -> bool:
     return isinstance(m, dict) and all(k in m for k in MANIFEST_KEYS) and m.get("mode") in ("sim", "real")
 
 
-def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: dict) -> Path:
+def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: dict,
+              columns: tuple[dict, dict] | None = None) -> Path:
     """Write the four files of a run directory, replacing any run already there in one rename;
-    returns its path."""
+    returns its path. `columns`: the records' (request_columns(), step_columns()), where the caller has them."""
     out = check_output(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        req_cols = records.request_columns()
-        step_cols = records.step_columns()
+        req_cols, step_cols = columns or (records.request_columns(), records.step_columns())
         pq.write_table(pa.table({c: column(req_cols[c], _REQ_TYPES[c]) for c in REQUEST_COLUMNS}),
                        tmp / "requests.parquet")
         pq.write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c]) for c in STEP_COLUMNS}),

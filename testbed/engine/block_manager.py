@@ -126,7 +126,16 @@ class BlockManager:
                 del self.cached[b]
             ref_cnt[b] += 1
             blocks.append(b)
-        for _ in range(need):
+        free_ids = self.free_ids
+        fresh = min(need, len(free_ids))
+        if fresh > 0:  # FREE blocks first, in the order popping them one by one gives
+            taken = free_ids[-fresh:]
+            del free_ids[-fresh:]
+            taken.reverse()
+            for b in taken:
+                ref_cnt[b] = 1
+            blocks.extend(taken)
+        for _ in range(need - max(fresh, 0)):  # then evicted CACHED ones
             b = self._take_block()
             ref_cnt[b] = 1
             blocks.append(b)

@@ -1,6 +1,8 @@
 """`testbed simulate`: load a trace, size the cache, run the SimPy cluster, write the run directory."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
 import time
 from dataclasses import asdict
@@ -81,9 +83,10 @@ def check_vocabulary(trace: list, trace_path, spec: ModelSpec) -> None:
                                  "was tokenized for (--model)")
 
 
-def warn_rejections(rec, trace: list, config: EngineConfig, blocks: int, max_model_len: int, vocab_size: int) -> None:
-    """Say on stderr how many requests the engine rejected and why (the first one's reason)."""
-    cols = rec.request_columns()
+def warn_rejections(cols: dict[str, list], trace: list, config: EngineConfig, blocks: int, max_model_len: int,
+                    vocab_size: int) -> None:
+    """Say on stderr how many requests the engine rejected and why (the first one's reason); `cols`: the
+    request columns of the run's records."""
     rejected = [rid for rid, why in zip(cols["request_id"], cols["finish_reason"]) if why == "rejected"]
     if not rejected:
         return
@@ -92,6 +95,20 @@ def warn_rejections(rec, trace: list, config: EngineConfig, blocks: int, max_mod
               or f"the waiting queue was full (--max-num-waiting {config.max_num_waiting})")
     warn(f"{len(rejected)} of {len(trace)} requests were rejected and not simulated (finish_reason 'rejected' in "
          f"requests.parquet); the first, {first.id!r}: {reason}")
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """The cyclic garbage collector off for the block: a run's records (a row per step, a sample per token)
+    live until it ends and hold no reference cycle, so the collector's full passes over them, which grow
+    with the run, would find nothing. It is back on (if it was) when the block ends."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama-3.1-8B", gpu: str = "H100-SXM",
@@ -103,6 +120,13 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     on stderr; `on_progress(sim_time, horizon)` is called as simulated time advances (for GUIs).
     Every input is checked before the simulation starts; requests the configuration must reject
     (too long for max_model_len or the KV cache) are counted in the run and explained on stderr."""
+    with collector_paused():
+        return _run_simulation(trace_path, config, model, gpu, cost_model, request_rate, burstiness, limit,
+                               trace_format, slo_ttft, slo_tpot, output, progress, on_progress)
+
+
+def _run_simulation(trace_path, config, model, gpu, cost_model, request_rate, burstiness, limit, trace_format,
+                    slo_ttft, slo_tpot, output, progress, on_progress) -> tuple[Path | None, dict]:
     check_slos(slo_ttft, slo_tpot)
     if output is not None:
         check_output(output)
@@ -146,8 +170,9 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     if bar is not None:
         bar.close()
     rec = result.records
-    warn_rejections(rec, trace, config, blocks, max_model_len, spec.vocab_size)
-    summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot,
+    req_cols, step_cols = rec.request_columns(), rec.step_columns()
+    warn_rejections(req_cols, trace, config, blocks, max_model_len, spec.vocab_size)
+    summary = summarize(req_cols, step_cols, rec.itl, slo_ttft, slo_tpot,
                         result.prefix_queries, result.prefix_hits)
     summary["cost_model"] = cm_desc
     run_dir = None
@@ -161,5 +186,5 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
             "seed": config.seed, "wall_time_s": wall, "simulated_time_s": result.sim_time,
             "speedup": result.sim_time / wall if wall > 0 else None, **environment_info(),
         }
-        run_dir = write_run(output, manifest, rec, summary)
+        run_dir = write_run(output, manifest, rec, summary, (req_cols, step_cols))
     return run_dir, summary
