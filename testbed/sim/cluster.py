@@ -12,8 +12,6 @@ one hop after it was sampled. Routes and reports are recorded (routes / publicat
 """
 from __future__ import annotations
 
-import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -27,6 +25,7 @@ from testbed.engine.metrics import Recorder
 from testbed.engine.request import Request
 from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment
+from testbed.sim.horizon import AdmissionHorizon
 from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor
 from testbed.workload.trace import TraceRequest, synthesize_prompt
 
@@ -93,11 +92,10 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
     executor = SimExecutor(cost_model)
     wake = [env.event() for _ in range(dp)]
     done = env.event()
-    # next_arrival: when the arrival process resumes next (no request reaches a replica before it)
-    state = {"admitted": 0, "idle": set(range(dp)), "seq": 0, "next_arrival": math.inf}
-    in_transit: deque[float] = deque()  # when each routed request still on its hop reaches its replica
+    state = {"admitted": 0, "idle": set(range(dp)), "seq": 0}
     need_hashes = config.dp_policy == "prefix_affinity"
     hop = config.dp_routing_delay / 2 if dp > 1 else 0.0  # one ZMQ hop; dp 1 has no coordinator
+    horizon = AdmissionHorizon([tr.arrival_s for tr in trace], hop, dp, config.dp_policy == "round_robin")
     publishers = [StatsPublisher(config.dp_stats_interval) for _ in range(dp)]
     steps_done = [0] * dp
     skipped = [0]  # steps fast-forwarded
@@ -115,8 +113,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             done.succeed()
 
     def admit(r: int, req: Request, route: list | None) -> None:
-        if hop:
-            in_transit.popleft()
+        horizon.admit(r)
         if route is not None:
             route[-1] = env.now
         state["admitted"] += 1
@@ -147,22 +144,19 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         for tr in trace:
             delay = tr.arrival_s + hop - env.now  # the coordinator sees it one hop after its arrival
             if delay > 0:
-                state["next_arrival"] = env.now + delay  # the time SimPy schedules the timeout at
                 yield env.timeout(delay)
             req = trace_to_request(tr, vocab_size, config.seed)
             hashes = ()
             if need_hashes:
                 hashes = req.block_hashes = prompt_block_hashes(req.prompt_token_ids, config.block_size)
             r = coord.route(req.num_prompt_tokens, hashes)
+            horizon.route(r)
             route = None
             if dp > 1:  # seq, request, replica, arrival, sent, routed, added (set on admission)
                 route = [state["seq"], req.request_id, r, tr.arrival_s, tr.arrival_s, env.now, None]
                 routes.append(route)
                 state["seq"] += 1
-            if hop:
-                in_transit.append(env.now + hop)
             after_hop(admit, r, req, route)
-        state["next_arrival"] = math.inf
 
     def replica(r: int):
         """The replica's step loop. With async scheduling it keeps one step in flight like the real
@@ -180,8 +174,8 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 yield wake[r]
                 state["idle"].discard(r)
             if skip and not publishers[r].dirty:  # a report pending would go out after one of these steps
-                until = min(state["next_arrival"], in_transit[0]) if in_transit else state["next_arrival"]
-                k, end, finished = fast_forward(eng, env.now, until, step_end, SIM_TOKEN_ID, stop_after_finish=dp > 1)
+                k, end, finished = fast_forward(eng, env.now, horizon.until(r), step_end, SIM_TOKEN_ID,
+                                                stop_after_finish=dp > 1)
                 if k:
                     steps_done[r] += k
                     skipped[0] += k
