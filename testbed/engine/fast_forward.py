@@ -52,26 +52,29 @@ class ShiftedCounts(Sequence[int]):
         return (c + s for c in self.base)
 
 
-def decode_segment_length(core: EngineCore) -> int:
-    """How many steps from now are plain decodes of the running batch, the last of them the first in which a
-    request appends its last token (0: the state is not one this module advances)."""
+def decode_batch(core: EngineCore) -> tuple[int, list[int], list[list[int]]] | None:
+    """When the next steps are plain decodes of the running batch: (how many, the last of them the first in
+    which a request appends its last token; each request's computed tokens; its block table), else None."""
     sched = core.scheduler
     running = sched.running
     b = len(running)
     if not b or core.num_pooling or b > sched.max_num_batched_tokens:
-        return 0
+        return None
     if len(sched.waiting) and b < sched.max_num_seqs and b < sched.max_num_batched_tokens:
-        return 0  # the scheduler would try to admit someone
-    limit = 1 << 62
+        return None  # the scheduler would try to admit someone
+    req_blocks = core.block_manager.req_blocks
+    limit, computed, tables = 1 << 62, [], []
     for req in running:
-        computed = req.num_computed_tokens
-        if (req.num_pending or req.num_tokens - computed != 1 or computed < req.num_prompt_tokens
+        c = req.num_computed_tokens
+        if (req.num_pending or req.num_tokens - c != 1 or c < req.num_prompt_tokens
                 or req.token_stops or req.status != RequestStatus.RUNNING):
-            return 0
+            return None
         left = req.length_limit - req.num_tokens  # its step that appends the last token is step left - 1
         if left < limit:
             limit = left
-    return limit
+        computed.append(c)
+        tables.append(req_blocks[req.request_id])
+    return limit, computed, tables
 
 
 def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
@@ -95,32 +98,33 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
 def _segment(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
              max_steps: int) -> tuple[int, float, bool]:
     """One segment: steps of one running batch; the last may finish requests (then through `core.update`)."""
-    length = decode_segment_length(core)
-    limit = min(length, max_steps)
-    if limit <= 0:
+    batch = decode_batch(core)
+    if batch is None or max_steps <= 0:
         return 0, now, False
+    length, computed0, tables = batch
+    limit = min(length, max_steps)
     sched, bm, records = core.scheduler, core.block_manager, core.records
     running = list(sched.running)
     b, bs = len(running), bm.block_size
-    computed0 = [r.num_computed_tokens for r in running]
     # the step (from 0) at which each request first needs a new block; then every block_size steps
     due: dict[int, list[int]] = {}
-    for i, r in enumerate(running):
-        j = len(bm.req_blocks[r.request_id]) * bs - computed0[i]
+    for i, blocks in enumerate(tables):
+        j = len(blocks) * bs - computed0[i]
         if j < 0:
             return 0, now, False  # blocks short of its computed tokens: not a state stepping leaves
         if j < limit:
             due.setdefault(j, []).append(i)
     sum_ctx0, max_ctx0 = sum(computed0), max(computed0)
     n_struct = sum(1 for r in running if r.structured) if sched.num_structured else 0
-    so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=[bm.req_blocks[r.request_id] for r in running],
-                         total_num_scheduled_tokens=b, num_decode_tokens=b, num_structured_reqs=n_struct)
+    so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=tables, total_num_scheduled_tokens=b,
+                         num_decode_tokens=b, num_structured_reqs=n_struct)
     replica, total_blocks, waiting, rows_out = core.replica, bm.num_blocks, sched.num_waiting, records.steps
     itl, used, free_ids, cached = records.itl, bm.num_used_blocks, bm.free_ids, bm.cached
     so.num_computed_before = before = ShiftedCounts(computed0, 0)
     last_update = core._last_update
     sched.finished_req_ids = []  # what the first step's schedule() hands out (to runners; a simulator has none)
-    finishing = length <= max_steps  # step length - 1, if reached, finishes a request
+    last = limit - 1 if length <= max_steps else -1  # the step that finishes a request, if this segment has it
+    ctx, longest = sum_ctx0, max_ctx0
     j, t, prev = 0, now, now
     while j < limit and t < until:
         rows = due.pop(j, None)
@@ -133,13 +137,14 @@ def _segment(core: EngineCore, now: float, until: float, step_end: StepEnd, toke
                 if j + bs < limit:
                     due.setdefault(j + bs, []).append(i)
             used += len(rows)
-        ctx = sum_ctx0 + b * (j + 1)
+        ctx += b
+        longest += 1
         before.shift = j
         so.sum_context_tokens = so.sum_attn_pairs = ctx
-        so.max_context_tokens = max_ctx0 + j + 1
-        so.step_state = (t, used, waiting, b)
+        so.max_context_tokens = longest
         end = step_end(so, t)
-        if finishing and j == limit - 1:  # the core's own update ends the requests this step finishes
+        if j == last:  # the core's own update ends the requests this step finishes
+            so.step_state = (t, used, waiting, b)
             _materialize(running, computed0, j, token_id, prev)
             for r in running:
                 r.num_computed_tokens += 1
@@ -148,13 +153,14 @@ def _segment(core: EngineCore, now: float, until: float, step_end: StepEnd, toke
             core._last_update = last_update
             core.update(so, ModelRunnerOutput([token_id] * b), end)
             return j + 1, end, True
-        start = t if t > last_update else last_update
-        if j:
+        if j:  # the previous step ended at t: this one starts there
             itl.extend(repeat(end - t, b))
+            rows_out.append((replica, t, end - t, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
         else:
             for r in running:
                 itl.append(end - r.last_token_time)
-        rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
+            start = t if t > last_update else last_update
+            rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
         last_update = prev = t = end
         j += 1
     if j:

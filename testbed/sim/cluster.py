@@ -12,6 +12,7 @@ one hop after it was sampled. Routes and reports are recorded (routes / publicat
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -22,7 +23,7 @@ from testbed.engine.coordinator import DPCoordinator, StatsPublisher
 from testbed.engine.core import EngineCore
 from testbed.engine.fast_forward import fast_forward
 from testbed.engine.metrics import Recorder
-from testbed.engine.request import Request
+from testbed.engine.request import Request, SamplingParams
 from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment
 from testbed.sim.horizon import AdmissionHorizon
@@ -53,10 +54,18 @@ class LazyPrompt(Sequence[int]):
         return self._tokens
 
 
+@functools.lru_cache(maxsize=4096)
+def _sampling_params(output_tokens: int, structured_output: bool) -> SamplingParams:
+    """One validated SamplingParams per (output length, grammar) shared by the requests that have them (the
+    engine only reads a request's sampling params)."""
+    return TraceRequest("", 0.0, 1, output_tokens, structured_output=structured_output).sampling_params()
+
+
 def trace_to_request(tr: TraceRequest, vocab_size: int, seed: int) -> Request:
     """Engine request for a trace line: its output forced to the trace's length."""
     prompt = tr.prompt_token_ids if tr.prompt_token_ids is not None else LazyPrompt(tr, vocab_size, seed)
-    return Request(tr.id, prompt, tr.sampling_params(), arrival_time=tr.arrival_s, priority=tr.priority)
+    return Request(tr.id, prompt, _sampling_params(tr.output_tokens, tr.structured_output), arrival_time=tr.arrival_s,
+                   priority=tr.priority)
 
 
 @dataclass

@@ -203,10 +203,7 @@ class ProfiledCostModel:
         prep = a + per_row * B + per_token * T + per_block * (so.sum_context_tokens / self.block_size + 0.5 * B)
         return self.linear(T), attn, self.sample(sampled) if sampled else 0.0, prep, sampled
 
-    def step_time(self, so: SchedulerOutput) -> float:
-        return self._step(so, None)
-
-    def _step(self, so: SchedulerOutput, engine: float | None) -> float:
+    def step_time(self, so: SchedulerOutput, engine: float | None = None) -> float:
         """The step's time; `engine` overrides the engine's host term (validation against executor-only times)."""
         B = len(so.requests)
         if B == 0:
@@ -263,7 +260,7 @@ class ProfiledCostModel:
         try:
             for async_, key in ((False, "wall_s"), (True, "async_cycle_s")):
                 self.async_scheduling = async_
-                errs = [(self._step(so, 0.0) - v[key]) / v[key] for so, v in steps if v.get(key)]
+                errs = [(self.step_time(so, 0.0) - v[key]) / v[key] for so, v in steps if v.get(key)]
                 if errs:
                     name = "async" if async_ else "sync"
                     out[f"{name}_mape"] = float(np.mean(np.abs(errs)))
