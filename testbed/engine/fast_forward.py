@@ -7,8 +7,8 @@ advanced here in one call, with the core, scheduler, block manager and records l
 same order, the same block ids allocated at the same block boundaries, in the same order).
 
 A stretch is made of segments, each ending in the step where a request reaches its length limit; that
-step's update is the core's own `update` (the finishing requests end exactly as in stepping), and the
-stretch goes on with the smaller batch while the conditions still hold.
+step ends it through the core's own `_finish`, as `update`'s stop check does, and the stretch goes on with
+the smaller batch while the conditions still hold.
 
 Preconditions of every segment (0 steps are taken otherwise): no step in flight, no pooling request, every
 running request decodes (one token to compute, nothing pending, no stop tokens, its prompt done), the whole
@@ -25,7 +25,7 @@ from itertools import repeat
 from typing import Callable, Iterator, Sequence
 
 from testbed.engine.core import EngineCore
-from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from testbed.engine.outputs import SchedulerOutput
 from testbed.engine.request import RequestStatus
 
 StepEnd = Callable[[SchedulerOutput, float], float]
@@ -125,7 +125,7 @@ def _segment(core: EngineCore, now: float, until: float, step_end: StepEnd, toke
     sched.finished_req_ids = []  # what the first step's schedule() hands out (to runners; a simulator has none)
     last = limit - 1 if length <= max_steps else -1  # the step that finishes a request, if this segment has it
     ctx, longest = sum_ctx0, max_ctx0
-    j, t, prev = 0, now, now
+    j, t = 0, now
     while j < limit and t < until:
         rows = due.pop(j, None)
         if rows is not None:
@@ -143,15 +143,21 @@ def _segment(core: EngineCore, now: float, until: float, step_end: StepEnd, toke
         so.sum_context_tokens = so.sum_attn_pairs = ctx
         so.max_context_tokens = longest
         end = step_end(so, t)
-        if j == last:  # the core's own update ends the requests this step finishes
-            so.step_state = (t, used, waiting, b)
-            _materialize(running, computed0, j, token_id, prev)
-            for r in running:
-                r.num_computed_tokens += 1
-                r.num_pending = 1
-            core.token_counts.generation += b * j
-            core._last_update = last_update
-            core.update(so, ModelRunnerOutput([token_id] * b), end)
+        if j == last:  # this step's tokens end some requests, as update's stop check ends them
+            if j:
+                itl.extend(repeat(end - t, b))
+            else:
+                for r in running:
+                    itl.append(end - r.last_token_time)
+            start = t if t > last_update else last_update
+            _materialize(running, computed0, j + 1, token_id, end)
+            core.token_counts.generation += b * (j + 1)
+            for r in running:  # in batch order, as update reaches them
+                if r.num_tokens >= r.length_limit:
+                    core._finish(r, RequestStatus.FINISHED_LENGTH, end)
+            sched.drop_finished()
+            rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
+            core._last_update = end
             return j + 1, end, True
         if j:  # the previous step ended at t: this one starts there
             itl.extend(repeat(end - t, b))
@@ -161,7 +167,7 @@ def _segment(core: EngineCore, now: float, until: float, step_end: StepEnd, toke
                 itl.append(end - r.last_token_time)
             start = t if t > last_update else last_update
             rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
-        last_update = prev = t = end
+        last_update = t = end
         j += 1
     if j:
         _materialize(running, computed0, j, token_id, t)
