@@ -52,29 +52,31 @@ class ShiftedCounts(Sequence[int]):
         return (c + s for c in self.base)
 
 
-def decode_batch(core: EngineCore) -> tuple[int, list[int], list[list[int]]] | None:
-    """When the next steps are plain decodes of the running batch: (how many, the last of them the first in
-    which a request appends its last token; each request's computed tokens; its block table), else None."""
+def decode_batch(core: EngineCore) -> tuple[list[int], list[int], list[list[int]]] | None:
+    """When the next steps are plain decodes of the running batch: each request's computed tokens, the step
+    (from 0) in which it appends its last token, and its block table; else None."""
     sched = core.scheduler
     running = sched.running
     b = len(running)
-    if not b or core.num_pooling or b > sched.max_num_batched_tokens:
+    if not b or core.num_pooling or b > sched.max_num_batched_tokens or _admits(core, b):
         return None
-    if len(sched.waiting) and b < sched.max_num_seqs and b < sched.max_num_batched_tokens:
-        return None  # the scheduler would try to admit someone
     req_blocks = core.block_manager.req_blocks
-    limit, computed, tables = 1 << 62, [], []
+    computed, last, tables = [], [], []
     for req in running:
         c = req.num_computed_tokens
         if (req.num_pending or req.num_tokens - c != 1 or c < req.num_prompt_tokens
                 or req.token_stops or req.status != RequestStatus.RUNNING):
             return None
-        left = req.length_limit - req.num_tokens  # its step that appends the last token is step left - 1
-        if left < limit:
-            limit = left
         computed.append(c)
+        last.append(req.length_limit - req.num_tokens - 1)
         tables.append(req_blocks[req.request_id])
-    return limit, computed, tables
+    return computed, last, tables
+
+
+def _admits(core: EngineCore, running: int) -> bool:
+    """Whether the scheduler would try to admit a waiting request next to `running` running ones."""
+    sched = core.scheduler
+    return bool(len(sched.waiting)) and running < sched.max_num_seqs and running < sched.max_num_batched_tokens
 
 
 def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
@@ -83,105 +85,98 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     whether the last step finished a request).
 
     `step_end(so, start)` is the driver's clock: when a step scheduled at `start` ends (it calls the cost
-    model, so it is called once per step, in order, as stepping would)."""
-    steps, t, finished = 0, now, False
-    budget = (1 << 62) if max_steps is None else max_steps
-    while steps < budget and t < until:
-        k, t, ended = _segment(core, t, until, step_end, token_id, budget - steps)
-        steps += k
-        finished = ended or (finished and not k)
-        if not ended or stop_after_finish:
-            break
-    return steps, t, finished
-
-
-def _segment(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
-             max_steps: int) -> tuple[int, float, bool]:
-    """One segment: steps of one running batch; the last may finish requests (then through `core.update`)."""
+    model, so it is called once per step, in order, as stepping would). Requests are brought up to date
+    when they finish and when the stretch ends; in between, request i has computed computed0[i] + step."""
     batch = decode_batch(core)
-    if batch is None or max_steps <= 0:
+    budget = (1 << 62) if max_steps is None else max_steps
+    if batch is None or budget <= 0 or now >= until:
         return 0, now, False
-    length, computed0, tables = batch
-    limit = min(length, max_steps)
+    computed0, last_step, tables = batch
     sched, bm, records = core.scheduler, core.block_manager, core.records
-    running = list(sched.running)
-    b, bs = len(running), bm.block_size
-    # the step (from 0) at which each request first needs a new block; then every block_size steps
-    due: dict[int, list[int]] = {}
-    for i, blocks in enumerate(tables):
-        j = len(blocks) * bs - computed0[i]
+    everyone = list(sched.running)  # positions in this list order every per-request pass, as the batch's order
+    running, pos = list(everyone), list(range(len(everyone)))
+    bs = bm.block_size
+    due: dict[int, list[int]] = {}  # step -> positions that need a new block in it (then every block_size steps)
+    ending: dict[int, list[int]] = {}  # step -> positions that append their last token in it
+    for p, blocks in enumerate(tables):
+        j = len(blocks) * bs - computed0[p]
         if j < 0:
             return 0, now, False  # blocks short of its computed tokens: not a state stepping leaves
-        if j < limit:
-            due.setdefault(j, []).append(i)
-    sum_ctx0, max_ctx0 = sum(computed0), max(computed0)
-    n_struct = sum(1 for r in running if r.structured) if sched.num_structured else 0
-    so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=tables, total_num_scheduled_tokens=b,
-                         num_decode_tokens=b, num_structured_reqs=n_struct)
+        if j <= last_step[p]:
+            due.setdefault(j, []).append(p)
+        ending.setdefault(last_step[p], []).append(p)
+    b = len(running)
+    base, ctx0, longest0 = list(computed0), sum(computed0), max(computed0)
+    so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=list(tables), total_num_scheduled_tokens=b,
+                         num_decode_tokens=b, num_structured_reqs=_structured(sched, running))
+    so.num_computed_before = before = ShiftedCounts(base, 0)
     replica, total_blocks, waiting, rows_out = core.replica, bm.num_blocks, sched.num_waiting, records.steps
     itl, used, free_ids, cached = records.itl, bm.num_used_blocks, bm.free_ids, bm.cached
-    so.num_computed_before = before = ShiftedCounts(computed0, 0)
     last_update = core._last_update
     sched.finished_req_ids = []  # what the first step's schedule() hands out (to runners; a simulator has none)
-    last = limit - 1 if length <= max_steps else -1  # the step that finishes a request, if this segment has it
-    ctx, longest = sum_ctx0, max_ctx0
-    j, t = 0, now
-    while j < limit and t < until:
+    j, t, generated, finished = 0, now, 0, False
+    while j < budget and t < until:
         rows = due.pop(j, None)
         if rows is not None:
             if len(rows) > len(free_ids) + len(cached):
                 break  # stepping would preempt in this step
             rows.sort()
-            for i in rows:  # in batch order, as the scheduler reaches them
-                bm.append_block(running[i], computed0[i] + j + 1)
-                if j + bs < limit:
-                    due.setdefault(j + bs, []).append(i)
+            for p in rows:  # in batch order, as the scheduler reaches them
+                bm.append_block(everyone[p], computed0[p] + j + 1)
+                if j + bs <= last_step[p]:
+                    due.setdefault(j + bs, []).append(p)
             used += len(rows)
-        ctx += b
-        longest += 1
+        ctx = ctx0 + b * (j + 1)
         before.shift = j
         so.sum_context_tokens = so.sum_attn_pairs = ctx
-        so.max_context_tokens = longest
+        so.max_context_tokens = longest0 + j + 1
         end = step_end(so, t)
-        if j == last:  # this step's tokens end some requests, as update's stop check ends them
-            if j:
-                itl.extend(repeat(end - t, b))
-            else:
-                for r in running:
-                    itl.append(end - r.last_token_time)
-            start = t if t > last_update else last_update
-            _materialize(running, computed0, j + 1, token_id, end)
-            core.token_counts.generation += b * (j + 1)
-            for r in running:  # in batch order, as update reaches them
-                if r.num_tokens >= r.length_limit:
-                    core._finish(r, RequestStatus.FINISHED_LENGTH, end)
-            sched.drop_finished()
-            rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
-            core._last_update = end
-            return j + 1, end, True
-        if j:  # the previous step ended at t: this one starts there
+        if j:  # the previous step ended at t: this one starts there, and every row's last token came then
             itl.extend(repeat(end - t, b))
-            rows_out.append((replica, t, end - t, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
+            start = t
         else:
             for r in running:
                 itl.append(end - r.last_token_time)
             start = t if t > last_update else last_update
-            rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
+        rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
+        generated += b
         last_update = t = end
         j += 1
+        done = ending.pop(j - 1, None)
+        finished = done is not None
+        if finished:  # this step's tokens end them, as update's stop check ends them, in batch order
+            for p in sorted(done):
+                _bring_up_to_date(everyone[p], computed0[p], j, token_id, t)
+                core._finish(everyone[p], RequestStatus.FINISHED_LENGTH, t)
+            keep = [i for i, r in enumerate(running) if r.status == RequestStatus.RUNNING]
+            running, pos = [running[i] for i in keep], [pos[i] for i in keep]
+            base[:] = [computed0[p] for p in pos]
+            b = len(running)
+            if not b or stop_after_finish or _admits(core, b):
+                break
+            ctx0, longest0, used = sum(base), max(base), bm.num_used_blocks  # their blocks are free again
+            so.requests, so.num_new_tokens, so.block_ids = running, [1] * b, [tables[p] for p in pos]
+            so.total_num_scheduled_tokens = so.num_decode_tokens = b
+            so.num_structured_reqs = _structured(sched, running)
     if j:
-        _materialize(running, computed0, j, token_id, t)
-        core.token_counts.generation += b * j
+        for p, r in zip(pos, running):
+            _bring_up_to_date(r, computed0[p], j, token_id, t)
+        if finished or len(running) != len(everyone):
+            sched.drop_finished()
+        core.token_counts.generation += generated
         core._last_update = last_update
-    return j, t, False
+    return j, t, finished
 
 
-def _materialize(running: list, computed0: list[int], steps: int, token_id: int, last_token_time: float) -> None:
-    """Each request as `steps` updated decode steps leave it (nothing to do for 0)."""
-    if not steps:
-        return
-    for i, r in enumerate(running):
-        r.num_computed_tokens = computed0[i] + steps
-        r.output_token_ids.extend(repeat(token_id, steps))
-        r.num_tokens += steps
-        r.last_token_time = last_token_time
+def _structured(sched, running: list) -> int:
+    """Rows sampled under a grammar this step (every decode row samples)."""
+    return sum(1 for r in running if r.structured) if sched.num_structured else 0
+
+
+def _bring_up_to_date(req, computed0: int, steps: int, token_id: int, last_token_time: float) -> None:
+    """The request as `steps` updated decode steps from computed0 leave it."""
+    added = computed0 + steps - req.num_computed_tokens
+    req.num_computed_tokens = computed0 + steps
+    req.output_token_ids.extend(repeat(token_id, added))
+    req.num_tokens += added
+    req.last_token_time = last_token_time
