@@ -6,18 +6,19 @@ advanced here in one call, with the core, scheduler, block manager and records l
 `schedule` -> executor -> `update` would leave them step by step (same step rows, same ITL samples in the
 same order, the same block ids allocated at the same block boundaries, in the same order).
 
-A stretch is made of segments, each ending in the step where a request reaches its length limit; that
-step ends it through the core's own `_finish`, as `update`'s stop check does, and the stretch goes on with
-the smaller batch while the conditions still hold.
+Within a stretch the batch shrinks when requests reach their length limit: the step that appends a
+request's last token ends it through the core's own `_finish`, as `update`'s stop check does, and the
+stretch goes on with the others while nobody can be admitted. Requests are brought up to date (counters,
+output tokens, last token time) when they finish and when the stretch ends.
 
-Preconditions of every segment (0 steps are taken otherwise): no step in flight, no pooling request, every
-running request decodes (one token to compute, nothing pending, no stop tokens, its prompt done), the whole
-batch fits the token budget, and the waiting queue is empty or cannot be admitted from (`max_num_seqs`
-reached or no token budget left). A stretch stops before the step whose block allocations the free pool
-cannot cover (stepping would preempt there), before the first step that would start at or after `until`
-(the driver's next admission), and, with `stop_after_finish`, after a step that finished a request (a
-data-parallel replica reports its stats then). The executor is a simulator's: every row samples `token_id`,
-no logprobs.
+Preconditions (0 steps are taken otherwise): no step in flight, no pooling request, every running request
+decodes (one token to compute, nothing pending, no stop tokens, its prompt done), the whole batch fits the
+token budget, and the waiting queue is empty or cannot be admitted from (`max_num_seqs` reached or no token
+budget left). A stretch stops before the step whose block allocations the free pool cannot cover (stepping
+would preempt there), before the first step that would start at or after `until` (the driver's next
+admission), after a finish that lets a waiting request in, and, with `stop_after_finish`, after any step
+that finished a request (a data-parallel replica reports its stats then). The executor is a simulator's:
+every row samples `token_id`, no logprobs.
 """
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-
 from testbed.engine.block_manager import prompt_block_hashes
 from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import DPCoordinator, StatsPublisher
@@ -26,8 +25,8 @@ from testbed.engine.metrics import Recorder
 from testbed.engine.request import Request, SamplingParams
 from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment
-from testbed.sim.horizon import AdmissionHorizon
 from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor
+from testbed.sim.horizon import AdmissionHorizon
 from testbed.workload.trace import TraceRequest, synthesize_prompt
 
 

@@ -111,6 +111,7 @@ def collector_paused():
             gc.enable()
 
 
+@collector_paused()
 def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama-3.1-8B", gpu: str = "H100-SXM",
                    cost_model: str = "auto", request_rate: float | None = None, burstiness: float = 1.0,
                    limit: int | None = None, trace_format: str = "auto", slo_ttft: float | None = None,
@@ -120,13 +121,6 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     on stderr; `on_progress(sim_time, horizon)` is called as simulated time advances (for GUIs).
     Every input is checked before the simulation starts; requests the configuration must reject
     (too long for max_model_len or the KV cache) are counted in the run and explained on stderr."""
-    with collector_paused():
-        return _run_simulation(trace_path, config, model, gpu, cost_model, request_rate, burstiness, limit,
-                               trace_format, slo_ttft, slo_tpot, output, progress, on_progress)
-
-
-def _run_simulation(trace_path, config, model, gpu, cost_model, request_rate, burstiness, limit, trace_format,
-                    slo_ttft, slo_tpot, output, progress, on_progress) -> tuple[Path | None, dict]:
     check_slos(slo_ttft, slo_tpot)
     if output is not None:
         check_output(output)
