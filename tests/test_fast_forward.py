@@ -216,3 +216,21 @@ def test_simulations_give_the_same_records_fast_forwarded(trace, dp, dp_policy, 
                                           num_gpu_blocks=blocks, policy=policy, max_num_batched_tokens=256,
                                           max_num_seqs=16)
     assert stepped == skipped
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces(), st.integers(2, 4), st.sampled_from([0.0, 7e-4, 0.013]),
+       st.sampled_from(["round_robin", "least_loaded"]))
+def test_the_admission_horizon_replays_the_arrival_process_times_exactly(trace, dp, delay, policy):
+    """Its routing and admission times are, float for float, the `routed` and `added` times the simulation
+    records; under round_robin, request i went to replica i % dp."""
+    from testbed.engine.config import EngineConfig
+    from testbed.sim.horizon import AdmissionHorizon
+    cfg = EngineConfig(data_parallel_size=dp, dp_policy=policy, dp_routing_delay=delay, num_gpu_blocks=400)
+    res = simulate(trace, cfg, RooflineCostModel(get_model_spec("Llama-3.2-1B"), get_gpu_spec("H100-SXM")), 400, 4096)
+    horizon = AdmissionHorizon([tr.arrival_s for tr in trace], delay / 2, dp, policy == "round_robin")
+    routes = sorted(res.records.routes, key=lambda row: row[0])  # seq, request, replica, arrival, sent, routed, added
+    assert [row[5] for row in routes] == horizon.route_times
+    assert [row[6] for row in routes] == horizon.admit_times
+    if policy == "round_robin":
+        assert [row[2] for row in routes] == [i % dp for i in range(len(trace))]
