@@ -9,6 +9,8 @@ digest of the content of steps.parquet and requests.parquet (and of the DP table
 
 Usage:  python benchmarks/sim_golden.py save DIR     (on the reference commit)
         python benchmarks/sim_golden.py check DIR    (exit 1 and name the cases that differ)
+The reference of the simulator-speed work (6f3747a) is in benchmarks/results/2026-11-26_6f3747a/golden.json:
+`check benchmarks/results/2026-11-26_6f3747a` compares the working tree with it.
 """
 from __future__ import annotations
 
@@ -96,8 +98,9 @@ def run_case(args: list[str], out: Path) -> dict:
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         rc = cli_main(["simulate", *args, "-o", str(out), *SIM])
     if rc != 0:
-        return {"rc": rc, "error": stderr.getvalue().strip().splitlines()[-1:]}
-    return {"rc": 0, "summary": (out / "summary.json").read_text(),
+        return {"rc": rc, "error": [line.replace(str(ROOT), "<repo>") for line in stderr.getvalue().strip().splitlines()[-1:]]}
+    summary = (out / "summary.json").read_text().replace(str(ROOT), "<repo>")  # the same wherever the checkout is
+    return {"rc": 0, "summary": summary,
             **{f: table_digest(out / f) for f in RECORD_FILES if (out / f).exists()}}
 
 
