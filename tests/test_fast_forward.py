@@ -203,7 +203,7 @@ def traces(draw):
         n_in = draw(st.integers(1, 300))
         hashes = draw(st.lists(st.integers(0, 3), min_size=-(-n_in // 32), max_size=-(-n_in // 32)))
         out.append(TraceRequest(f"q{i}", t, n_in, draw(st.integers(1, 200)), hash_ids=hashes, hash_block_size=32,
-                                priority=draw(st.integers(0, 1))))
+                                priority=draw(st.integers(0, 1)), structured_output=draw(st.booleans())))
     return out
 
 
