@@ -27,7 +27,8 @@ from typing import Callable, Iterator, Sequence
 
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import SchedulerOutput
-from testbed.engine.request import RequestStatus
+from testbed.engine.request import Request, RequestStatus
+from testbed.engine.scheduler import Scheduler
 
 StepEnd = Callable[[SchedulerOutput, float], float]
 
@@ -169,12 +170,12 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     return j, t, finished
 
 
-def _structured(sched, running: list) -> int:
+def _structured(sched: Scheduler, running: list[Request]) -> int:
     """Rows sampled under a grammar this step (every decode row samples)."""
     return sum(1 for r in running if r.structured) if sched.num_structured else 0
 
 
-def _bring_up_to_date(req, computed0: int, steps: int, token_id: int, last_token_time: float) -> None:
+def _bring_up_to_date(req: Request, computed0: int, steps: int, token_id: int, last_token_time: float) -> None:
     """The request as `steps` updated decode steps from computed0 leave it."""
     added = computed0 + steps - req.num_computed_tokens
     req.num_computed_tokens = computed0 + steps
