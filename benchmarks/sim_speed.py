@@ -1,105 +1,171 @@
-"""Simulator speed: the whole Azure conv hour on one replica, and at 8x the rate on 8 replicas.
+"""Simulator speed: `testbed simulate` as a user runs it, against BLIS on the same trace when one is given.
 
-Usage: python benchmarks/sim_speed.py [--trace PATH] [--repeat 3] [--json out.json]
-Reports wall time (best of --repeat) of the simulation itself and of the whole pipeline (load
-trace + simulate + summarize), and simulated time / wall time. Llama-3.1-8B on H100-SXM, roofline.
-Also times the scheduler per step against batch size (it should grow linearly: O(batch)).
+Usage: python benchmarks/sim_speed.py [--trace PATH] [--blis PATH/TO/blis] [--repeat 5]
+                                      [--dp-requests 1000000] [--json out.json]
+
+1. Start-up: `testbed simulate` of a one-request trace, whole process, median of --repeat.
+2. The trace (default: the Azure conversation hour), Llama-3.1-8B on H100-SXM, the default cost model
+   (the shipped profile) and vLLM's default limits: the whole `testbed simulate` process (start-up,
+   loading, simulating, summarising, writing the run directory), wall and CPU time, and steps per second.
+   With --blis, BLIS (benchmarks/blis_peer.py) replays the same requests with the same limits, the two
+   processes alternating A B A B; each pair gives a ratio, and the median ratio is reported.
+3. --dp-requests synthetic requests (lengths drawn from the trace, Poisson arrivals at --dp-rate requests/s
+   per replica) on --dp-replicas replicas, for each --dp-policy: the simulation alone, in this process.
+Wall times on a shared machine are inflated by its load; the paired ratios are what compares.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
-from testbed.engine.config import EngineConfig
-from testbed.engine.metrics import summarize
-from testbed.specs.presets import get_model_spec
-from testbed.sim.cluster import simulate
-from testbed.sim.cost_model import RooflineCostModel, num_gpu_blocks
-from testbed.specs.hardware import get_gpu_spec
-from testbed.sim.run import load_cost_model
-from testbed.workload.trace import load_trace
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from blis_peer import replay_command, write_trace  # noqa: E402
+
+from testbed.engine.config import EngineConfig  # noqa: E402
+from testbed.sim.cluster import simulate  # noqa: E402
+from testbed.sim.cost_model import num_gpu_blocks  # noqa: E402
+from testbed.sim.run import load_cost_model  # noqa: E402
+from testbed.specs.hardware import get_gpu_spec  # noqa: E402
+from testbed.specs.presets import get_model_spec  # noqa: E402
+from testbed.workload.trace import TraceRequest, gamma_arrivals, load_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
 
 
-def run_case(trace_path: Path, rate_scale: float, dp: int, repeat: int, cost_model: str = "auto") -> dict:
-    model, gpu = get_model_spec("Llama-3.1-8B"), get_gpu_spec("H100-SXM")
-    cfg = EngineConfig(data_parallel_size=dp, dp_policy="least_loaded")
-    blocks = num_gpu_blocks(model, gpu, cfg.block_size, cfg.gpu_memory_utilization)
-    cm, cm_desc = load_cost_model(cost_model, model, gpu, cfg)
-    best_sim = best_total = float("inf")
+def timed(cmd: list[str], cwd: Path | None = None) -> tuple[float, float, str]:
+    """(wall s, CPU s of the process and its children, stdout) of one run; RuntimeError if it fails."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, done.stdout
+
+
+def testbed_run(trace: Path, out: Path) -> dict:
+    """One `testbed simulate` process on `trace`: wall, CPU, and the steps and times its run recorded."""
+    wall, cpu, stdout = timed([sys.executable, "-m", "testbed.cli", "simulate", str(trace), "-o", str(out),
+                               "--no-progress", "--format", "json"])
+    summary, manifest = json.loads(stdout), json.loads((out / "manifest.json").read_text())
+    return {"wall_s": wall, "cpu_s": cpu, "steps": summary["num_steps"], "simulated_s": manifest["simulated_time_s"],
+            "simulate_s": manifest["wall_time_s"], "finished": summary["num_finished"]}
+
+
+def startup(repeat: int, tmp: Path) -> dict:
+    trace = tmp / "one.jsonl"
+    trace.write_text('{"arrival_s": 0, "input_tokens": 100, "output_tokens": 10}\n')
+    runs = [testbed_run(trace, tmp / "one") for _ in range(repeat)]
+    return {"wall_s": statistics.median(r["wall_s"] for r in runs), "cpu_s": statistics.median(r["cpu_s"] for r in runs)}
+
+
+def paired(trace_path: Path, blis: Path | None, repeat: int, tmp: Path) -> dict:
+    """testbed (and BLIS, alternating) on the trace; medians and per-pair ratios."""
+    trace = load_trace(trace_path)
+    if blis is not None:
+        header, data = write_trace(trace, tmp / "blis_trace")
+    runs, peer = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        trace = load_trace(trace_path)
-        if rate_scale != 1.0:
-            trace = [replace(r, arrival_s=r.arrival_s / rate_scale) for r in trace]
-        t1 = time.perf_counter()
-        res = simulate(trace, cfg, cm, blocks, model.max_position_embeddings, model.vocab_size)
-        t2 = time.perf_counter()
-        rec = res.records
-        summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl)
-        t3 = time.perf_counter()
-        best_sim, best_total = min(best_sim, t2 - t1), min(best_total, t3 - t0)
-    return {"case": f"{rate_scale:g}x rate, {dp} replica(s)", "cost_model": cm_desc, "requests": len(trace),
-            "replicas": dp,
-            "simulated_s": res.sim_time, "steps": summary["num_steps"], "wall_sim_s": best_sim,
-            "wall_total_s": best_total, "speedup_sim": res.sim_time / best_sim,
-            "speedup_total": res.sim_time / best_total, "finished": summary["num_finished"],
-            "mean_batch": summary["mean_batch_size"], "us_per_step": best_sim / summary["num_steps"] * 1e6}
+        runs.append(testbed_run(trace_path, tmp / "run"))
+        if blis is not None:
+            wall, cpu, _ = timed(replay_command(blis, header, data, tmp), cwd=blis.resolve().parent)
+            peer.append({"wall_s": wall, "cpu_s": cpu})
+    med = {k: statistics.median(r[k] for r in runs) for k in ("wall_s", "cpu_s", "simulate_s")}
+    out = {"requests": len(trace), "steps": runs[0]["steps"], "simulated_s": runs[0]["simulated_s"],
+           "finished": runs[0]["finished"], **med, "steps_per_s": runs[0]["steps"] / med["wall_s"], "runs": runs}
+    if peer:
+        out["blis"] = {"wall_s": statistics.median(p["wall_s"] for p in peer),
+                       "cpu_s": statistics.median(p["cpu_s"] for p in peer), "runs": peer}
+        out["ratio_wall"] = [r["wall_s"] / p["wall_s"] for r, p in zip(runs, peer)]
+        out["ratio_cpu"] = [r["cpu_s"] / p["cpu_s"] for r, p in zip(runs, peer)]
+    return out
 
 
-def per_step_cost(batch: int, steps: int = 2000) -> dict:
-    """Engine cost of a steady decode step (schedule + sim executor + update) at a given batch size."""
-    from testbed.engine.core import EngineCore
-    from testbed.engine.request import Request, SamplingParams
-    from testbed.sim.executor import SimExecutor
+def synthetic(trace_path: Path, n: int, rate: float, seed: int = 0) -> list[TraceRequest]:
+    """n requests with (input, output) lengths drawn from the trace, Poisson arrivals at `rate` requests/s."""
+    lengths = [(r.input_tokens, r.output_tokens) for r in load_trace(trace_path)]
+    rng = random.Random(seed)
+    arrivals = gamma_arrivals(n, rate, 1.0, seed)
+    return [TraceRequest(f"syn-{i}", t, *rng.choice(lengths)) for i, t in enumerate(arrivals)]
+
+
+def dp_case(trace: list[TraceRequest], replicas: int, policy: str) -> dict:
     model, gpu = get_model_spec("Llama-3.1-8B"), get_gpu_spec("H100-SXM")
-    cfg = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(8192, batch))
-    core = EngineCore(cfg, num_gpu_blocks=batch * 400, max_model_len=1 << 20, stream_outputs=False)
-    ex = SimExecutor(RooflineCostModel(model, gpu))
-    for i in range(batch):
-        core.add_request(Request(str(i), range(16), SamplingParams(max_tokens=steps * 4, ignore_eos=True), 0.0), 0.0)
-    now = 0.0
-    for _ in range(3):  # prefill and warm-up
-        so, _ = core.step(now, ex)
-        now += 0.01
-    t = time.perf_counter()
-    for _ in range(steps):
-        so = core.schedule(now)
-        out = ex.execute(so)
-        core.update(so, out, now + out.duration)
-        now += out.duration
-    us = (time.perf_counter() - t) / steps * 1e6
-    return {"batch": batch, "us_per_step": us, "us_per_request": us / batch}
+    cfg = EngineConfig(data_parallel_size=replicas, dp_policy=policy)
+    blocks = num_gpu_blocks(model, gpu, cfg.block_size, cfg.gpu_memory_utilization)
+    cm, _ = load_cost_model("auto", model, gpu, cfg)
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = simulate(trace, cfg, cm, blocks, model.max_position_embeddings, model.vocab_size)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    steps = len(res.records.steps)
+    return {"policy": policy, "requests": len(trace), "replicas": replicas, "wall_s": wall, "cpu_s": cpu,
+            "steps": steps, "fast_forwarded_steps": res.fast_forwarded_steps, "simulated_s": res.sim_time,
+            "steps_per_s": steps / wall, "finished": sum(1 for r in res.records.requests if r[-1] == "length")}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--blis", type=Path, default=None, help="path of a BLIS binary (inference-sim) to time alongside")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of each side (alternating with BLIS)")
+    ap.add_argument("--dp-requests", type=int, default=1_000_000, help="0 skips the data-parallel case")
+    ap.add_argument("--dp-replicas", type=int, default=64)
+    ap.add_argument("--dp-rate", type=float, default=4.0, help="arrivals per second per replica")
+    ap.add_argument("--dp-policy", nargs="+", default=["round_robin", "least_loaded"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    rows = [run_case(args.trace, 1.0, 1, args.repeat), run_case(args.trace, 8.0, 8, args.repeat)]
-    env = {"python": platform.python_version(), "simpy": metadata.version("simpy"), "cpu": platform.processor()
-           or platform.machine(), "date": time.strftime("%Y-%m-%d")}
-    print("| case | requests | simulated (s) | steps | wall sim (s) | wall total (s) | sim/wall | µs/step |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['case']} | {r['requests']} | {r['simulated_s']:.0f} | {r['steps']} | {r['wall_sim_s']:.2f} | "
-              f"{r['wall_total_s']:.2f} | {r['speedup_total']:.0f}x | {r['us_per_step']:.1f} |")
-    print("\n| decode batch | µs/step | µs/request |\n|---|---|---|")
-    scaling = [per_step_cost(b) for b in (8, 32, 128, 512)]
-    for r in scaling:
-        print(f"| {r['batch']} | {r['us_per_step']:.1f} | {r['us_per_request']:.2f} |")
+    if args.blis is not None and not args.blis.is_file():
+        ap.error(f"--blis {args.blis}: no such file (give the path of the blis binary)")
+    env = {"python": platform.python_version(), "simpy": metadata.version("simpy"), "numpy": metadata.version("numpy"),
+           "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+           "load_avg_before": os.getloadavg()}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        start = startup(args.repeat, tmp)
+        print(f"start-up (one-request trace, whole process, median of {args.repeat}): {start['wall_s']:.3f} s wall, "
+              f"{start['cpu_s']:.3f} s CPU")
+        hour = paired(args.trace, args.blis, args.repeat, tmp)
+    print(f"\n{args.trace.name}: {hour['requests']} requests, {hour['steps']} steps, {hour['simulated_s']:.0f} simulated s")
+    print("| run | wall (s) | CPU (s) | steps/s |\n|---|---|---|---|")
+    for i, r in enumerate(hour["runs"]):
+        print(f"| testbed {i + 1} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['steps'] / r['wall_s']:,.0f} |")
+        if "blis" in hour:
+            p = hour["blis"]["runs"][i]
+            print(f"| BLIS {i + 1} | {p['wall_s']:.2f} | {p['cpu_s']:.2f} | |")
+    print(f"testbed median: {hour['wall_s']:.2f} s wall, {hour['cpu_s']:.2f} s CPU, {hour['steps_per_s']:,.0f} steps/s "
+          f"(simulation alone {hour['simulate_s']:.2f} s)")
+    if "blis" in hour:
+        print(f"BLIS median: {hour['blis']['wall_s']:.2f} s wall, {hour['blis']['cpu_s']:.2f} s CPU; testbed / BLIS "
+              f"median paired ratio: {statistics.median(hour['ratio_wall']):.2f} wall, "
+              f"{statistics.median(hour['ratio_cpu']):.2f} CPU")
+    dp_rows = []
+    if args.dp_requests:
+        trace = synthetic(args.trace, args.dp_requests, args.dp_rate * args.dp_replicas)
+        print(f"\n{args.dp_requests:,} synthetic requests on {args.dp_replicas} replicas, {args.dp_rate:g} req/s each")
+        print("| policy | wall (s) | CPU (s) | steps | fast-forwarded | simulated (s) | steps/s |\n|---|---|---|---|---|---|---|")
+        for policy in args.dp_policy:
+            r = dp_case(trace, args.dp_replicas, policy)
+            dp_rows.append(r)
+            print(f"| {policy} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['steps']:,} | {r['fast_forwarded_steps']:,} | "
+                  f"{r['simulated_s']:,.0f} | {r['steps_per_s']:,.0f} |", flush=True)
+    env["load_avg_after"] = os.getloadavg()
     print(env)
     if args.json:
-        args.json.write_text(json.dumps({"env": env, "rows": rows, "per_step": scaling}, indent=2))
+        args.json.write_text(json.dumps({"env": env, "startup": start, "trace": hour, "dp": dp_rows}, indent=2))
 
 
 if __name__ == "__main__":

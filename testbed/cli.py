@@ -31,8 +31,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from testbed.report import format_setup
         from testbed.rundir import read_run
         run = read_run(run_dir)
-        replicas = run.requests(columns=["replica"])["replica"].value_counts().sort_index()
-        setup = format_setup(run.manifest, [int(replicas.get(i, 0)) for i in range(cfg.data_parallel_size)])
+        replicas = run.request_column("replica")
+        setup = format_setup(run.manifest, [replicas.count(i) for i in range(cfg.data_parallel_size)])
     print_result(summary, run_dir, args.format, "Simulation Result", setup)
     return 0
 

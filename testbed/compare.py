@@ -12,9 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from testbed.rundir import RunDirError, entry_name, read_run
+
+if TYPE_CHECKING:  # pandas is imported where a table is built: the CLI starts without it
+    import pandas as pd
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ def diff_column(run: RunMeta, baseline: RunMeta) -> str:
 
 def compare_table(runs: list[RunMeta], baseline: RunMeta) -> pd.DataFrame:
     """Metrics as rows, one value column per run, plus (run - baseline) / baseline in percent for each other run."""
+    import pandas as pd
     out = pd.DataFrame({"metric": [m[0] for m in COMPARE_METRICS], "summary key": [m[1] for m in COMPARE_METRICS]})
     base = [scaled(baseline.summary, key, scale) for _, key, scale in COMPARE_METRICS]
     for r in runs:
@@ -160,6 +164,7 @@ def format_table(table: pd.DataFrame, runs: list[RunMeta], baseline: RunMeta) ->
 def format_value(metric: str, x) -> str:
     """A metric's value with one precision per unit: milliseconds and seconds to 2 decimals, rates to 1,
     counts whole, fractions as percent; "-" where there is none."""
+    import pandas as pd
     if x is None or pd.isna(x):
         return "-"
     if "(%)" in metric or "/s)" in metric:
@@ -170,10 +175,12 @@ def format_value(metric: str, x) -> str:
 
 
 def format_pct(x) -> str:
+    import pandas as pd
     return "-" if x is None or pd.isna(x) else f"{x:+.1f}%"
 
 
 def _fmt(x, pct: bool = False) -> str:
+    import pandas as pd
     if pd.isna(x):
         return "-"
     return f"{x:+.1f}" if pct else f"{x:.4g}"
@@ -241,6 +248,7 @@ def format_settings(diff: dict[str, dict[str, object]]) -> str:
 
 
 def cmd_compare(args) -> int:
+    import pandas as pd
     runs = load_runs(args.runs)
     baseline = pick_baseline(runs, args.baseline)
     table = compare_table(runs, baseline)

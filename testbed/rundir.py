@@ -25,12 +25,16 @@ import tempfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from testbed.arrow_columns import column
 from testbed.engine.metrics import PUBLICATION_COLUMNS, REQUEST_COLUMNS, ROUTE_COLUMNS, STEP_COLUMNS, Recorder
+
+if TYPE_CHECKING:  # reading tables imports pandas; writing a run needs only pyarrow
+    import pandas as pd
 
 FILES = ("manifest.json", "requests.parquet", "steps.parquet", "summary.json")
 _REQ_TYPES = {"request_id": pa.string(), "replica": pa.int32(), "priority": pa.int64(), "arrival": pa.float64(),
@@ -105,25 +109,25 @@ def _is_our_manifest(path: Path) -> bool:
     return isinstance(m, dict) and all(k in m for k in MANIFEST_KEYS) and m.get("mode") in ("sim", "real")
 
 
-def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: dict) -> Path:
+def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: dict,
+              columns: tuple[dict, dict] | None = None) -> Path:
     """Write the four files of a run directory, replacing any run already there in one rename;
-    returns its path."""
+    returns its path. `columns`: the records' (request_columns(), step_columns()), where the caller has them."""
     out = check_output(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        req_cols = records.request_columns()
-        step_cols = records.step_columns()
-        pq.write_table(pa.table({c: pa.array(req_cols[c], type=_REQ_TYPES[c]) for c in REQUEST_COLUMNS}),
+        req_cols, step_cols = columns or (records.request_columns(), records.step_columns())
+        pq.write_table(pa.table({c: column(req_cols[c], _REQ_TYPES[c]) for c in REQUEST_COLUMNS}),
                        tmp / "requests.parquet")
-        pq.write_table(pa.table({c: pa.array(step_cols[c], type=_STEP_TYPES[c]) for c in STEP_COLUMNS}),
+        pq.write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c]) for c in STEP_COLUMNS}),
                        tmp / "steps.parquet")
         for name, (attr, columns, floats) in _DP_TABLES.items():
             rows = getattr(records, attr)
             if rows:
                 typ = {c: pa.float64() if c in floats else pa.string() if c == "request_id" else pa.int64()
                        for c in columns}
-                pq.write_table(pa.table({c: pa.array(col, type=typ[c]) for c, col in zip(columns, zip(*rows))}),
+                pq.write_table(pa.table({c: column(col, typ[c]) for c, col in zip(columns, zip(*rows))}),
                                tmp / name)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
@@ -167,15 +171,24 @@ class Run:
     summary: dict
 
     def requests(self, columns: list[str] | None = None) -> pd.DataFrame:
-        return pd.read_parquet(self.path / "requests.parquet", columns=columns)
+        return _read_frame(self.path / "requests.parquet", columns)
 
     def steps(self, columns: list[str] | None = None) -> pd.DataFrame:
-        return pd.read_parquet(self.path / "steps.parquet", columns=columns)
+        return _read_frame(self.path / "steps.parquet", columns)
 
     def dp_table(self, name: str) -> pd.DataFrame | None:
         """'routes' or 'publications' of a data-parallel run; None when the run has none."""
         path = self.path / f"{name}.parquet"
-        return pd.read_parquet(path) if path.is_file() else None
+        return _read_frame(path) if path.is_file() else None
+
+    def request_column(self, name: str) -> list:
+        """One column of requests.parquet as a list (read with pyarrow alone, no pandas)."""
+        return pq.ParquetFile(self.path / "requests.parquet").read(columns=[name]).column(name).to_pylist()
+
+
+def _read_frame(path: Path, columns: list[str] | None = None) -> pd.DataFrame:
+    import pandas as pd
+    return pd.read_parquet(path, columns=columns)
 
 
 class RunDirError(ValueError):

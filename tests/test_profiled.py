@@ -138,7 +138,7 @@ def test_validation_reports_composition_error():
     cm = ProfiledCostModel(prof)
     rows = [[1024, 1, True]] * 3 + [[0, 300, False]]
     so = F.step([tuple(r) for r in rows])
-    exact = cm._step(so, 0.0)
+    exact = cm.step_time(so, 0.0)
     prof["validation"] = [{"rows": rows, "wall_s": exact, "async_cycle_s": None},
                           {"rows": rows, "wall_s": exact / 1.1, "async_cycle_s": None}]
     v = ProfiledCostModel(prof).validate()

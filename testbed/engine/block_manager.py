@@ -126,13 +126,33 @@ class BlockManager:
                 del self.cached[b]
             ref_cnt[b] += 1
             blocks.append(b)
-        for _ in range(need):
+        free_ids = self.free_ids
+        fresh = min(need, len(free_ids))
+        if fresh > 0:  # FREE blocks first, in the order popping them one by one gives
+            taken = free_ids[-fresh:]
+            del free_ids[-fresh:]
+            taken.reverse()
+            for b in taken:
+                ref_cnt[b] = 1
+            blocks.extend(taken)
+        for _ in range(need - max(fresh, 0)):  # then evicted CACHED ones
             b = self._take_block()
             ref_cnt[b] = 1
             blocks.append(b)
         if self.enable_prefix_caching:
             self._cache_full_blocks(req, blocks, upto)
         return True
+
+    def append_block(self, req: Request, upto: int) -> None:
+        """One more block at the end of a running request's table whose blocks its `upto` - 1 computed tokens
+        fill (a decode crossing a block boundary), exactly as `allocate_slots(req, 1)` gives it there. The
+        caller has checked that a block is free."""
+        blocks = self.req_blocks[req.request_id]
+        b = self._take_block()
+        self.ref_cnt[b] = 1
+        blocks.append(b)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req, blocks, upto)
 
     def _take_block(self) -> int:
         if self.free_ids:

@@ -7,6 +7,7 @@ throughput = output tokens / makespan; goodput = requests meeting every SLO / ma
 from __future__ import annotations
 
 import math
+from itertools import chain
 
 import numpy as np
 from dataclasses import dataclass, field
@@ -55,7 +56,8 @@ class Recorder:
 
     def step_columns(self) -> dict[str, np.ndarray]:
         """Step columns as numpy arrays (float64 for times, int64 otherwise)."""
-        arr = np.array(self.steps, dtype=np.float64).reshape(len(self.steps), len(STEP_COLUMNS))
+        n, width = len(self.steps), len(STEP_COLUMNS)
+        arr = np.fromiter(chain.from_iterable(self.steps), dtype=np.float64, count=n * width).reshape(n, width)
         return {c: (arr[:, i] if c in ("start", "duration") else arr[:, i].astype(np.int64))
                 for i, c in enumerate(STEP_COLUMNS)}
 
@@ -67,7 +69,7 @@ def _columns(rows: list[tuple], names: tuple[str, ...]) -> dict[str, list]:
 
 def _stats(values) -> dict[str, float | None]:
     """mean and percentiles (numpy's linear interpolation, as vLLM's benchmark); None when empty."""
-    xs = np.asarray(values, dtype=np.float64)
+    xs = np.fromiter(values, dtype=np.float64, count=len(values))
     if xs.size == 0:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     qs = np.percentile(xs, PERCENTILES)

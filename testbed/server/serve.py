@@ -18,7 +18,6 @@ coordinator), the server exits with code 1, unless --keep-alive-on-engine-death 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import math
 import os
@@ -220,6 +219,8 @@ def _load_tokenizer(path: str, trust_remote_code: bool = False):
 
 
 def _server_class():
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -249,6 +250,8 @@ def _server_class():
 
 
 async def run_server(args: argparse.Namespace) -> int:
+    import asyncio
+
     import uvicorn
 
     from testbed.cli_args import engine_config

@@ -12,19 +12,21 @@ one hop after it was sampled. Routes and reports are recorded (routes / publicat
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
-
-import simpy
 
 from testbed.engine.block_manager import prompt_block_hashes
 from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import DPCoordinator, StatsPublisher
 from testbed.engine.core import EngineCore
+from testbed.engine.fast_forward import fast_forward
 from testbed.engine.metrics import Recorder
-from testbed.engine.request import Request
+from testbed.engine.request import Request, SamplingParams
 from testbed.sim.cost_model import CostModel
-from testbed.sim.executor import SimExecutor
+from testbed.sim.environment import SimEnvironment
+from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor
+from testbed.sim.horizon import AdmissionHorizon
 from testbed.workload.trace import TraceRequest, synthesize_prompt
 
 
@@ -51,10 +53,18 @@ class LazyPrompt(Sequence[int]):
         return self._tokens
 
 
+@functools.lru_cache(maxsize=4096)
+def _sampling_params(output_tokens: int, structured_output: bool) -> SamplingParams:
+    """One validated SamplingParams per (output length, grammar) shared by the requests that have them (the
+    engine only reads a request's sampling params)."""
+    return TraceRequest("", 0.0, 1, output_tokens, structured_output=structured_output).sampling_params()
+
+
 def trace_to_request(tr: TraceRequest, vocab_size: int, seed: int) -> Request:
     """Engine request for a trace line: its output forced to the trace's length."""
     prompt = tr.prompt_token_ids if tr.prompt_token_ids is not None else LazyPrompt(tr, vocab_size, seed)
-    return Request(tr.id, prompt, tr.sampling_params(), arrival_time=tr.arrival_s, priority=tr.priority)
+    return Request(tr.id, prompt, _sampling_params(tr.output_tokens, tr.structured_output), arrival_time=tr.arrival_s,
+                   priority=tr.priority)
 
 
 @dataclass
@@ -64,6 +74,7 @@ class SimResult:
     sim_time: float
     prefix_queries: int
     prefix_hits: int
+    fast_forwarded_steps: int = 0  # of the steps in the records, those advanced by engine/fast_forward.py
 
     @classmethod
     def collect(cls, engines: list[EngineCore], records: Recorder, sim_time: float) -> "SimResult":
@@ -76,9 +87,13 @@ class SimResult:
 
 def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostModel, num_gpu_blocks: int,
              max_model_len: int, vocab_size: int = 32000,
-             on_progress: Callable[[float, int], None] | None = None, progress_interval_s: float = 5.0) -> SimResult:
-    """Replay a trace through `config.data_parallel_size` EngineCore replicas in simulated time."""
-    env = simpy.Environment()
+             on_progress: Callable[[float, int], None] | None = None, progress_interval_s: float = 5.0,
+             fast_forward_decodes: bool = True) -> SimResult:
+    """Replay a trace through `config.data_parallel_size` EngineCore replicas in simulated time.
+
+    `fast_forward_decodes`: advance stretches of decode-only steps in one go (engine/fast_forward.py); the
+    records are the same either way (False steps through every one, for the tests that check that)."""
+    env = SimEnvironment()
     dp = config.data_parallel_size
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False) for r in range(dp)]
     coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks)
@@ -88,8 +103,10 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
     state = {"admitted": 0, "idle": set(range(dp)), "seq": 0}
     need_hashes = config.dp_policy == "prefix_affinity"
     hop = config.dp_routing_delay / 2 if dp > 1 else 0.0  # one ZMQ hop; dp 1 has no coordinator
+    horizon = AdmissionHorizon([tr.arrival_s for tr in trace], hop, dp, config.dp_policy == "round_robin")
     publishers = [StatsPublisher(config.dp_stats_interval) for _ in range(dp)]
     steps_done = [0] * dp
+    skipped = [0]  # steps fast-forwarded
     routes: list[list] = []        # ROUTE_COLUMNS rows
     publications: list[list] = []  # PUBLICATION_COLUMNS rows
 
@@ -104,6 +121,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             done.succeed()
 
     def admit(r: int, req: Request, route: list | None) -> None:
+        horizon.admit(r)
         if route is not None:
             route[-1] = env.now
         state["admitted"] += 1
@@ -140,6 +158,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             if need_hashes:
                 hashes = req.block_hashes = prompt_block_hashes(req.prompt_token_ids, config.block_size)
             r = coord.route(req.num_prompt_tokens, hashes)
+            horizon.route(r)
             route = None
             if dp > 1:  # seq, request, replica, arrival, sent, routed, added (set on admission)
                 route = [state["seq"], req.request_id, r, tr.arrival_s, tr.arrival_s, env.now, None]
@@ -153,6 +172,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         and N is updated at its end (host work hidden); the core sees the same call order."""
         eng = engines[r]
         overlap = config.async_scheduling
+        skip = fast_forward_decodes and not overlap
         in_flight = None  # (SchedulerOutput, ModelRunnerOutput, end time) of the launched step
         while True:
             if not eng.requests and in_flight is None:
@@ -161,6 +181,16 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 wake[r] = env.event()
                 yield wake[r]
                 state["idle"].discard(r)
+            if skip and not publishers[r].dirty:  # a report pending would go out after one of these steps
+                k, end, finished = fast_forward(eng, env.now, horizon.until(r), step_end, SIM_TOKEN_ID,
+                                                stop_after_finish=dp > 1)
+                if k:
+                    steps_done[r] += k
+                    skipped[0] += k
+                    yield env.timeout_at(end)
+                    if dp > 1 and publishers[r].after_update(env.now, finished, idle=not eng.requests):
+                        publish(r)
+                    continue  # the stretch may go on (an arrival it stopped for went elsewhere)
             so = eng.schedule(env.now)
             if so.is_empty and in_flight is None:
                 raise RuntimeError(f"replica {r}: nothing schedulable with {len(eng.requests)} requests live "
@@ -183,6 +213,11 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                     publish(r)
             in_flight = launched
 
+    def step_end(so, start: float) -> float:
+        """When a step scheduled at `start` ends: where `yield env.timeout(start + d - env.now)` lands."""
+        end = start + cost_model.step_time(so)
+        return start + (end - start)
+
     def progress():
         while True:
             yield env.timeout(progress_interval_s)
@@ -199,5 +234,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
     if trace:
         env.run(until=done)
     # reports still on their way when the run ended never reached the coordinator: not recorded
-    return SimResult.collect(engines, Recorder(routes=[tuple(row) for row in routes], publications=[
+    result = SimResult.collect(engines, Recorder(routes=[tuple(row) for row in routes], publications=[
         tuple(row) for row in publications if row[0] is not None]), env.now)
+    result.fast_forwarded_steps = skipped[0]
+    return result

@@ -30,7 +30,7 @@ import numpy as np
 from testbed.engine.outputs import SchedulerOutput
 from testbed.sim.cost_model import GRAMMAR_ROW_S
 from testbed.sim.step_terms import DECODE_ASYNC, DECODE_SYNC, MIXED_ASYNC, MIXED_SYNC, Scales, combine
-from testbed.sim.tables import Table1D, Table2D
+from testbed.sim.tables import LastLookup, Table1D, Table2D
 
 FORMAT = "testbed-profile"
 ISSUE_BOUND_TOKENS = 1024  # eager steps this small take longer to issue than to run: their launch time is pure host
@@ -137,7 +137,7 @@ class ProfiledCostModel:
                     continue
                 extra = [[0.0] + [None if w is None else max(0.0, w - table(bb, base + dd / bb))
                                   for dd, w in zip(t["delta"], row)] for bb, row in zip(t["batch"], t[key])]
-                setattr(self, attr, Table2D(t["batch"], [0] + t["delta"], extra))
+                setattr(self, attr, LastLookup(Table2D(t["batch"], [0] + t["delta"], extra)))
         if "rows_tail" in profile:
             t = profile["rows_tail"]
             extra = [[0.0] + [None if u is None or e is None else max(0.0, u - e) for u, e in zip(ur, er)]
@@ -147,7 +147,7 @@ class ProfiledCostModel:
         self.eager_launch = statistics.fmean(launch)
         self.sync_gap = max(0.0, statistics.median(eps))
         # engine host work: per decode batch size, and per admitted prompt token
-        self.engine_step = Table1D(eh["decode_batch"], eh["decode_step_s"])
+        self.engine_step = LastLookup(Table1D(eh["decode_batch"], eh["decode_step_s"]))
         base = self.engine_step(1)  # an admission step schedules and updates one request
         self.admit = {k: Table1D(eh["admit_tokens"], [max(0.0, v - base) for v in vals])
                       for k, vals in eh["admit_step_s"].items()}
@@ -211,10 +211,7 @@ class ProfiledCostModel:
         prep = a + per_row * B + per_token * T + per_block * (so.sum_context_tokens / self.block_size + 0.5 * B)
         return self.linear(T), attn, self.sample(sampled) if sampled else 0.0, prep, sampled
 
-    def step_time(self, so: SchedulerOutput) -> float:
-        return self._step(so, None)
-
-    def _step(self, so: SchedulerOutput, engine: float | None) -> float:
+    def step_time(self, so: SchedulerOutput, engine: float | None = None) -> float:
         """The step's time; `engine` overrides the engine's host term (validation against executor-only times)."""
         if not so.requests:
             return 0.0
@@ -274,7 +271,7 @@ class ProfiledCostModel:
         try:
             for async_, key in ((False, "wall_s"), (True, "async_cycle_s")):
                 self.async_scheduling = async_
-                errs = [(self._step(so, 0.0) - v[key]) / v[key] for so, v in steps if v.get(key)]
+                errs = [(self.step_time(so, 0.0) - v[key]) / v[key] for so, v in steps if v.get(key)]
                 if errs:
                     name = "async" if async_ else "sync"
                     out[f"{name}_mape"] = float(np.mean(np.abs(errs)))

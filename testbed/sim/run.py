@@ -1,6 +1,8 @@
 """`testbed simulate`: load a trace, size the cache, run the SimPy cluster, write the run directory."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
 import time
 from dataclasses import asdict
@@ -81,9 +83,10 @@ def check_vocabulary(trace: list, trace_path, spec: ModelSpec) -> None:
                                  "was tokenized for (--model)")
 
 
-def warn_rejections(rec, trace: list, config: EngineConfig, blocks: int, max_model_len: int, vocab_size: int) -> None:
-    """Say on stderr how many requests the engine rejected and why (the first one's reason)."""
-    cols = rec.request_columns()
+def warn_rejections(cols: dict[str, list], trace: list, config: EngineConfig, blocks: int, max_model_len: int,
+                    vocab_size: int) -> None:
+    """Say on stderr how many requests the engine rejected and why (the first one's reason); `cols`: the
+    request columns of the run's records."""
     rejected = [rid for rid, why in zip(cols["request_id"], cols["finish_reason"]) if why == "rejected"]
     if not rejected:
         return
@@ -94,6 +97,21 @@ def warn_rejections(rec, trace: list, config: EngineConfig, blocks: int, max_mod
          f"requests.parquet); the first, {first.id!r}: {reason}")
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """The cyclic garbage collector off for the block: a run's records (a row per step, a sample per token)
+    live until it ends and hold no reference cycle, so the collector's full passes over them, which grow
+    with the run, would find nothing. It is back on (if it was) when the block ends."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@collector_paused()
 def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama-3.1-8B", gpu: str = "H100-SXM",
                    cost_model: str = "auto", request_rate: float | None = None, burstiness: float = 1.0,
                    limit: int | None = None, trace_format: str = "auto", slo_ttft: float | None = None,
@@ -146,8 +164,9 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     if bar is not None:
         bar.close()
     rec = result.records
-    warn_rejections(rec, trace, config, blocks, max_model_len, spec.vocab_size)
-    summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot,
+    req_cols, step_cols = rec.request_columns(), rec.step_columns()
+    warn_rejections(req_cols, trace, config, blocks, max_model_len, spec.vocab_size)
+    summary = summarize(req_cols, step_cols, rec.itl, slo_ttft, slo_tpot,
                         result.prefix_queries, result.prefix_hits)
     summary["cost_model"] = cm_desc
     run_dir = None
@@ -161,5 +180,5 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
             "seed": config.seed, "wall_time_s": wall, "simulated_time_s": result.sim_time,
             "speedup": result.sim_time / wall if wall > 0 else None, **environment_info(),
         }
-        run_dir = write_run(output, manifest, rec, summary)
+        run_dir = write_run(output, manifest, rec, summary, (req_cols, step_cols))
     return run_dir, summary

@@ -3,8 +3,8 @@
 Table1D is piecewise linear over sorted x (linear extrapolation past both ends, floored at 0).
 Table2D holds a measured grid (rows = batch sizes, columns = context lengths) with holes where a point
 was not measured (its KV did not fit the cache); holes are filled by linear extrapolation along the
-row, rows are made dense for every integer batch size up to the last one, and a lookup is one bisect
-plus one interpolation along the columns.
+row, rows are made dense for every integer batch size up to the last one (each on its first lookup, so loading a
+profile stays cheap), and a lookup is one bisect plus one interpolation along the columns.
 """
 from __future__ import annotations
 
@@ -61,28 +61,36 @@ class Table2D:
         if list(rows) != sorted(set(rows)) or list(cols) != sorted(set(cols)) or rows[0] < 1:
             raise ValueError("profile table axes must be strictly increasing (rows from 1)")
         self.cols = list(cols)
-        filled = [_fill_row(cols, v) for v in values]
         self.rows = list(rows)
-        dense: list[list[float]] = [filled[0]]  # index 0 and everything below the first row: the first row
-        for r in range(1, rows[-1] + 1):
-            i = min(max(bisect.bisect_left(rows, r), 1), len(rows) - 1) if len(rows) > 1 else 0
-            if len(rows) == 1 or r <= rows[0]:
-                dense.append(filled[0])
-            else:
-                r0, r1 = rows[i - 1], rows[i]
-                dense.append([_lerp(r, r0, r1, a, b) for a, b in zip(filled[i - 1], filled[i])])
-        self.dense = dense
+        self.filled = [_fill_row(cols, v) for v in values]
+        # one row per integer batch size up to the last measured one, each made on its first lookup
+        self.dense: list[list[float] | None] = [None] * (rows[-1] + 1)
         # past the last row: extrapolate with the slope between the last two measured rows
+        filled = self.filled
         self.slope = ([(b - a) / (rows[-1] - rows[-2]) for a, b in zip(filled[-2], filled[-1])]
                       if len(rows) > 1 else [0.0] * len(cols))
+
+    def _dense_row(self, r: int) -> list[float]:
+        """Row r (0 <= r <= last row): the first measured row at and below it, else interpolated between the
+        measured rows around it."""
+        rows, filled = self.rows, self.filled
+        if len(rows) == 1 or r <= rows[0]:
+            row = filled[0]
+        else:
+            i = min(max(bisect.bisect_left(rows, r), 1), len(rows) - 1)
+            r0, r1 = rows[i - 1], rows[i]
+            row = [_lerp(r, r0, r1, a, b) for a, b in zip(filled[i - 1], filled[i])]
+        self.dense[r] = row
+        return row
 
     def __call__(self, r: int, c: float) -> float:
         cols = self.cols
         last = len(self.dense) - 1
         if r <= last:
-            row = self.dense[r]
+            row = self.dense[r] or self._dense_row(r)
         else:
-            row = [v + s * (r - last) for v, s in zip(self.dense[last], self.slope)]
+            base = self.dense[last] or self._dense_row(last)
+            row = [v + s * (r - last) for v, s in zip(base, self.slope)]
         if len(cols) == 1:
             return row[0]
         j = bisect.bisect_left(cols, c)
@@ -90,3 +98,18 @@ class Table2D:
         c0 = cols[j - 1]
         v = row[j - 1] + (row[j] - row[j - 1]) * (c - c0) / (cols[j] - c0)
         return v if v > 0.0 else 0.0
+
+
+class LastLookup:
+    """A table that keeps its last lookup: a stretch of decode steps asks a table for the same batch size (and
+    the same context skew) step after step. Same values as the table, by construction."""
+
+    __slots__ = ("table", "key", "value")
+
+    def __init__(self, table: Table1D | Table2D) -> None:
+        self.table, self.key, self.value = table, None, 0.0
+
+    def __call__(self, *key: float) -> float:
+        if key != self.key:
+            self.key, self.value = key, self.table(*key)
+        return self.value

@@ -1,0 +1,146 @@
+"""Golden outputs of `testbed simulate`: save them on one commit, check another against them.
+
+Speed work on the simulator must not change a single decision or record. This runs a fixed set of
+simulations -- every committed real run under benchmarks/results replayed with `--cost-model
+recorded:RUN --like RUN` (decision parity), plus synthetic cases covering the profiled and roofline
+models, async scheduling, data parallelism with every routing policy, prefix caching, preemption,
+the priority policy and whole-prompt prefill -- and keeps, per case, the summary.json text and a
+digest of the content of steps.parquet and requests.parquet (and of the DP tables when written).
+
+Usage:  python benchmarks/sim_golden.py save DIR     (on the reference commit)
+        python benchmarks/sim_golden.py check DIR    (exit 1 and name the cases that differ)
+The reference of the simulator-speed work (6f3747a) is in benchmarks/results/2026-11-26_6f3747a/golden.json:
+`check benchmarks/results/2026-11-26_6f3747a` compares the working tree with it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from testbed.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+TRACES = ROOT / "traces"
+SIM = ["--no-progress", "--format", "json"]
+RECORD_FILES = ("steps.parquet", "requests.parquet", "routes.parquet", "publications.parquet")
+
+
+def replayable_runs() -> list[Path]:
+    """Committed real runs that `recorded:` can replay (not async-scheduled: their steps overlap)."""
+    runs = []
+    for m in sorted(RESULTS.rglob("manifest.json")):
+        manifest = json.loads(m.read_text())
+        if manifest.get("mode") == "real" and not (manifest.get("config") or {}).get("async_scheduling"):
+            runs.append(m.parent)
+    return runs
+
+
+def priority_trace(path: Path) -> Path:
+    """300 requests with priorities, bursty arrivals and mixed lengths (seeded: the same file every time)."""
+    rng = random.Random(31)
+    t = 0.0
+    with path.open("w") as f:
+        for i in range(300):
+            t += rng.expovariate(40.0)
+            f.write(json.dumps({"id": f"p{i}", "arrival_s": round(t, 6), "input_tokens": rng.randint(1, 3000),
+                                "output_tokens": rng.randint(1, 400), "priority": rng.randint(0, 3)}) + "\n")
+    return path
+
+
+def cases(tmp: Path) -> dict[str, list[str]]:
+    """name -> `testbed simulate` arguments (without -o)."""
+    azure, moon = str(TRACES / "azure_conv_10min.jsonl"), str(TRACES / "mooncake_synthetic_tail500.jsonl")
+    prio = str(priority_trace(tmp / "priority.jsonl"))
+    out = {f"recorded:{run.relative_to(RESULTS)}": ["--like", str(run), "--cost-model", f"recorded:{run}"]
+           for run in replayable_runs()}
+    out |= {
+        "azure10-profiled": [azure],
+        "azure10-roofline": [azure, "--cost-model", "roofline"],
+        "azure10-async": [azure, "--async-scheduling"],
+        "azure10-tiny-cache": [azure, "--num-gpu-blocks", "300", "--limit", "600"],
+        "azure10-no-chunked": [azure, "--no-enable-chunked-prefill", "--limit", "500", "--max-num-seqs", "32"],
+        "azure10-1b-rate": [azure, "--model", "Llama-3.2-1B", "--request-rate", "30", "--limit", "800"],
+        "priority-tiny": [prio, "--policy", "priority", "--num-gpu-blocks", "400", "--max-num-batched-tokens", "2048"],
+        "priority-async": [prio, "--policy", "priority", "--async-scheduling", "--num-gpu-blocks", "500"],
+        "mooncake-prefix": [moon, "--enable-prefix-caching", "--model", "Llama-3.2-1B"],
+    }
+    for policy in ("round_robin", "least_loaded", "kv_aware", "prefix_affinity"):
+        out[f"mooncake-dp4-{policy}"] = [moon, "--enable-prefix-caching", "--model", "Llama-3.2-1B", "-dp", "4",
+                                         "--dp-policy", policy, "--request-rate", "20"]
+    out["azure10-dp3-interval"] = [azure, "-dp", "3", "--dp-stats-interval", "0.05", "--limit", "1500"]
+    out["azure10-dp2-async"] = [azure, "-dp", "2", "--async-scheduling", "--limit", "1500"]
+    return out
+
+
+def table_digest(path: Path) -> str:
+    """sha256 of a parquet file's schema and values (not its bytes: those carry the writer's version)."""
+    t = pq.read_table(path)
+    h = hashlib.sha256(str(t.schema).encode())
+    for name in t.column_names:
+        h.update(name.encode())
+        h.update(repr(t.column(name).to_pylist()).encode())
+    return h.hexdigest()
+
+
+def run_case(args: list[str], out: Path) -> dict:
+    """summary.json text (or the error printed) and record digests of one simulation."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = cli_main(["simulate", *args, "-o", str(out), *SIM])
+    if rc != 0:
+        return {"rc": rc, "error": [line.replace(str(ROOT), "<repo>") for line in stderr.getvalue().strip().splitlines()[-1:]]}
+    summary = (out / "summary.json").read_text().replace(str(ROOT), "<repo>")  # the same wherever the checkout is
+    return {"rc": 0, "summary": summary,
+            **{f: table_digest(out / f) for f in RECORD_FILES if (out / f).exists()}}
+
+
+def collect(only: str | None) -> dict[str, dict]:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        results = {}
+        for i, (name, args) in enumerate(cases(tmp).items()):
+            if only and only not in name:
+                continue
+            results[name] = run_case(args, tmp / f"run{i}")
+            print(f"{name}: rc {results[name]['rc']}", file=sys.stderr, flush=True)
+        return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("action", choices=("save", "check"))
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--only", default=None, help="cases whose name contains this text")
+    a = ap.parse_args()
+    results = collect(a.only)
+    golden = a.dir / "golden.json"
+    if a.action == "save":
+        a.dir.mkdir(parents=True, exist_ok=True)
+        golden.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        print(f"saved {len(results)} cases to {golden}")
+        return 0
+    want = json.loads(golden.read_text())
+    new = [name for name in results if name not in want]  # run directories committed after the reference
+    for name in new:
+        print(f"NEW {name}: no reference (committed after it); not compared")
+    compared = {name: got for name, got in results.items() if name in want}
+    bad = [name for name, got in compared.items() if want[name] != got]
+    for name in bad:
+        diff = [k for k in sorted(set(want[name]) | set(compared[name])) if want[name].get(k) != compared[name].get(k)]
+        print(f"DIFFERS {name}: {', '.join(diff)}")
+    print(f"{len(compared) - len(bad)}/{len(compared)} cases identical, {len(new)} new")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

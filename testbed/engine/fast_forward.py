@@ -1,0 +1,184 @@
+"""Exact fast-forward of decode-only stretches of one EngineCore (sim mode).
+
+While no request arrives or is preempted and nobody can be admitted, every step of an engine is the same
+batch of decodes, one token each: the scheduler's decisions follow from counters alone. Such a stretch is
+advanced here in one call, with the core, scheduler, block manager and records left exactly as
+`schedule` -> executor -> `update` would leave them step by step (same step rows, same ITL samples in the
+same order, the same block ids allocated at the same block boundaries, in the same order).
+
+Within a stretch the batch shrinks when requests reach their length limit: the step that appends a
+request's last token ends it through the core's own `_finish`, as `update`'s stop check does, and the
+stretch goes on with the others while nobody can be admitted. Requests are brought up to date (counters,
+output tokens, last token time) when they finish and when the stretch ends.
+
+Preconditions (0 steps are taken otherwise): no step in flight, no pooling request, every running request
+decodes (one token to compute, nothing pending, no stop tokens, its prompt done), the whole batch fits the
+token budget, and the waiting queue is empty or cannot be admitted from (`max_num_seqs` reached or no token
+budget left). A stretch stops before the step whose block allocations the free pool cannot cover (stepping
+would preempt there), before the first step that would start at or after `until` (the driver's next
+admission), after a finish that lets a waiting request in, and, with `stop_after_finish`, after any step
+that finished a request (a data-parallel replica reports its stats then). The executor is a simulator's:
+every row samples `token_id`, no logprobs.
+"""
+from __future__ import annotations
+
+from itertools import repeat
+from typing import Callable, Iterator, Sequence
+
+from testbed.engine.core import EngineCore
+from testbed.engine.outputs import SchedulerOutput
+from testbed.engine.request import Request, RequestStatus
+from testbed.engine.scheduler import Scheduler
+
+StepEnd = Callable[[SchedulerOutput, float], float]
+
+
+class ShiftedCounts(Sequence[int]):
+    """`base[i] + shift` for every i: a fast-forwarded step's num_computed_before without a list per step."""
+
+    __slots__ = ("base", "shift")
+
+    def __init__(self, base: list[int], shift: int) -> None:
+        self.base, self.shift = base, shift
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [c + self.shift for c in self.base[i]]
+        return self.base[i] + self.shift
+
+    def __iter__(self) -> Iterator[int]:
+        s = self.shift
+        return (c + s for c in self.base)
+
+
+def decode_batch(core: EngineCore) -> tuple[list[int], list[int], list[list[int]]] | None:
+    """When the next steps are plain decodes of the running batch: each request's computed tokens, the step
+    (from 0) in which it appends its last token, and its block table; else None."""
+    sched = core.scheduler
+    running = sched.running
+    b = len(running)
+    if not b or core.num_pooling or b > sched.max_num_batched_tokens or _admits(core, b):
+        return None
+    req_blocks = core.block_manager.req_blocks
+    computed, last, tables = [], [], []
+    for req in running:
+        c = req.num_computed_tokens
+        if (req.num_pending or req.num_tokens - c != 1 or c < req.num_prompt_tokens
+                or req.token_stops or req.status != RequestStatus.RUNNING):
+            return None
+        computed.append(c)
+        last.append(req.length_limit - req.num_tokens - 1)
+        tables.append(req_blocks[req.request_id])
+    return computed, last, tables
+
+
+def _admits(core: EngineCore, running: int) -> bool:
+    """Whether the scheduler would try to admit a waiting request next to `running` running ones."""
+    sched = core.scheduler
+    return bool(len(sched.waiting)) and running < sched.max_num_seqs and running < sched.max_num_batched_tokens
+
+
+def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
+                 max_steps: int | None = None, stop_after_finish: bool = False) -> tuple[int, float, bool]:
+    """Advance the stretch of decode steps that starts at `now`; returns (steps taken, time after the last,
+    whether the last step finished a request).
+
+    `step_end(so, start)` is the driver's clock: when a step scheduled at `start` ends (it calls the cost
+    model, so it is called once per step, in order, as stepping would). Requests are brought up to date
+    when they finish and when the stretch ends; in between, request i has computed computed0[i] + step."""
+    batch = decode_batch(core)
+    budget = (1 << 62) if max_steps is None else max_steps
+    if batch is None or budget <= 0 or now >= until:
+        return 0, now, False
+    computed0, last_step, tables = batch
+    sched, bm, records = core.scheduler, core.block_manager, core.records
+    everyone = list(sched.running)  # positions in this list order every per-request pass, as the batch's order
+    running, pos = list(everyone), list(range(len(everyone)))
+    bs = bm.block_size
+    due: dict[int, list[int]] = {}  # step -> positions that need a new block in it (then every block_size steps)
+    ending: dict[int, list[int]] = {}  # step -> positions that append their last token in it
+    for p, blocks in enumerate(tables):
+        j = len(blocks) * bs - computed0[p]
+        if j < 0:
+            return 0, now, False  # blocks short of its computed tokens: not a state stepping leaves
+        if j <= last_step[p]:
+            due.setdefault(j, []).append(p)
+        ending.setdefault(last_step[p], []).append(p)
+    b = len(running)
+    base, ctx0, longest0 = list(computed0), sum(computed0), max(computed0)
+    so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=list(tables), total_num_scheduled_tokens=b,
+                         num_decode_tokens=b, num_structured_reqs=_structured(sched, running))
+    so.num_computed_before = before = ShiftedCounts(base, 0)
+    replica, total_blocks, waiting, rows_out = core.replica, bm.num_blocks, sched.num_waiting, records.steps
+    itl, used, free_ids, cached = records.itl, bm.num_used_blocks, bm.free_ids, bm.cached
+    last_update = core._last_update
+    sched.finished_req_ids = []  # what the first step's schedule() hands out (to runners; a simulator has none)
+    j, t, generated, finished = 0, now, 0, False
+    while j < budget and t < until:
+        rows = due.pop(j, None)
+        if rows is not None:
+            if len(rows) > len(free_ids) + len(cached):
+                break  # stepping would preempt in this step
+            rows.sort()
+            for p in rows:  # in batch order, as the scheduler reaches them
+                bm.append_block(everyone[p], computed0[p] + j + 1)
+                if j + bs <= last_step[p]:
+                    due.setdefault(j + bs, []).append(p)
+            used += len(rows)
+        ctx = ctx0 + b * (j + 1)
+        before.shift = j
+        so.sum_context_tokens = so.sum_attn_pairs = ctx
+        so.max_context_tokens = longest0 + j + 1
+        end = step_end(so, t)
+        if j:  # the previous step ended at t: this one starts there, and every row's last token came then
+            itl.extend(repeat(end - t, b))
+            start = t
+        else:
+            for r in running:
+                itl.append(end - r.last_token_time)
+            start = t if t > last_update else last_update
+        rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0))
+        generated += b
+        last_update = t = end
+        j += 1
+        done = ending.pop(j - 1, None)
+        finished = done is not None
+        if finished:  # this step's tokens end them, as update's stop check ends them, in batch order
+            for p in sorted(done):
+                _bring_up_to_date(everyone[p], computed0[p], j, token_id, t)
+                core._finish(everyone[p], RequestStatus.FINISHED_LENGTH, t)
+            keep = [i for i, r in enumerate(running) if r.status == RequestStatus.RUNNING]
+            running, pos = [running[i] for i in keep], [pos[i] for i in keep]
+            base[:] = [computed0[p] for p in pos]
+            b = len(running)
+            if not b or stop_after_finish or _admits(core, b):
+                break
+            ctx0, longest0, used = sum(base), max(base), bm.num_used_blocks  # their blocks are free again
+            so.requests, so.num_new_tokens, so.block_ids = running, [1] * b, [tables[p] for p in pos]
+            so.total_num_scheduled_tokens = so.num_decode_tokens = b
+            so.num_structured_reqs = _structured(sched, running)
+    if j:
+        for p, r in zip(pos, running):
+            _bring_up_to_date(r, computed0[p], j, token_id, t)
+        if finished or len(running) != len(everyone):
+            sched.drop_finished()
+        core.token_counts.generation += generated
+        core._last_update = last_update
+    return j, t, finished
+
+
+def _structured(sched: Scheduler, running: list[Request]) -> int:
+    """Rows sampled under a grammar this step (every decode row samples)."""
+    return sum(1 for r in running if r.structured) if sched.num_structured else 0
+
+
+def _bring_up_to_date(req: Request, computed0: int, steps: int, token_id: int, last_token_time: float) -> None:
+    """The request as `steps` updated decode steps from computed0 leave it."""
+    added = computed0 + steps - req.num_computed_tokens
+    req.num_computed_tokens = computed0 + steps
+    req.output_token_ids.extend(repeat(token_id, added))
+    req.num_tokens += added
+    req.last_token_time = last_token_time
