@@ -55,6 +55,20 @@ def test_a_simulated_dp_run_replays_itself_exactly(tmp_path, policy):
     assert read_run(a).requests()["replica"].nunique() == 3
 
 
+@pytest.mark.parametrize("run", ["2026-11-24_188d114_h100_llama-3.2-1b/runs/real-2pergpu-rate16",
+                                 "2026-11-26_08cb01d_h200x2_llama-3.2-1b/runs/real-2x1-rate96"])
+def test_a_real_dp_run_with_rejected_requests_replays_exactly_from_its_directory(tmp_path, capsys, run):
+    """`simulate --like RUN --cost-model recorded:RUN` on committed real DP runs (two replicas on one GPU, and one
+    per GPU) whose long requests were rejected: the run directory as the trace keeps them, so the coordinator
+    routes them as the real one did and every decision matches."""
+    real = REPO / "benchmarks" / "results" / "dp" / run
+    assert (read_run(real).requests()["finish_reason"] == "rejected").any()
+    assert main(["simulate", "--like", str(real), "--cost-model", f"recorded:{real}", "--no-progress", "--format",
+                 "json", "-o", str(tmp_path / "sim")]) == 0
+    capsys.readouterr()
+    assert_same_decisions(real, tmp_path / "sim")
+
+
 def test_a_changed_decision_is_reported_not_absorbed(tmp_path):
     """Replayed under another policy, the first routing that differs stops the run with its details."""
     kw = dict(data_parallel_size=2, max_num_seqs=6, num_gpu_blocks=200)

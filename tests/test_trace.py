@@ -1,6 +1,7 @@
 """Trace loaders, re-timing, malformed-input errors and synthetic prompts (testbed.workload.trace)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -9,7 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed.workload.trace import TraceError, TraceRequest, load_trace, synthesize_prompt, write_jsonl
+from testbed.workload.trace import (REJECTED_OUTPUT_TOKENS, TraceError, TraceRequest, load_trace, synthesize_prompt,
+                                    write_jsonl)
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "traces" / "azure_conv_10min.jsonl"
@@ -84,14 +86,18 @@ def test_a_run_directory_is_the_trace_of_the_requests_it_recorded(tmp_path):
     write_jsonl(trace, tmp_path / "t.jsonl")
     run_dir, _ = run_simulation(str(tmp_path / "t.jsonl"), EngineConfig(max_model_len=1024), model="Llama-3.2-1B",
                                 output=tmp_path / "run", progress=False)
-    served = load_trace(run_dir)   # requests over max_model_len were rejected: no output to reproduce
+    served = load_trace(run_dir)   # requests over max_model_len were rejected: kept, asking for more than any limit
     rejected = {r.id for r in trace if r.input_tokens + r.output_tokens > 1024}
-    assert rejected and served == [r for r in trace if r.id not in rejected]
+    assert rejected and served == [dataclasses.replace(r, output_tokens=REJECTED_OUTPUT_TOKENS) if r.id in rejected
+                                   else r for r in trace]
+    again, _ = run_simulation(str(run_dir), EngineConfig(max_model_len=1024), model="Llama-3.2-1B",
+                              output=tmp_path / "again", progress=False)  # replayed, they are rejected again
+    assert pd.read_parquet(again / "requests.parquet").equals(pd.read_parquet(run_dir / "requests.parquet"))
     assert [r.arrival_s for r in load_trace(run_dir, limit=3, request_rate=math.inf)] == [0.0] * 3
     with pytest.raises(ValueError, match="run directory"):
         load_trace(run_dir, fmt="jsonl")
     req = pd.read_parquet(run_dir / "requests.parquet")
-    req.assign(output_tokens=0).to_parquet(run_dir / "requests.parquet")
+    req.assign(output_tokens=0, finish_reason="abort").to_parquet(run_dir / "requests.parquet")
     with pytest.raises(ValueError, match="no request of this run produced output"):
         load_trace(run_dir)
 

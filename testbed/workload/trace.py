@@ -30,6 +30,7 @@ _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d
 
 MAX_ARRIVAL_S = 1e9  # about 32 years: a later arrival is a unit mistake (ms for s), not a trace
 MAX_HASH_BLOCK_SIZE = 1 << 24  # tokens per hash id: longer than any context
+REJECTED_OUTPUT_TOKENS = 1 << 40  # a run directory's rejected request asks for this many: every engine refuses it
 
 
 class TraceError(ValueError):
@@ -312,11 +313,16 @@ def _load_azure(path, lines) -> list[TraceRequest]:
 
 def _load_run(path: Path) -> list[TraceRequest]:
     """The requests a run directory recorded (testbed.rundir), with their ids, arrivals, priorities and the
-    input and output tokens they were served with. Requests that produced no output (rejected, or failed
-    before their first token) have no output length to reproduce and are left out."""
+    input and output tokens they were served with. A request the engine rejected is kept, asking for
+    REJECTED_OUTPUT_TOKENS (more than any max_model_len), so a replay sees it arrive and rejects it too, whatever
+    the run's reason was (a data-parallel run routed it first); one that failed or was aborted before its first
+    token has no output length to reproduce and is left out."""
     from testbed.rundir import RunDirError, read_run
-    req = read_run(path).requests(columns=["request_id", "arrival", "input_tokens", "output_tokens", "priority"])
-    req = req[(req["output_tokens"] >= 1) & (req["input_tokens"] >= 1)]
+    req = read_run(path).requests(columns=["request_id", "arrival", "input_tokens", "output_tokens", "priority",
+                                           "finish_reason"])
+    rejected = req["finish_reason"] == "rejected"
+    req = req[((req["output_tokens"] >= 1) | rejected) & (req["input_tokens"] >= 1)].copy()
+    req.loc[rejected, "output_tokens"] = REJECTED_OUTPUT_TOKENS
     if req["arrival"].isna().any():
         raise RunDirError(f"{path}: requests.parquet has a request without an arrival time (re-run the command "
                           "that wrote it)")
