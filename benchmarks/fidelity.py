@@ -217,6 +217,15 @@ def sim(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
+def bands(args: argparse.Namespace) -> None:
+    """The error bands of every cost model the sim JSON covers, into the bands file the simulator reads."""
+    from testbed.sim.error_bands import BANDS_FILE, bands_from_fidelity
+    out = Path(args.out) if args.out else BANDS_FILE
+    data = bands_from_fidelity(json.loads(Path(args.sim_json).read_text()), args.source)
+    out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(data['bands'])} bands to {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -241,6 +250,12 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.set_defaults(func=sim)
+    p = sub.add_parser("bands", help="write the error bands `testbed simulate` states from a `sim --json` output")
+    p.add_argument("sim_json", help="the JSON `fidelity.py sim --json` wrote")
+    p.add_argument("--source", required=True, help="what the real runs were, e.g. 'benchmarks/fidelity.py, real "
+                                                   "runs of 2026-11-24 at 795c0af, 643d33b, 829b07c'")
+    p.add_argument("--out", default=None, help="bands file (default: testbed/sim/error_bands.json)")
+    p.set_defaults(func=bands)
     argv = sys.argv[1:]
     if argv[:1] == ["--sim-only"]:  # the issue's spelling: the CPU side only, on the committed runs by default
         argv = ["sim", *(argv[1:] or [str(ROOT / "benchmarks/results/fidelity")])]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from testbed.sim.error_bands import within
 from testbed.rundir import RunDirError, entry_name, read_run
 
 if TYPE_CHECKING:  # pandas is imported where a table is built: the CLI starts without it
@@ -139,26 +140,53 @@ def compare_table(runs: list[RunMeta], baseline: RunMeta) -> pd.DataFrame:
         out[diff_column(r, baseline)] = pd.array(
             [None if v is None or b is None or b == 0 else 100.0 * (v - b) / abs(b) for v, b in zip(vals, base)],
             dtype="Float64")
+        band = expected_band(r, baseline)
+        if band is not None:
+            sim, real = (vals, base) if r.mode == "sim" else (base, vals)
+            out[band_column(r)] = pd.array(
+                [within(band, key, None if s is None or x is None or x == 0 else (s - x) / abs(x))
+                 for (_, key, _), s, x in zip(COMPARE_METRICS, sim, real)], dtype="boolean")
     return out
+
+
+def expected_band(run: RunMeta, baseline: RunMeta) -> dict | None:
+    """The simulated run's expected error (its summary states it) when the pair is one sim and one real run."""
+    if {run.mode, baseline.mode} != {"sim", "real"}:
+        return None
+    sim = run if run.mode == "sim" else baseline
+    band = sim.summary.get("expected_error") or sim.manifest.get("expected_error")
+    return band if band and band.get("bounds") else None
+
+
+def band_column(run: RunMeta) -> str:
+    """Header of the column saying whether a run's sim-vs-real error lies inside the expected error."""
+    return f"{run.label}: within expected error"
 
 
 def format_table(table: pd.DataFrame, runs: list[RunMeta], baseline: RunMeta) -> str:
     """compare_table as fixed-width text for a terminal: values to 4 significant digits, differences as
-    signed percent; each column is headed by its run's label over its mode or kind of difference."""
+    signed percent (a * where a sim-vs-real error lies inside the simulated run's expected error); each column
+    is headed by its run's label over its mode or kind of difference."""
+    import pandas as pd
     others = [r for r in runs if r.path != baseline.path]
     head = [("metric", ""), *((r.label, f"[{r.mode}]") for r in runs),
             *((r.label, f"{diff_kind(r, baseline)} (%)") for r in others)]
+    marks = [table[band_column(r)] if band_column(r) in table else None for r in others]
     rows = [[row["metric"], *(_fmt(x) for x in row.iloc[2:2 + len(runs)]),
-             *(_fmt(x, pct=True) for x in row.iloc[2 + len(runs):])] for _, row in table.iterrows()]
+             *(_fmt(row[diff_column(r, baseline)], pct=True) + ("*" if m is not None and m.iloc[i] is not pd.NA
+                                                                   and bool(m.iloc[i]) else "")
+               for r, m in zip(others, marks))] for i, (_, row) in enumerate(table.iterrows())]
     widths = [max(len(h[0]), len(h[1]), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
 
     def line(cells) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
+    notes = [f"* inside the expected error of {r.label if r.mode == 'sim' else baseline.label}'s cost model "
+             f"({expected_band(r, baseline)['basis']})" for r, m in zip(others, marks) if m is not None]
     return "\n".join([f"Baseline: {baseline.label} [{baseline.mode}] ({baseline.path}); differences are "
                       "(run - baseline) / baseline",
                       line([h[0] for h in head]), line([h[1] for h in head]), line(["-" * w for w in widths]),
-                      *(line(r) for r in rows)])
+                      *(line(r) for r in rows), *notes])
 
 
 def format_value(metric: str, x) -> str:

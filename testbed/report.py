@@ -36,6 +36,9 @@ def format_summary(s: dict, title: str = "Result", setup: str | None = None) -> 
     row("Engine steps:", s["num_steps"])
     if s.get("cost_model") and not setup:
         lines.append(f"Cost model: {s['cost_model']}")
+    if s.get("expected_error") and not setup:
+        from testbed.sim.error_bands import format_expected
+        lines.append(format_expected(s["expected_error"]))
     lines.append("=" * w)
     if setup:
         lines.append(setup)
@@ -55,6 +58,9 @@ def format_setup(manifest: dict, replicas: list[int] | None = None) -> str:
              f"max-num-seqs {cfg.get('max_num_seqs')}, max-num-batched-tokens {cfg.get('max_num_batched_tokens')}"]
     if manifest.get("cost_model"):
         lines.append(f"Cost model: {manifest['cost_model']}")
+    if manifest.get("expected_error"):
+        from testbed.sim.error_bands import format_expected
+        lines.append(format_expected(manifest["expected_error"]))
     sim_s, wall = manifest.get("simulated_time_s"), manifest.get("wall_time_s")
     if sim_s is not None and wall:
         lines.append(f"Speed: {sim_s:,.1f} simulated s in {wall:.2f} wall s ({sim_s / wall:,.0f}x real time)")

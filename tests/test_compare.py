@@ -79,12 +79,13 @@ def test_compare_prints_the_dashboards_table_with_the_sim_vs_real_error(sim_like
     rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip())
                                                for line in lines[4:4 + len(COMPARE_METRICS)])}
     assert len(rows) == len(COMPARE_METRICS)
-    assert lines[4 + len(COMPARE_METRICS)].startswith("Settings")  # then the settings that differ, if any
+    assert lines[4 + len(COMPARE_METRICS)].startswith("* inside the expected error")  # the band's footnote
+    assert lines[5 + len(COMPARE_METRICS)].startswith("Settings")  # then the settings that differ, if any
     for label, key, scale in COMPARE_METRICS:
         s, r = metric(sim, key), metric(real, key)
         cells = rows[label]
         assert cells[:2] == [f"{s * scale:.4g}", f"{r * scale:.4g}"], label
-        assert cells[2] == ("-" if r == 0 else f"{100 * (s - r) / abs(r):+.1f}"), label
+        assert cells[2].rstrip("*") == ("-" if r == 0 else f"{100 * (s - r) / abs(r):+.1f}"), label
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and lines[-1] == f"Latency CDFs: {png}"
 
 

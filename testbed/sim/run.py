@@ -15,6 +15,7 @@ from testbed.engine.core import EngineCore
 from testbed.engine.metrics import check_slos, summarize
 from testbed.specs.presets import ModelSpec, get_model_spec
 from testbed.rundir import RunDirError, check_output, environment_info, read_run, write_run
+from testbed.sim.error_bands import expected_error
 from testbed.sim.cluster import simulate, trace_to_request
 from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel, num_gpu_blocks
 from testbed.specs.hardware import GPUSpec, get_gpu_spec
@@ -169,6 +170,7 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     summary = summarize(req_cols, step_cols, rec.itl, slo_ttft, slo_tpot,
                         result.prefix_queries, result.prefix_hits)
     summary["cost_model"] = cm_desc
+    summary["expected_error"] = expected_error(cm, spec.name, gpu_spec.name, tp)
     run_dir = None
     if output is not None:
         manifest = {
@@ -176,7 +178,7 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
             "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
                       "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
             "model": asdict(spec), "hardware": asdict(gpu_spec),
-            "cost_model": cm_desc,
+            "cost_model": cm_desc, "expected_error": summary["expected_error"],
             "seed": config.seed, "wall_time_s": wall, "simulated_time_s": result.sim_time,
             "speedup": result.sim_time / wall if wall > 0 else None, **environment_info(),
         }

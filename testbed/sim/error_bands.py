@@ -1,0 +1,107 @@
+"""The error to expect from a cost model, as measured: `testbed simulate` states it, `testbed compare` uses it.
+
+A band is, per headline metric, the largest |sim - real| / real that benchmarks/fidelity.py measured for that
+cost model (a shipped profile, or the roofline on that model and GPU) over its cases: real `testbed replay` runs
+against simulations of the same requests, flags and KV size. `python benchmarks/fidelity.py bands SIM_JSON`
+writes them to testbed/sim/error_bands.json. A cost model without fidelity runs gets no band, and the
+statement says why (the roofline elsewhere: uncalibrated; a profile of your own: unknown, and how to get one).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BANDS_FILE = Path(__file__).with_suffix(".json")  # testbed/sim/error_bands.json
+# summary.json keys ("key" or "key.quantile") a band covers
+METRICS = ("output_throughput", "ttft_s.mean", "ttft_s.p50", "ttft_s.p99", "tpot_s.mean", "tpot_s.p50",
+           "tpot_s.p99", "e2e_s.mean", "e2e_s.p50", "e2e_s.p99")
+SHORT = {"output_throughput": "throughput", "ttft_s.p50": "TTFT p50", "tpot_s.p50": "TPOT p50", "e2e_s.p50": "E2E p50"}
+
+
+def summary_value(summary: dict, key: str) -> float | None:
+    """A summary.json value by "key" or "key.quantile"."""
+    name, _, q = key.partition(".")
+    v = summary.get(name)
+    if q:
+        v = v.get(q) if isinstance(v, dict) else None
+    return None if v is None else float(v)
+
+
+def band_key(kind: str, model: str, gpu: str, tp: int) -> str:
+    """Where a band is filed: the shipped profile's name, or roofline_{model}_{gpu}_tp{N}."""
+    return f"{model}_{gpu}_tp{tp}" if kind == "profile" else f"roofline_{model}_{gpu}_tp{tp}"
+
+
+def bands_from_fidelity(cases: list[dict], source: str) -> dict:
+    """Bands from benchmarks/fidelity.py's `sim --json` output (per case: real and per-cost-model summaries, the
+    model, GPU and config): for each cost model and (model, GPU, TP), the largest |error| per metric."""
+    from testbed.specs.hardware import get_gpu_spec
+    from testbed.specs.presets import get_model_spec
+    out: dict[str, dict] = {}
+    for case in cases:
+        model, gpu = get_model_spec(case["model"]).name, get_gpu_spec(case["hardware"]).name
+        tp = int(case["config"].get("tensor_parallel_size", 1))
+        for kind, sim in case["sim"].items():
+            entry = out.setdefault(band_key(kind, model, gpu, tp), {"cases": [], "bounds": {}})
+            entry["cases"].append(case["case"])
+            for key in METRICS:
+                real, pred = summary_value(case["real"], key), summary_value(sim, key)
+                if real and pred is not None:
+                    err = abs(pred - real) / abs(real)
+                    entry["bounds"][key] = max(entry["bounds"].get(key, 0.0), err)
+    return {"source": source, "bands": out}
+
+
+def load_bands(path: Path = BANDS_FILE) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {"source": None, "bands": {}}
+
+
+def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None = None) -> dict:
+    """What `testbed simulate` states about its cost model's error: {"basis": text, "bounds": {metric: fraction}}
+    (no bounds when none were measured)."""
+    from testbed.sim.cost_model import RecordedCostModel, RooflineCostModel
+    from testbed.sim.profiled import ProfiledCostModel, shipped_profile
+    bands = load_bands() if bands is None else bands
+    if isinstance(cost_model, RooflineCostModel):
+        entry = bands["bands"].get(band_key("roofline", model, gpu, tp))
+        if entry is None:
+            return {"basis": f"uncalibrated: no fidelity runs of the roofline for {model} on {gpu} at TP={tp}"}
+        return _measured(entry, bands["source"])
+    if isinstance(cost_model, ProfiledCostModel):
+        cal = cost_model.profile.get("calibration")
+        if cal:
+            after = cal.get("error_after", {})
+            return {"basis": f"calibrated on {cal.get('fitted_on')}: per-step error there {after.get('mape', 0):.1%} "
+                             "(mean absolute); no fidelity runs of this calibration"}
+        shipped = shipped_profile(model, gpu, tp)
+        entry = bands["bands"].get(band_key("profile", model, gpu, tp))
+        if shipped is not None and entry is not None and Path(cost_model.name).resolve() == shipped.resolve():
+            return _measured(entry, bands["source"])
+        return {"basis": "unknown: no fidelity runs of this profile (benchmarks/fidelity.py measures them; "
+                         "`testbed calibrate` fits a profile to a run of yours)"}
+    if isinstance(cost_model, RecordedCostModel) or type(cost_model).__name__ == "RecordedDPRun":
+        return {"basis": "exact: the recorded run's own step times (decisions replayed)"}
+    return {"basis": "unknown"}
+
+
+def _measured(entry: dict, source: str | None) -> dict:
+    return {"basis": f"the largest error over {len(entry['cases'])} fidelity cases; {source}",
+            "bounds": dict(entry["bounds"])}
+
+
+def format_expected(expected: dict) -> str:
+    """One line for the summary table."""
+    bounds = expected.get("bounds")
+    if not bounds:
+        return f"Expected error: {expected['basis']}"
+    parts = [f"{SHORT[k]} ±{bounds[k]:.0%}" if bounds[k] >= 0.01 else f"{SHORT[k]} ±{bounds[k]:.1%}"
+             for k in SHORT if k in bounds]
+    return f"Expected error: {', '.join(parts)}; {expected['basis']}"
+
+
+def within(expected: dict | None, key: str, relative_error: float | None) -> bool | None:
+    """Whether a sim-vs-real difference lies inside the band for that metric (None: no band for it)."""
+    bounds = (expected or {}).get("bounds") or {}
+    if relative_error is None or key not in bounds:
+        return None
+    return abs(relative_error) <= bounds[key] + 1e-12

@@ -1,0 +1,86 @@
+"""Error bands (sim/error_bands.py): the shipped bands are the fidelity benchmark's measured errors, `testbed
+simulate` states the band of its cost model (or why it has none) in the summary and the manifest, and `testbed
+compare` marks the sim-vs-real differences that lie inside it."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from testbed.cli import main
+from testbed.sim.error_bands import BANDS_FILE, METRICS, bands_from_fidelity, load_bands, within
+from testbed.sim.profiled import PROFILES_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+FIDELITY = ROOT / "benchmarks/results/fidelity"
+REAL = FIDELITY / "2026-11-24_795c0af_h200_llama-3.2-1b/azure-80"
+
+
+def test_the_shipped_bands_are_the_fidelity_benchmarks_largest_errors():
+    shipped = load_bands()
+    cases = json.loads((FIDELITY / "sim_2026-11-24.json").read_text())
+    again = bands_from_fidelity(cases, shipped["source"])
+    assert again == shipped
+    one = shipped["bands"]["Llama-3.2-1B_H200_tp1"]
+    assert set(one["bounds"]) == set(METRICS) and len(one["cases"]) == 9
+    # the 1B H200 profile's throughput error peaked at the all-at-once burst (+21.3%, RESULTS "Simulator fidelity")
+    assert one["bounds"]["output_throughput"] == pytest.approx(0.213, abs=5e-4)
+
+
+def _simulate(tmp_path, name: str, *args: str) -> dict:
+    out = tmp_path / name
+    assert main(["simulate", "--like", str(REAL), "--limit", "200", "--no-progress", "--format", "json", "-o", str(out),
+                 *args]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert json.loads((out / "manifest.json").read_text())["expected_error"] == summary["expected_error"]
+    return summary["expected_error"]
+
+
+def test_simulate_states_the_band_of_its_cost_model_or_why_there_is_none(tmp_path, capsys):
+    shipped = _simulate(tmp_path, "shipped")
+    assert shipped["bounds"] == load_bands()["bands"]["Llama-3.2-1B_H200_tp1"]["bounds"]
+    assert "9 fidelity cases" in shipped["basis"]
+    own = tmp_path / "own.json"
+    shutil.copy(PROFILES_DIR / "Llama-3.2-1B_H200_tp1.json", own)
+    assert "unknown: no fidelity runs of this profile" in _simulate(tmp_path, "own", "--cost-model", str(own))["basis"]
+    from testbed.sim.rescale import calibrated_profile
+    from testbed.sim.step_terms import Scales
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(calibrated_profile(json.loads(own.read_text()), Scales(host=1.2), "RUN", {"mape": 0.2},
+                                                 {"mape": 0.05})))
+    assert _simulate(tmp_path, "cal", "--cost-model", str(cal))["basis"].startswith("calibrated on RUN: per-step error "
+                                                                                    "there 5.0%")
+    roof = _simulate(tmp_path, "roof", "--cost-model", "roofline", "--model", "Llama-3.1-70B", "-tp", "4")
+    assert roof["basis"].startswith("uncalibrated") and "bounds" not in roof
+    assert _simulate(tmp_path, "rec", "--cost-model", f"recorded:{REAL}")["basis"].startswith("exact")
+    capsys.readouterr()
+    assert main(["simulate", "--like", str(REAL), "--limit", "50", "--no-progress", "-o", str(tmp_path / "t")]) == 0
+    assert "Expected error: throughput ±21%" in capsys.readouterr().out
+
+
+def test_compare_marks_the_differences_inside_the_band(tmp_path, capsys):
+    _simulate(tmp_path, "sim")
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "sim"), str(REAL), "--baseline", str(REAL), "--format", "json"]) == 0
+    table = json.loads(capsys.readouterr().out)
+    bounds = load_bands()["bands"]["Llama-3.2-1B_H200_tp1"]["bounds"]
+    column = "sim: within expected error"
+    marked = {row["summary key"]: row[column] for row in table["metrics"]}
+    errors = {row["summary key"]: row["sim: sim-vs-real error vs azure-80 (%)"] for row in table["metrics"]}
+    for key in METRICS:
+        assert marked[key] == (abs(errors[key]) / 100 <= bounds[key] + 1e-12), key
+    assert marked["kv_util_mean"] is None  # no band for it
+    assert main(["compare", str(tmp_path / "sim"), str(REAL), "--baseline", str(REAL)]) == 0
+    text = capsys.readouterr().out
+    assert "* inside the expected error of sim's cost model" in text
+    assert sum(line.rstrip().endswith("*") for line in text.splitlines()) == sum(bool(v) for v in marked.values())
+
+
+def test_within_needs_a_band_for_the_metric():
+    band = {"basis": "x", "bounds": {"ttft_s.p50": 0.05}}
+    assert within(band, "ttft_s.p50", -0.049) is True and within(band, "ttft_s.p50", 0.06) is False
+    assert within(band, "tpot_s.p50", 0.0) is None and within(None, "ttft_s.p50", 0.0) is None
+    assert within(band, "ttft_s.p50", None) is None
+    assert BANDS_FILE.name == "error_bands.json" and BANDS_FILE.is_file()
