@@ -14,9 +14,13 @@ from dataclasses import dataclass
 # Achieved / datasheet on the H200 we measured; applied to the other GPUs' datasheet peaks.
 BANDWIDTH_FRACTION = 4.28 / 4.8   # ~0.89
 MATMUL_FRACTION = 789 / 989       # ~0.80
-# NCCL all-reduce between 2 H200s over NVLink 4 (benchmarks/tp.py): time = latency + bytes / bandwidth.
-MEASURED_ALLREDUCE_BW = 293.5e9
-MEASURED_ALLREDUCE_LATENCY_S = 17.9e-6
+# The engine's tensor-parallel all-reduce between 2 H200s over NVLink 4, inside CUDA graphs (symmetric memory:
+# one-shot up to 512 KiB, two-shot above; worker/tp_all_reduce.py), fitted over 1 to 8,192 tokens x 4,096 bf16
+# values as time = latency + bytes / bandwidth (benchmarks/tp.py at 08cb01d, 2026-11-26,
+# results/tp/2026-11-26_08cb01d_h200x2/allreduce.json). NCCL's, which the engine used before, was 17.9 us +
+# bytes / 293.5 GB/s (2026-11-21).
+MEASURED_ALLREDUCE_BW = 244.8e9
+MEASURED_ALLREDUCE_LATENCY_S = 7.44e-6
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,10 @@ def _scaled(name: str, memory_gb: float, peak_tbps: float, peak_tflops: float, l
 
 GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec("H200", int(141e9), 4.28e12, 789e12, MEASURED_ALLREDUCE_BW, MEASURED_ALLREDUCE_LATENCY_S,
-            source="measured on our H200s: 4.28e12 B/s device copy, 789e12 FLOP/s bf16 matmul, NCCL 2.28 bf16 "
-                   "all-reduce over NVLink between 2 H200s fitted as 17.9 us + bytes / 293.5 GB/s "
-                   "(benchmarks/tp.py, 2026-11-21); 141 GB datasheet (CUDA reports ~150.1e9 B)"),
+            source="measured on our H200s: 4.28e12 B/s device copy, 789e12 FLOP/s bf16 matmul, the engine's "
+                   "symmetric-memory bf16 all-reduce inside CUDA graphs between 2 H200s over NVLink fitted as "
+                   "7.44 us + bytes / 244.8 GB/s (benchmarks/tp.py, 2026-11-26); 141 GB datasheet (CUDA reports "
+                   "~150.1e9 B)"),
     _scaled("H100-SXM", 80, 3.35, 989, MEASURED_ALLREDUCE_BW / 1e9,
             "NVLink 4 all-reduce as measured between 2 H200s (same NVLink generation)", MEASURED_ALLREDUCE_LATENCY_S),
     _scaled("A100-80GB", 80, 2.039, 312, 300, "NVLink 3", 10e-6),
