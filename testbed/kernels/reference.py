@@ -1,7 +1,7 @@
 """Torch reference versions of the KV store and paged attention kernels.
 
-They define the semantics the Triton kernels must match (tests compare against them) and are the
-attention path of the CPU worker. Cache layout per layer: ``[num_blocks, block_size, num_kv_heads,
+They define the semantics that the Triton kernels and the CPU worker's batched attention (batched.py)
+must match: tests compare against them. Written for reading, one sequence at a time. Cache layout per layer: ``[num_blocks, block_size, num_kv_heads,
 head_dim]``; token slot = block_id * block_size + offset. All math is fp32; outputs are in q's dtype.
 A sequence with seq_len 0 (a padding row) gets an all-zero output.
 """
