@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.kernels import (decode_plan, paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention,
-                             paged_prefill_attention_ref, prefill_plan)
+                             paged_prefill_attention_ref, prefill_plan, rope_store_batched, rope_store_kvcache_ref,
+                             step_plan)
 from testbed.kernels.batched import paged_attention_batched
 
 HEADS = [(3, 3), (1, 3), (2, 1), (1, 1), (2, 4)]  # (num_kv_heads, query heads per KV head)
@@ -110,3 +111,29 @@ def test_batched_errors_are_clear():
         paged_attention_batched(decode_plan(tables, lens, 4, 3), torch.randn(2, 6, 8), k_cache, v_cache, 1.0)
     with pytest.raises(ValueError, match="query lengths"):
         prefill_plan(torch.tensor([0, 5, 9], dtype=torch.int32), tables, torch.tensor([4, 4], dtype=torch.int32), 4, 3)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=12), st.sampled_from(HEADS),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2 ** 16))
+def test_step_plan_rotates_and_stores_as_the_reference(positions, heads, dtype, seed):
+    """Rotary embedding and KV store through the step plan equal rope_store_kvcache_ref bit for bit, padding
+    tokens (slot -1) skipped."""
+    kv_heads, group = heads
+    g = torch.Generator().manual_seed(seed)
+    T, head_dim, block_size = len(positions), 16, 4
+    cos_sin = torch.randn(256, head_dim, generator=g)
+    q = torch.randn(T, kv_heads * group, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(T, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(8 * block_size, generator=g)[:T].int()
+    slots[torch.rand(T, generator=g) < 0.2] = -1
+    caches = [torch.zeros(8, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    pos = torch.tensor(positions)
+    lens = pos + 1
+    tables = torch.arange(64, dtype=torch.int32).view(1, 64).expand(T, 64) % 8
+    plan = step_plan(True, pos, slots, tables, lens.int(), None, cos_sin, caches[0], kv_heads * group, dtype)
+    got = rope_store_batched(plan, q, k, v, caches[0], caches[1])
+    want = rope_store_kvcache_ref(pos, q, k, v, cos_sin, caches[2], caches[3], slots)
+    assert all(torch.equal(a, b) for a, b in zip([*got, *caches[:2]], [*want, *caches[2:]]))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        step_plan(True, pos, slots + 1000, tables, lens.int(), None, cos_sin, caches[0], kv_heads * group, dtype)

@@ -12,13 +12,15 @@ import os
 
 import torch
 
-from testbed.kernels.batched import AttentionPlan, decode_plan, paged_attention_batched, prefill_plan
+from testbed.kernels.batched import (AttentionPlan, decode_plan, paged_attention_batched, prefill_plan,
+                                     rope_store_batched, step_plan)
 from testbed.kernels.reference import (paged_decode_attention_ref, paged_prefill_attention_ref,
                                        rope_store_kvcache_ref, silu_and_mul_ref, store_kvcache_ref)
 
 __all__ = ["store_kvcache", "rope_store_kvcache", "paged_decode_attention", "paged_prefill_attention",
            "store_kvcache_ref", "rope_store_kvcache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
-           "silu_and_mul", "silu_and_mul_ref", "use_triton", "AttentionPlan", "decode_plan", "prefill_plan"]
+           "silu_and_mul", "silu_and_mul_ref", "use_triton", "AttentionPlan", "decode_plan", "prefill_plan", "step_plan",
+           "rope_store_batched", "paged_attention_batched"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -50,31 +52,27 @@ def rope_store_kvcache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, plan: AttentionPlan | None = None) -> torch.Tensor:
-    """One query token per sequence over its seq_lens[i] cached positions; returns a tensor like q.
-    plan (torch path): this step's `decode_plan`, built here when not given."""
+                           num_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence over its seq_lens[i] cached positions; returns a tensor like q."""
     if use_triton(q):
         from testbed.kernels.decode_attention import paged_decode_attention_triton
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
-    if plan is None:
-        plan = decode_plan(block_tables, seq_lens, k_cache.shape[1], q.shape[1] // k_cache.shape[2])
+    plan = decode_plan(block_tables, seq_lens, k_cache.shape[1], q.shape[1] // k_cache.shape[2])
     return paged_attention_batched(plan, q, k_cache, v_cache, scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                            block_tables: torch.Tensor, scale: float, num_live: torch.Tensor | None = None,
-                            plan: AttentionPlan | None = None) -> torch.Tensor:
+                            block_tables: torch.Tensor, scale: float, num_live: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """Causal attention of each sequence's last q_len positions over its cached prefix (positions below
     seq_len - q_len, from the paged cache) and this step's keys/values k/v [num_tokens, num_kv_heads, head_dim].
-    num_live (a device scalar, optional): the sequences past it have no query (it only saves work).
-    plan (torch path): this step's `prefill_plan`, built here when not given."""
+    num_live (a device scalar, optional): the sequences past it have no query (it only saves work)."""
     if use_triton(q):
         from testbed.kernels.prefill_attention import paged_prefill_attention_triton
         return paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                                               num_live=num_live)
-    if plan is None:
-        plan = prefill_plan(cu_seqlens_q, block_tables, seq_lens, k_cache.shape[1], q.shape[1] // k_cache.shape[2])
+    plan = prefill_plan(cu_seqlens_q, block_tables, seq_lens, k_cache.shape[1], q.shape[1] // k_cache.shape[2])
     return paged_attention_batched(plan, q, k_cache, v_cache, scale, k, v)
 
 

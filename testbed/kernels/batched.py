@@ -5,11 +5,12 @@ tests' ground truth), computed for the whole step at once: one gather of every s
 paged cache, this step's keys/values written over their positions, and one masked
 `scaled_dot_product_attention` per group of sequences, with no Python loop over sequences.
 
-The index tensors and masks depend only on the step (not on the layer): `AttentionPlan` builds them once
-per step and every layer reuses them. Sequences are grouped so that padding stays small: the rows with
-one query token (decodes) form one group, those with longer chunks (prefills) another, each padded to its
-longest query and its longest sequence. GQA: the query heads of one KV head are folded into the query
-rows, so keys/values are never repeated per query head.
+Whatever depends only on the step (not on the layer) is built once per step into an `AttentionPlan` that
+every layer reuses: the gather indices and masks, and, for the model's path (`step_plan`), the rotary
+cos/sin at the step's positions and the validated cache slots of its tokens. Sequences are grouped so that
+padding stays small: the rows with one query token (decodes) form one group, those with longer chunks
+(prefills) another, each padded to its longest query and its longest sequence. GQA: the query heads of one
+KV head are folded into the query rows, so keys/values are never repeated per query head.
 
 Invariant: cache slots that a sequence does not own but that its padded gather reads (the tail of its last
 block, block 0 under padding) hold finite values; they are masked out, and the cache is zero-filled at
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from testbed.kernels.reference import check_cache, rope_cos_sin
+
 
 @dataclass
 class AttentionGroup:
@@ -32,7 +35,8 @@ class AttentionGroup:
     rows [T_g] long or None: the group's query tokens in the step's flat q (None: all of them, in order).
     key_pos [T_g] long or None: the absolute position of each query token, where a prefill writes this
     step's key/value over the gathered cache (None for decodes, whose keys are all in the cache).
-    mask [G, 1, group * max_q, num_blocks * block_size] bool: query row (head in group, j) may see key t.
+    mask [G, 1, group * max_q, num_blocks * block_size] float: 0 where query row (head in group, j) may see key
+    t, -inf elsewhere.
     """
 
     blocks: torch.Tensor
@@ -46,11 +50,16 @@ class AttentionGroup:
 
 @dataclass
 class AttentionPlan:
-    """One step's batched-attention indices for a given head grouping; every layer of the step shares it."""
+    """One step's batched-attention indices for a given head grouping; every layer of the step shares it.
+    `step_plan` adds what the model's layers share besides: rotary (cos | cos, -sin | sin) at the step's positions,
+    the cache slots of the tokens that are stored (slots), and those tokens' rows (store_rows; None: all)."""
 
     groups: list[AttentionGroup]
     group_size: int  # query heads per KV head
     num_tokens: int  # query tokens of the step (rows of q)
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    slots: torch.Tensor | None = None
+    store_rows: torch.Tensor | None = None
 
 
 def _group(block_tables: torch.Tensor, block_size: int, group_size: int, seqs: torch.Tensor,
@@ -74,6 +83,7 @@ def _group(block_tables: torch.Tensor, block_size: int, group_size: int, seqs: t
     pos[seq_idx, q_idx] = ctx[seq_idx] + q_idx
     mask = torch.arange(num_blocks * block_size).view(1, 1, -1) <= pos.unsqueeze(-1)  # [G, max_q, L]
     mask = mask.unsqueeze(1).expand(-1, group_size, -1, -1).reshape(len(seqs), 1, group_size * max_q, -1)
+    mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # additive: what SDPA turns a bool mask into
     return AttentionGroup(table, seq_idx, q_idx, rows, ctx[seq_idx] + q_idx if prefill else None, mask, max_q)
 
 
@@ -106,6 +116,46 @@ def prefill_plan(cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor, seq_len
             groups.append(_group(block_tables, block_size, group_size, seqs, starts[seqs], ql, lens[seqs],
                                  int(ql.max()), True, int(ql.sum()) == int(cu[-1]) and bool(sel.all())))
     return AttentionPlan(groups, group_size, int(cu[-1]))
+
+
+def step_plan(is_decode: bool, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+              seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, cos_sin_cache: torch.Tensor,
+              k_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> AttentionPlan:
+    """The plan of one model step (the attention context's tensors), with the rotary cos/sin and the cache slots
+    validated once: every layer then rotates, stores and attends with no per-layer index work."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    plan = (decode_plan(block_tables, seq_lens, block_size, group) if is_decode else
+            prefill_plan(cu_seqlens_q, block_tables, seq_lens, block_size, group))
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    n_slots = k_cache.shape[0] * block_size
+    if slots.shape != positions.shape or bool((slots >= n_slots).any()):
+        raise ValueError(f"slot_mapping {tuple(slots.shape)} must give one slot below {n_slots} per token "
+                         f"({positions.numel()})")
+    plan.store_rows = None if bool(valid.all()) else torch.nonzero(valid).flatten()
+    plan.slots = slots if plan.store_rows is None else slots[plan.store_rows]
+    cos, sin = rope_cos_sin(positions, cos_sin_cache, dtype)
+    plan.rotary = torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    return plan
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`rotate_ref` in four ops, bit for bit: x * (cos | cos) + (x2 | x1) * (-sin | sin)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], -1) * signed_sin
+
+
+def rope_store_batched(plan: AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_store_kvcache_ref` with the step plan's cos/sin and slots: returns the rotated (q, k)."""
+    q, k = _rotate(q, *plan.rotary), _rotate(k, *plan.rotary)
+    rows = plan.store_rows
+    n_slots = k_cache.shape[0] * k_cache.shape[1]
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        new = new if rows is None else new.index_select(0, rows)
+        cache.view(n_slots, *cache.shape[2:]).index_copy_(0, plan.slots, new.to(cache.dtype))
+    return q, k
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -146,6 +196,7 @@ def paged_attention_batched(plan: AttentionPlan, q: torch.Tensor, k_cache: torch
     """q [num_tokens, num_heads, head_dim] attends as `plan` says; k/v (prefill plans): this step's keys and
     values [num_tokens, num_kv_heads, head_dim]. Math in float32; returns a tensor like q (zeros for rows
     the plan leaves out)."""
+    check_cache(k_cache, v_cache)
     if q.shape[0] != plan.num_tokens or q.shape[1] != k_cache.shape[2] * plan.group_size:
         raise ValueError(f"q {tuple(q.shape)} does not fit the plan ({plan.num_tokens} tokens, "
                          f"{k_cache.shape[2]} KV heads x {plan.group_size})")

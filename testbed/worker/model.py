@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from testbed.kernels import (AttentionPlan, decode_plan, paged_decode_attention, paged_prefill_attention,
-                             prefill_plan, rope_store_kvcache, use_triton)
+from testbed.kernels import (paged_attention_batched, paged_decode_attention, paged_prefill_attention,
+                             rope_store_batched, rope_store_kvcache, step_plan, use_triton)
 from testbed.worker.context import get_context
 from testbed.worker.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                    RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, apply_rope)
@@ -84,22 +84,18 @@ class Attention(nn.Module):
         if self.k_cache is None or self.k_cache.numel() == 0:
             q, k = apply_rope(positions, q, k, cos_sin_cache)
             return self._uncached(q, k, v, ctx)
+        if not use_triton(q):  # the torch path: batched over the step, its indices built by the first layer
+            if ctx.attn_plan is None:
+                ctx.attn_plan = step_plan(ctx.is_decode, positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens,
+                                          ctx.cu_seqlens_q, cos_sin_cache, self.k_cache, self.num_heads, q.dtype)
+            q, k = rope_store_batched(ctx.attn_plan, q, k, v, self.k_cache, self.v_cache)
+            return paged_attention_batched(ctx.attn_plan, q, self.k_cache, self.v_cache, self.scale,
+                                           None if ctx.is_decode else k, None if ctx.is_decode else v)
         q, k = rope_store_kvcache(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping)
-        plan = None if use_triton(q) else self._plan(ctx)
         if ctx.is_decode:
-            return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens, self.scale,
-                                          plan=plan)
+            return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens, self.scale)
         return paged_prefill_attention(q, k, v, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
-                                       ctx.block_tables, self.scale, ctx.num_live, plan=plan)
-
-    def _plan(self, ctx) -> AttentionPlan:
-        """The step's batched-attention plan (torch path): built by the first layer, kept in the context for
-        the others (every layer has the same block size and head grouping)."""
-        if ctx.attn_plan is None:
-            block_size, group = self.k_cache.shape[1], self.num_heads // self.num_kv_heads
-            ctx.attn_plan = (decode_plan(ctx.block_tables, ctx.seq_lens, block_size, group) if ctx.is_decode else
-                             prefill_plan(ctx.cu_seqlens_q, ctx.block_tables, ctx.seq_lens, block_size, group))
-        return ctx.attn_plan
+                                       ctx.block_tables, self.scale, ctx.num_live)
 
     def _uncached(self, q, k, v, ctx) -> torch.Tensor:
         cu = ctx.cu_seqlens_q.tolist() if ctx.cu_seqlens_q is not None else [0, q.size(0)]
