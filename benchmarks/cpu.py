@@ -137,21 +137,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-serve", action="store_true")
+    ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    folder = str(default_model_dir())
-    llm = LLM(folder, dtype="float32")
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
-    tok.pad_token = tok.pad_token or tok.eos_token
     out = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
            "transformers": transformers.__version__, "python": platform.python_version(),
-           "date": time.strftime("%Y-%m-%d"), "offline": [offline(llm, hf, tok, 64, 12, args.repeats),
-                                                           offline(llm, hf, tok, 1, 32, args.repeats)]}
-    llm.shutdown()
+           "date": time.strftime("%Y-%m-%d")}
+    if not args.skip_offline:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        folder = str(default_model_dir())
+        llm = LLM(folder, dtype="float32")
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
+        tok.pad_token = tok.pad_token or tok.eos_token
+        out["offline"] = [offline(llm, hf, tok, 64, 12, args.repeats), offline(llm, hf, tok, 1, 32, args.repeats)]
+        llm.shutdown()
     if not args.skip_serve:
         out["serve"] = serve(64, 12, args.repeats)
     if args.out:
