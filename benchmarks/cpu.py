@@ -1,6 +1,6 @@
 """CPU real mode against transformers on the bundled SmolLM2-135M in fp32.
 
-  python benchmarks/cpu.py [--repeats 3] [--skip-serve] [--out cpu.json]
+  python benchmarks/cpu.py [--repeats 3] [--threads N] [--skip-offline] [--skip-serve] [--out cpu.json]
 
 1. Offline, in one process: `testbed.LLM.generate` and transformers' `generate` (the whole batch in one call,
    left-padded) on the same prompts, greedy, every request running to its token count; each round runs both,
@@ -8,6 +8,7 @@
    strings (tokenization and detokenization included) for 64 prompts x 12 tokens and 1 prompt x 32 tokens.
 2. Serving: `testbed serve` (fp32) with 64 concurrent streaming completions of 12 tokens from the official
    openai client against 127.0.0.1: the wall time of each round (median) and the mean time to first token.
+--threads N: torch intra-op threads of both engines (and OMP_NUM_THREADS of the server); default: torch's.
 """
 from __future__ import annotations
 
@@ -138,8 +139,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server's engine process (worker/threads.py)
     import transformers
     out = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
