@@ -73,8 +73,8 @@ def test_batched_decode_matches_reference(step, dtype):
 
 
 @settings(max_examples=60, deadline=None)
-@given(prefill_steps(), st.sampled_from([torch.float32, torch.bfloat16]))
-def test_batched_prefill_matches_reference(step, dtype):
+@given(prefill_steps(), st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([1, 3, 7]))
+def test_batched_prefill_matches_reference(step, dtype, query_tile):
     seqs, block_size, (kv_heads, group), head_dim, seed = step
     seq_lens = [c + q for c, q in seqs]
     k_cache, v_cache, tables = paged_cache(seq_lens, block_size, kv_heads, head_dim, seed, dtype)
@@ -87,6 +87,9 @@ def test_batched_prefill_matches_reference(step, dtype):
     ref = paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu, lens, tables, 0.25)
     out = paged_prefill_attention(q, k, v, k_cache, v_cache, cu, lens, tables, 0.25)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    plan = prefill_plan(cu, tables, lens, block_size, group)  # long chunks in several query tiles
+    tiled = paged_attention_batched(plan, q, k_cache, v_cache, 0.25, k, v, query_tile=query_tile)
+    torch.testing.assert_close(tiled.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_one_plan_serves_every_layer_of_a_step():

@@ -3,7 +3,8 @@
 The same semantics as `paged_decode_attention_ref` and `paged_prefill_attention_ref` (reference.py, the
 tests' ground truth), computed for the whole step at once: one gather of every sequence's blocks from the
 paged cache, this step's keys/values written over their positions, and one masked
-`scaled_dot_product_attention` per group of sequences, with no Python loop over sequences.
+`scaled_dot_product_attention` per group of sequences (per tile of QUERY_TILE query rows in a long prefill
+chunk), with no Python loop over sequences.
 
 Whatever depends only on the step (not on the layer) is built once per step into an `AttentionPlan` that
 every layer reuses: the gather indices and masks, and, for the model's path (`step_plan`), the rotary
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 
 from testbed.kernels.reference import check_cache, rope_cos_sin
 
+QUERY_TILE = 256  # padded query rows of a prefill group per SDPA call: its mask stays G x group x 256 x keys
+
 
 @dataclass
 class AttentionGroup:
@@ -35,8 +38,10 @@ class AttentionGroup:
     rows [T_g] long or None: the group's query tokens in the step's flat q (None: all of them, in order).
     key_pos [T_g] long or None: the absolute position of each query token, where a prefill writes this
     step's key/value over the gathered cache (None for decodes, whose keys are all in the cache).
-    mask [G, 1, group * max_q, num_blocks * block_size] float: 0 where query row (head in group, j) may see key
-    t, -inf elsewhere.
+    pos [G, max_q] long: the absolute position of every padded query row (0 for padding: it sees key 0 only,
+    so its discarded output stays finite).
+    mask: `_mask(pos)` when max_q is 1 (decodes: built once, used by every layer), else None (a prefill
+    builds it per query tile, so a long chunk never holds a [max_q, num_keys] mask).
     """
 
     blocks: torch.Tensor
@@ -44,7 +49,8 @@ class AttentionGroup:
     q_idx: torch.Tensor
     rows: torch.Tensor | None
     key_pos: torch.Tensor | None
-    mask: torch.Tensor
+    pos: torch.Tensor
+    mask: torch.Tensor | None
     max_q: int
 
 
@@ -78,13 +84,18 @@ def _group(block_tables: torch.Tensor, block_size: int, group_size: int, seqs: t
     q_idx = torch.arange(int(q_lens.sum())) - starts[seq_idx]
     rows = None if all_rows else q_starts[seq_idx] + q_idx
     ctx = seq_lens - q_lens  # the first query's position
-    # absolute position of every padded query row; a padding row (j >= q_len) sees key 0 only, so it stays finite
     pos = torch.zeros(len(seqs), max_q, dtype=torch.long)
     pos[seq_idx, q_idx] = ctx[seq_idx] + q_idx
-    mask = torch.arange(num_blocks * block_size).view(1, 1, -1) <= pos.unsqueeze(-1)  # [G, max_q, L]
-    mask = mask.unsqueeze(1).expand(-1, group_size, -1, -1).reshape(len(seqs), 1, group_size * max_q, -1)
-    mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # additive: what SDPA turns a bool mask into
-    return AttentionGroup(table, seq_idx, q_idx, rows, ctx[seq_idx] + q_idx if prefill else None, mask, max_q)
+    mask = _mask(pos, num_blocks * block_size, group_size) if max_q == 1 else None
+    return AttentionGroup(table, seq_idx, q_idx, rows, ctx[seq_idx] + q_idx if prefill else None, pos, mask, max_q)
+
+
+def _mask(pos: torch.Tensor, num_keys: int, group_size: int) -> torch.Tensor:
+    """Additive mask [G, 1, group * Q, num_keys] of the query rows at positions pos [G, Q], rows ordered (head in
+    group, query): 0 where key t <= the row's position, -inf elsewhere (what SDPA makes of a bool mask)."""
+    ok = torch.arange(num_keys).view(1, 1, -1) <= pos.unsqueeze(-1)
+    ok = ok.unsqueeze(1).expand(-1, group_size, -1, -1).reshape(pos.shape[0], 1, group_size * pos.shape[1], -1)
+    return torch.zeros(ok.shape).masked_fill_(~ok, float("-inf"))
 
 
 def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, group_size: int
@@ -165,7 +176,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(plan: AttentionPlan, g: AttentionGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            scale: float, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+            scale: float, k: torch.Tensor | None, v: torch.Tensor | None, query_tile: int) -> torch.Tensor:
     """One group's attention: its query tokens' outputs [T_g, num_heads, head_dim] in float32."""
     n, nb = g.blocks.shape
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -175,34 +186,40 @@ def _attend(plan: AttentionPlan, g: AttentionGroup, q: torch.Tensor, k_cache: to
     if g.key_pos is not None:  # a prefill: this step's keys/values, not their cache slots
         keys[g.seq_idx, g.key_pos] = (k if g.rows is None else k[g.rows]).float()
         values[g.seq_idx, g.key_pos] = (v if g.rows is None else v[g.rows]).float()
+    group, keys, values = plan.group_size, keys.transpose(1, 2), values.transpose(1, 2)
     if g.max_q == 1:
-        qp = qg.float().view(n, 1, num_kv_heads, plan.group_size, head_dim)
-    else:
-        qp = qg.new_zeros(n, g.max_q, qg.shape[1], head_dim, dtype=torch.float32)
-        qp[g.seq_idx, g.q_idx] = qg.float()
-        qp = qp.view(n, g.max_q, num_kv_heads, plan.group_size, head_dim)
-    # [G, Hkv, group * max_q, D]: the query heads of a KV head folded into its query rows
-    qp = qp.permute(0, 2, 3, 1, 4).reshape(n, num_kv_heads, plan.group_size * g.max_q, head_dim)
-    o = F.scaled_dot_product_attention(qp, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=g.mask,
-                                       scale=scale)
-    o = o.view(n, num_kv_heads, plan.group_size, g.max_q, head_dim).permute(0, 3, 1, 2, 4)
-    o = o.reshape(n, g.max_q, num_kv_heads * plan.group_size, head_dim)
-    return o[:, 0] if g.max_q == 1 else o[g.seq_idx, g.q_idx]
+        # [G, Hkv, group, D]: the query heads of a KV head folded into its query rows
+        qp = qg.float().reshape(n, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=g.mask, scale=scale)
+        return o.reshape(n, num_kv_heads * group, head_dim)
+    qp = qg.new_zeros(n, g.max_q, qg.shape[1], head_dim, dtype=torch.float32)
+    qp[g.seq_idx, g.q_idx] = qg.float()
+    qp = qp.view(n, g.max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [G, Hkv, group, max_q, D]
+    tiles = []
+    for a in range(0, g.max_q, query_tile):
+        b = min(a + query_tile, g.max_q)
+        qt = qp[:, :, :, a:b].reshape(n, num_kv_heads, group * (b - a), head_dim)
+        mask = _mask(g.pos[:, a:b], keys.shape[2], group)
+        tiles.append(F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, scale=scale)
+                     .view(n, num_kv_heads, group, b - a, head_dim))
+    o = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=3)
+    o = o.permute(0, 3, 1, 2, 4).reshape(n, g.max_q, num_kv_heads * group, head_dim)
+    return o[g.seq_idx, g.q_idx]
 
 
 def paged_attention_batched(plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None
-                            ) -> torch.Tensor:
+                            scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            query_tile: int = QUERY_TILE) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] attends as `plan` says; k/v (prefill plans): this step's keys and
-    values [num_tokens, num_kv_heads, head_dim]. Math in float32; returns a tensor like q (zeros for rows
-    the plan leaves out)."""
+    values [num_tokens, num_kv_heads, head_dim]; query_tile: padded query rows of a prefill group per SDPA call.
+    Math in float32; returns a tensor like q (zeros for rows the plan leaves out)."""
     check_cache(k_cache, v_cache)
     if q.shape[0] != plan.num_tokens or q.shape[1] != k_cache.shape[2] * plan.group_size:
         raise ValueError(f"q {tuple(q.shape)} does not fit the plan ({plan.num_tokens} tokens, "
                          f"{k_cache.shape[2]} KV heads x {plan.group_size})")
     if len(plan.groups) == 1 and plan.groups[0].rows is None:
-        return _attend(plan, plan.groups[0], q, k_cache, v_cache, scale, k, v).to(q.dtype)
+        return _attend(plan, plan.groups[0], q, k_cache, v_cache, scale, k, v, query_tile).to(q.dtype)
     out = torch.zeros_like(q)
     for g in plan.groups:  # at most two: decodes and longer chunks
-        out[g.rows] = _attend(plan, g, q, k_cache, v_cache, scale, k, v).to(q.dtype)
+        out[g.rows] = _attend(plan, g, q, k_cache, v_cache, scale, k, v, query_tile).to(q.dtype)
     return out
