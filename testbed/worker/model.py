@@ -68,7 +68,8 @@ class Attention(nn.Module):
 
     The model runner sets `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads, head_dim]).
     While they are None or empty (profiling run) attention is plain causal within each sequence
-    of the step, which then must have no cached prefix.
+    of the step, which then must have no cached prefix. On a GPU the Triton kernels run; on a CPU the
+    first layer builds the step's AttentionPlan into the context and every layer runs batched over it.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
