@@ -80,6 +80,15 @@ def offline(llm: LLM, hf, tok, n: int, tokens: int, repeats: int) -> dict:
     return res
 
 
+def cpu_name() -> str:
+    """The processor's model name (/proc/cpuinfo on Linux), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -146,7 +155,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server's engine process (worker/threads.py)
     import transformers
-    out = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+    out = {"cpu": cpu_name(), "cores": os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
            "transformers": transformers.__version__, "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%d")}
