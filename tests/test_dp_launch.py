@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from testbed.cli import main
-from testbed.runtime.dp_launch import cpu_threads, replica_devices, replica_env, shares_devices
+from testbed.runtime.dp_launch import replica_devices, replica_env, shares_devices
+from testbed.worker.threads import cpu_threads, usable_cores
 
 
 def test_replicas_take_consecutive_device_slices_in_visible_order():
@@ -27,9 +28,8 @@ def test_more_replicas_than_gpus_share_them_and_size_their_cache_from_their_shar
 
 
 def test_cpu_replicas_split_the_cores_within_omp_num_threads(monkeypatch):
-    import os
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    n = os.cpu_count() or 1
+    n = usable_cores()
     assert cpu_threads(1) == n and cpu_threads(n + 5) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert cpu_threads(1) == 1

@@ -44,7 +44,7 @@ needs_loops = pytest.mark.skipif(
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 os.environ.pop("TRITON_INTERPRET")  # set again only while this module's tests run (fixture below): other
-# modules, and the servers they spawn, must keep the fast torch-reference attention on CPU
+# modules, and the servers they spawn, must keep the fast batched torch attention on CPU
 
 
 @pytest.fixture(autouse=True, scope="module")

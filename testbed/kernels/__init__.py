@@ -2,20 +2,25 @@
 MLP's silu-and-mul.
 
 Each entry point runs the Triton kernel when the tensors are on CUDA or when TRITON_INTERPRET=1 is set
-(the Triton interpreter, for tests on CPU), else the torch reference. The Triton modules are imported
-lazily so that CPU-only installs without triton work and TRITON_INTERPRET is read when they are first used.
+(the Triton interpreter, for tests on CPU), else torch: the KV store and the MLP's activation as their
+references, attention batched over the whole step (batched.py; the per-sequence references in reference.py
+define its semantics). The Triton modules are imported lazily so that CPU-only installs without triton work
+and TRITON_INTERPRET is read when they are first used.
 """
 
 import os
 
 import torch
 
+from testbed.kernels.batched import (AttentionPlan, decode_plan, paged_attention_batched, prefill_plan,
+                                     rope_store_batched, step_plan)
 from testbed.kernels.reference import (paged_decode_attention_ref, paged_prefill_attention_ref,
                                        rope_store_kvcache_ref, silu_and_mul_ref, store_kvcache_ref)
 
 __all__ = ["store_kvcache", "rope_store_kvcache", "paged_decode_attention", "paged_prefill_attention",
            "store_kvcache_ref", "rope_store_kvcache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
-           "silu_and_mul", "silu_and_mul_ref", "use_triton"]
+           "silu_and_mul", "silu_and_mul_ref", "use_triton", "AttentionPlan", "decode_plan", "prefill_plan", "step_plan",
+           "rope_store_batched", "paged_attention_batched"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -52,7 +57,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if use_triton(q):
         from testbed.kernels.decode_attention import paged_decode_attention_triton
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    plan = decode_plan(block_tables, seq_lens, k_cache.shape[1], q.shape[1] // k_cache.shape[2])
+    return paged_attention_batched(plan, q, k_cache, v_cache, scale)
 
 
 def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -66,7 +72,8 @@ def paged_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         from testbed.kernels.prefill_attention import paged_prefill_attention_triton
         return paged_prefill_attention_triton(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                                               num_live=num_live)
-    return paged_prefill_attention_ref(q, k, v, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    plan = prefill_plan(cu_seqlens_q, block_tables, seq_lens, k_cache.shape[1], q.shape[1] // k_cache.shape[2])
+    return paged_attention_batched(plan, q, k_cache, v_cache, scale, k, v)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Torch reference versions of the KV store and paged attention kernels.
 
-They define the semantics the Triton kernels must match (tests compare against them) and are the
-attention path of the CPU worker. Cache layout per layer: ``[num_blocks, block_size, num_kv_heads,
+They define the semantics that the Triton kernels and the CPU worker's batched attention (batched.py)
+must match: tests compare against them. Written for reading, one sequence at a time. Cache layout per layer: ``[num_blocks, block_size, num_kv_heads,
 head_dim]``; token slot = block_id * block_size + offset. All math is fp32; outputs are in q's dtype.
 A sequence with seq_len 0 (a padding row) gets an all-zero output.
 """
@@ -31,18 +31,27 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def rope_cos_sin(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, 1, D/2] at `positions` [T] from a float32 cache [max_position, D] of (cos | sin), rounded
+    to `dtype` (as Hugging Face Llama does)."""
+    cos, sin = cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    return cos, sin
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style (rotate-half) rotation of x [T, H, D] by `rope_cos_sin`'s cos/sin; a new tensor."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate-half) rotary embedding of q [T, Hq, D] and k [T, Hk, D] at `positions` [T]
     from a float32 cache [max_position, D] of (cos | sin); cos/sin are rounded to q's dtype first, as
     Hugging Face Llama does. Returns new tensors."""
-    cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-    return rotate(q), rotate(k)
+    cos, sin = rope_cos_sin(positions, cos_sin_cache, q.dtype)
+    return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
 
 
 def rope_store_kvcache_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

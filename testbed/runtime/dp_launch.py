@@ -6,7 +6,7 @@ devices, the list wraps around and replicas share GPUs: give each its share thro
 --gpu-memory-utilization (0.45 each for two on one GPU). Replicas that share a device start one at
 a time, each once the previous one is up, and size their KV cache from their own share of the GPU
 (TESTBED_SHARED_GPU=1: memory already in use when a replica starts belongs to someone else).
-CPU replicas split the host's cores.
+CPU replicas split the host's cores (worker/threads.py).
 
 A headless node (`testbed serve --headless`) runs only replicas: they connect to the coordinator on
 the API server's node, and the node launcher tells the coordinator when one of them exits. It stops
@@ -32,6 +32,7 @@ from testbed.runtime.dp_engine_proc import DPEngineProcConfig
 from testbed.runtime.engine_proc import EngineProcConfig
 from testbed.runtime.frames import Frames
 from testbed.worker.resolve import SHARED_GPU_ENV, resolve_device
+from testbed.worker.threads import cpu_threads
 
 HEAD_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -67,13 +68,6 @@ def replica_env(local_index: int, tp: int, size_local: int, devices: list[str] |
     if size_local * tp > len(devices):
         env[SHARED_GPU_ENV] = "1"
     return env
-
-
-def cpu_threads(size_local: int) -> int:
-    """Torch threads of each CPU replica: the host's cores split among them, at most OMP_NUM_THREADS."""
-    n = max(1, (os.cpu_count() or 1) // size_local)
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    return min(n, int(omp)) if omp.isdigit() and int(omp) > 0 else n
 
 
 def shares_devices(size_local: int, tp: int, devices: list[str] | None) -> bool:

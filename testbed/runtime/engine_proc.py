@@ -26,6 +26,7 @@ from testbed.runtime import config_arg, freeze_startup_heap, run_process
 from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames
 from testbed.engine.stepper import EngineStepper
+from testbed.worker.threads import set_engine_threads
 
 PARENT_CHECK_S = 1.0
 
@@ -141,6 +142,7 @@ class EngineProc:
         config = EngineConfig(**self.cfg.engine)
         executor = factory(self.cfg.model, config, load_format=self.cfg.load_format, dtype=self.cfg.dtype,
                            device=self.cfg.device, enforce_eager=self.cfg.enforce_eager, **self.cfg.executor_args)
+        set_engine_threads()  # this process is the engine's alone: every usable core (worker/threads.py)
         self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len)
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
         stepper.on_scheduled = lambda so: self.send(P.Outputs([], self.stats(), {}))  # running during the step

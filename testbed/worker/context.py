@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from testbed.kernels import AttentionPlan
+
 
 @dataclass
 class Context:
@@ -21,6 +23,7 @@ class Context:
     seq_lens: [num_seqs] int32, tokens in the cache per sequence after this step's tokens are stored.
     cu_seqlens_q: [num_seqs + 1] int32, prefix sums of the query lengths in `input_ids`.
     num_live: [1] int32 or None, the sequences with queries (a CUDA graph's padding ones after them have none).
+    attn_plan: the torch path's batched-attention indices, built by the first layer and shared by the rest.
     """
 
     is_decode: bool = False
@@ -29,6 +32,7 @@ class Context:
     seq_lens: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     num_live: torch.Tensor | None = None
+    attn_plan: AttentionPlan | None = None
 
 
 _CONTEXT = Context()

@@ -15,6 +15,7 @@ import torch
 
 from testbed.specs.presets import get_model_spec
 from testbed.worker.model import LlamaForCausalLM
+from testbed.worker.layers import cpu_weight_layout
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ def load_model(model: str, load_format: str = "auto", dtype: torch.dtype = torch
         init_dummy_weights(net, seed)
     else:
         load_weights(net, tensors, source)
+    cpu_weight_layout(net)
     return net, hf_config
 
 

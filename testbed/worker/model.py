@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from testbed.kernels import paged_decode_attention, paged_prefill_attention, rope_store_kvcache
+from testbed.kernels import (paged_attention_batched, paged_decode_attention, paged_prefill_attention,
+                             rope_store_batched, rope_store_kvcache, step_plan, use_triton)
 from testbed.worker.context import get_context
 from testbed.worker.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                    RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, apply_rope)
@@ -67,7 +68,8 @@ class Attention(nn.Module):
 
     The model runner sets `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads, head_dim]).
     While they are None or empty (profiling run) attention is plain causal within each sequence
-    of the step, which then must have no cached prefix.
+    of the step, which then must have no cached prefix. On a GPU the Triton kernels run; on a CPU the
+    first layer builds the step's AttentionPlan into the context and every layer runs batched over it.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -83,6 +85,13 @@ class Attention(nn.Module):
         if self.k_cache is None or self.k_cache.numel() == 0:
             q, k = apply_rope(positions, q, k, cos_sin_cache)
             return self._uncached(q, k, v, ctx)
+        if not use_triton(q):  # the torch path: batched over the step, its indices built by the first layer
+            if ctx.attn_plan is None:
+                ctx.attn_plan = step_plan(ctx.is_decode, positions, ctx.slot_mapping, ctx.block_tables, ctx.seq_lens,
+                                          ctx.cu_seqlens_q, cos_sin_cache, self.k_cache, self.num_heads, q.dtype)
+            q, k = rope_store_batched(ctx.attn_plan, q, k, v, self.k_cache, self.v_cache)
+            return paged_attention_batched(ctx.attn_plan, q, self.k_cache, self.v_cache, self.scale,
+                                           None if ctx.is_decode else k, None if ctx.is_decode else v)
         q, k = rope_store_kvcache(positions, q, k, v, cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping)
         if ctx.is_decode:
             return paged_decode_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens, self.scale)
