@@ -177,6 +177,7 @@ real_only = measured_table[measured_table["source"] == "real"].reset_index(drop=
 print(pd.DataFrame({"layout": real_only["layout"], "rate": real_only["rate"], "real tok/s": real_only["output tok/s"],
                     "replayed tok/s": replayed["output tok/s"]}).to_string(index=False))
 
+# %%
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
 for i, (layout, g) in enumerate(measured_table.groupby("layout", sort=True)):
     for source, marker, ls in (("real", "o", "-"), ("simulated", "x", "--")):
@@ -191,4 +192,6 @@ for ax in axes:
 axes[0].legend(fontsize=8)
 fig.suptitle("Llama-3.2-1B shape on H200s: measured DP against the simulator (shipped profile)", fontweight="bold")
 experiment.save_figure(fig, out / "dp_measured.png")
+
+# %%
 experiment.save_table(measured_table.round(3), out / "dp_measured.csv")
