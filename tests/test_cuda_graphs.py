@@ -72,7 +72,7 @@ def test_a_step_is_laid_out_in_the_static_buffers_with_its_padding(q_lens, pad, 
     T, B = sum(q_lens), len(q_lens)
     width = 32
     num_tokens, num_seqs = T + pad, B + 1 + junk_seed
-    buf = StaticInputs(200, 12, width, torch.device("cpu"))
+    buf = StaticInputs(6 * 40 + 60, 12, width, torch.device("cpu"))  # the largest drawn step and padding fit
     g = torch.Generator().manual_seed(junk_seed)
     for t in (buf.input_ids, buf.positions, buf.slot_mapping, buf.block_tables, buf.seq_lens, buf.cu_seqlens_q):
         t.copy_(torch.randint(0, 1000, t.shape, generator=g))  # what earlier, larger steps left
