@@ -43,7 +43,7 @@ from IPython.display import Markdown, display
 
 from testbed import experiment, sweep
 from testbed.compare import compare_table, diff_column, load_runs
-from testbed.dashboard import plots, series
+from testbed.figures import plots, series
 from testbed.rundir import find_runs, read_run
 from testbed.sweeps import ENGINE_KEYS
 

@@ -291,7 +291,7 @@ def cmd_compare(args) -> int:
         print(format_table(table, runs, baseline))
         print(format_settings(differing_settings(runs)))
     if args.png is not None:
-        from testbed.dashboard import plots, series
+        from testbed.figures import plots, series
         fig = plots.latency_cdfs([(plots.Series(r.label, r.mode, i), series.latency_samples(r.path))
                                   for i, r in enumerate(runs)])
         out = Path(args.png)

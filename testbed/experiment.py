@@ -82,7 +82,7 @@ def save_figure(fig, path: str | Path) -> None:
     notebook; the bytes depend only on the figure and the matplotlib version."""
     from IPython.display import Image, display
 
-    from testbed.dashboard.plots import to_png
+    from testbed.figures.plots import to_png
     png = to_png(fig)
     Path(path).write_bytes(png)
     display(Image(data=png))

@@ -118,6 +118,9 @@ FORBIDDEN = {
     "testbed.runtime": ("testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.llm"),
     "testbed.worker": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli"),
     "testbed.server": ("testbed.dashboard", "testbed.cli", "zmq"),
+    # run figures <- compare's table <- the dashboard (which shows both)
+    "testbed.figures": ("testbed.compare", "testbed.dashboard", "testbed.cli"),
+    "testbed.compare": ("testbed.dashboard",),
 }
 
 

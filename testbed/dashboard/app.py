@@ -14,7 +14,8 @@ from pathlib import Path
 import streamlit as st
 
 from testbed import compare
-from testbed.dashboard import data, plots, series
+from testbed.dashboard import data
+from testbed.figures import plots, series
 from testbed.dashboard.launch_form import launch_form
 from testbed.rundir import RunDirError
 
