@@ -53,6 +53,17 @@ class StepInputs:
     is_decode: bool
 
 
+def packed_offsets(n64, n32) -> tuple[list[int], list[int], int, int]:
+    """Where a step's packed arrays lie: (int64 offsets, int32 offsets, byte offset of the int32 part, total
+    bytes) for arrays of these lengths. Every array starts 16-byte aligned: Triton compiles a kernel variant
+    per pointer alignment, so views whose alignment followed the batch size cost a fresh compile on new
+    batch shapes."""
+    p64 = np.cumsum([0] + [-(-n // 2) * 2 for n in n64]).tolist()  # int64 offsets, 16-byte steps
+    p32 = np.cumsum([0] + [-(-n // 4) * 4 for n in n32]).tolist()
+    off32 = 8 * p64[-1]
+    return p64, p32, off32, off32 + 4 * p32[-1]
+
+
 def sampled_rows(so: SchedulerOutput) -> list[int]:
     """Indices of the requests that sample a token this step: those whose scheduled tokens reach the end of
     what they have (a prompt's last chunk, a decode, or a placeholder under async scheduling), pooling
@@ -254,16 +265,11 @@ class ModelRunner:
         return buf.numpy()
 
     def _pack(self, longs: list, ints: list) -> tuple[tuple, np.ndarray]:
-        """(layout, the packed bytes) of int64 and int32 arrays in the next staging buffer. Every array starts
-        16-byte aligned: Triton compiles a kernel variant per pointer alignment, so views whose alignment
-        followed the batch size cost a fresh compile on new batch shapes. The layout is (int64 lengths,
-        int32 lengths, the previous step's sampled-token count)."""
+        """(layout, the packed bytes) of int64 and int32 arrays in the next staging buffer (placed by
+        `packed_offsets`). The layout is (int64 lengths, int32 lengths, the previous step's sampled-token count)."""
         n64 = [len(a) for a in longs]
         n32 = [int(np.size(a)) for a in ints]
-        p64 = np.cumsum([0] + [-(-n // 2) * 2 for n in n64]).tolist()  # int64 offsets, 16-byte steps
-        p32 = np.cumsum([0] + [-(-n // 4) * 4 for n in n32]).tolist()
-        off32 = 8 * p64[-1]
-        nbytes = off32 + 4 * p32[-1]
+        p64, p32, off32, nbytes = packed_offsets(n64, n32)
         host = self._staging_buffer(nbytes)
         v64 = host[:off32].view(np.int64)
         v32 = host[off32:nbytes].view(np.int32)
@@ -281,10 +287,7 @@ class ModelRunner:
         token for yet (async scheduling) take the previous step's sampled tokens; ranks other than 0 get
         them from rank 0 by a broadcast."""
         n64, n32, n_prev = layout
-        p64 = np.cumsum([0] + [-(-n // 2) * 2 for n in n64]).tolist()
-        p32 = np.cumsum([0] + [-(-n // 4) * 4 for n in n32]).tolist()
-        off32 = 8 * p64[-1]
-        nbytes = off32 + 4 * p32[-1]
+        p64, p32, off32, nbytes = packed_offsets(n64, n32)
         if packed is not None:
             host = self._staging_buffer(nbytes)
             host[:nbytes] = np.frombuffer(packed, dtype=np.uint8, count=nbytes)

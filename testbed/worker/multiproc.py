@@ -93,11 +93,12 @@ def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, l
 
 
 def encode_command(cmd: int, arg: int = 0, layout: tuple = ((), (), 0), is_decode: bool = False,
-                   payload: np.ndarray | None = None) -> bytes:
-    """One command as bytes: the int64 header, the layout's lengths, then the payload (a step's packed inputs)."""
+                   payload: np.ndarray | None = None) -> np.ndarray:
+    """One command as bytes (uint8): the int64 header, the layout's lengths, then the payload (a step's packed
+    inputs, copied once)."""
     n64, n32, n_prev = layout
-    head = np.array([cmd, arg, int(is_decode), n_prev, len(n64), len(n32), *n64, *n32], dtype=np.int64).tobytes()
-    return head if payload is None else head + payload.tobytes()
+    head = np.array([cmd, arg, int(is_decode), n_prev, len(n64), len(n32), *n64, *n32], dtype=np.int64).view(np.uint8)
+    return head if payload is None else np.concatenate((head, payload))
 
 
 def decode_command(msg: bytes) -> tuple[int, int, tuple, bool, memoryview]:
