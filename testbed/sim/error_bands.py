@@ -61,6 +61,7 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
     (no bounds when none were measured)."""
     from testbed.sim.cost_model import RecordedCostModel, RooflineCostModel
     from testbed.sim.profiled import ProfiledCostModel, shipped_profile
+    from testbed.sim.recorded_dp import RecordedDPRun
     bands = load_bands() if bands is None else bands
     if isinstance(cost_model, RooflineCostModel):
         entry = bands["bands"].get(band_key("roofline", model, gpu, tp))
@@ -79,7 +80,7 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
             return _measured(entry, bands["source"])
         return {"basis": "unknown: no fidelity runs of this profile (benchmarks/fidelity.py measures them; "
                          "`testbed calibrate` fits a profile to a run of yours)"}
-    if isinstance(cost_model, RecordedCostModel) or type(cost_model).__name__ == "RecordedDPRun":
+    if isinstance(cost_model, (RecordedCostModel, RecordedDPRun)):
         return {"basis": "exact: the recorded run's own step times (decisions replayed)"}
     return {"basis": "unknown"}
 

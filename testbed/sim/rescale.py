@@ -126,29 +126,19 @@ def fit_scales(samples: list[StepSample], base: Scales = Scales()) -> Scales:
     return _polish(samples, min(fits, key=lambda f: _sse(samples, f, meas)), meas)
 
 
-def samples_from_run(run_dir: str | Path, cost_model) -> list[StepSample]:
-    """Replay a single-replica run's recorded timeline and pair each step's terms under `cost_model` (a
-    ProfiledCostModel) with the time the step took."""
-    from testbed.rundir import read_run
+def samples_from_run(run, model: str, config, cost_model) -> list[StepSample]:
+    """Replay a single-replica run (a read Run of `model` with engine `config`) from its recorded timeline and
+    pair each step's terms under `cost_model` (a ProfiledCostModel) with the time the step took."""
     from testbed.sim.cluster import simulate
     from testbed.sim.cost_model import RecordedCostModel
-    from testbed.sim.like import run_cache, run_setup
+    from testbed.sim.like import run_cache
     from testbed.specs.presets import get_model_spec
-    from testbed.engine.config import EngineConfig
     from testbed.workload.trace import load_trace
 
-    run = read_run(run_dir)
-    model, _, engine = run_setup(run)
-    if model is None or not engine:
-        raise ValueError(f"{run_dir}: the run records no model preset or engine flags (a `testbed replay` or "
-                         "`simulate` run directory does); calibrate needs both to replay its steps")
-    if engine.get("data_parallel_size", 1) > 1:
-        raise ValueError(f"{run_dir}: a data-parallel run; calibrate on a single-replica run (e.g. `testbed replay` "
-                         "without -dp) of the same engine")
-    recorded = RecordedCostModel.from_run_dir(run_dir)  # refuses async runs, whose steps overlap
+    recorded = RecordedCostModel.from_run_dir(run.path)  # refuses async runs, whose steps overlap
     own = run.steps(columns=["duration"])["duration"].tolist()
     blocks, max_len = run_cache(run)
-    config = dataclasses.replace(EngineConfig(**engine), num_gpu_blocks=blocks, max_model_len=max_len)
+    config = dataclasses.replace(config, num_gpu_blocks=blocks, max_model_len=max_len)
     samples: list[StepSample] = []
 
     class Pairing:
@@ -163,10 +153,10 @@ def samples_from_run(run_dir: str | Path, cost_model) -> list[StepSample]:
             return cycle
 
     spec = get_model_spec(model)
-    trace = load_trace(str(run_dir), seed=config.seed)
+    trace = load_trace(str(run.path), seed=config.seed)
     simulate(trace, config, Pairing(), blocks, max_len or spec.max_position_embeddings, vocab_size=spec.vocab_size)
     if recorded.step != len(recorded.durations):
-        raise ValueError(f"{run_dir}: the replay used {recorded.step} of the run's {len(recorded.durations)} recorded "
+        raise ValueError(f"{run.path}: the replay used {recorded.step} of the run's {len(recorded.durations)} recorded "
                          "steps: its decisions diverged from the run's (was it made by another version?)")
     return samples
 
@@ -197,13 +187,17 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict
     if model is None or gpu is None or not engine:
         raise ValueError(f"{run_dir}: the run records no model or GPU preset, or no engine flags; calibrate takes a "
                          "`testbed replay` run directory of a preset model on a preset GPU")
+    config = EngineConfig(**engine)
+    if config.data_parallel_size > 1:
+        raise ValueError(f"{run_dir}: a data-parallel run; calibrate on a single-replica run (e.g. `testbed replay` "
+                         "without -dp) of the same engine")
     if cost_model in ("roofline",) or cost_model.startswith("recorded:"):
         raise ValueError(f"--cost-model {cost_model}: calibrate rescales a profile; give 'auto' or a profile file")
-    cm, _ = load_cost_model(cost_model, get_model_spec(model), get_gpu_spec(gpu), EngineConfig(**engine))
+    cm, _ = load_cost_model(cost_model, get_model_spec(model), get_gpu_spec(gpu), config)
     if not isinstance(cm, ProfiledCostModel):
         raise ValueError(f"--cost-model {cost_model}: no profile ships for {model} on {gpu}; give a profile file "
                          "(`testbed profile` writes one)")
-    samples = samples_from_run(run_dir, cm)
+    samples = samples_from_run(run, model, config, cm)
     before = error_report(samples, cm.scales)
     scales = fit_scales(samples, cm.scales)
     after = error_report(samples, scales)
