@@ -66,6 +66,14 @@ def check_step(engine: EngineCore, so: SchedulerOutput) -> None:
         assert table is bm.req_blocks[req.request_id]
         assert len(table) * bm.block_size >= req.num_computed_tokens, f"{req} lacks blocks"
     bm.check_invariants()
+    lora = engine.scheduler.lora
+    if lora is not None:  # at most max_loras adapters run, each in the slot the step names
+        ids = [r.lora_request.lora_int_id for r in so.requests if r.lora_request is not None]
+        assert len(set(ids)) == so.num_loras <= cfg.max_loras and len(engine.scheduler.running_loras) <= cfg.max_loras
+        assert so.num_lora_tokens == sum(n for r, n in zip(so.requests, so.num_new_tokens) if r.lora_request)
+        for r, slot in zip(so.requests, so.lora_slots):
+            assert slot == (-1 if r.lora_request is None else lora.slot_of[r.lora_request.lora_int_id])
+        assert len(lora.host) <= cfg.max_cpu_loras and len(set(lora.slot_of.values())) == len(lora.slot_of)
 
 
 def run_engine(engine: EngineCore, arrivals: Sequence[tuple[int, Request]], executor=None, max_steps: int = 100_000,

@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DP_POLICIES = ("round_robin", "least_loaded", "kv_aware", "prefix_affinity")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
 DEFAULT_DP_ROUTING_DELAY = 7e-4  # s, arrival -> admission at a replica, measured (README: Data parallelism)
 
 
@@ -32,6 +33,10 @@ class EngineConfig:
     `cuda_graph_sizes` (vLLM's name): the token counts of the steps real mode captures as CUDA graphs on a
     GPU (decode batches up to max_num_seqs, mixed and prefill steps up to max_num_batched_tokens; None:
     the defaults of testbed/worker/cuda_graphs.py). The simulator ignores it.
+
+    LoRA (vLLM's flags): with `enable_lora`, requests may name an adapter; a step runs at most `max_loras`
+    distinct adapters (each in a device slot sized for `max_lora_rank`), and the host keeps up to
+    `max_cpu_loras` adapters (None: max_loras) in an LRU cache (engine/lora.py).
     """
 
     max_num_seqs: int = 256
@@ -52,6 +57,10 @@ class EngineConfig:
     async_scheduling: bool = False
     seed: int = 0
     cuda_graph_sizes: list[int] | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -89,6 +98,14 @@ class EngineConfig:
              f"got {sizes!r}")
         if sizes is not None:
             self.cuda_graph_sizes = sorted(set(sizes))
+        need(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras",
+             f"must be a positive integer, got {self.max_loras!r}")
+        need(self.max_lora_rank in LORA_RANKS, "max_lora_rank",
+             f"must be one of {', '.join(map(str, LORA_RANKS))}, got {self.max_lora_rank!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        need(isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+             f"({self.max_cpu_loras!r}) must be an integer >= --max-loras ({self.max_loras})")
         need(self.max_num_waiting is None or self.max_num_waiting >= 1, "max_num_waiting",
              f"must be a positive integer, got {self.max_num_waiting!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:

@@ -102,6 +102,9 @@ class EngineCore:
             return (f"with chunked prefill off, the prompt plus outputs recomputed after a preemption ({longest} "
                     f"tokens) must fit one step's --max-num-batched-tokens ({mnbt}); raise it, lower max_tokens "
                     f"or enable chunked prefill")
+        if req.lora_request is not None and not self.config.enable_lora:
+            return (f"asks for LoRA adapter {req.lora_request.lora_name!r} but LoRA is off; start the engine with "
+                    "--enable-lora (LLM(enable_lora=True))")
         limit = self.config.max_num_waiting
         if limit is not None and self.scheduler.num_waiting >= limit:
             return f"waiting queue is full ({limit} requests, --max-num-waiting); retry later"

@@ -111,6 +111,7 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     base, ctx0, longest0 = list(computed0), sum(computed0), max(computed0)
     so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=list(tables), total_num_scheduled_tokens=b,
                          num_decode_tokens=b, num_structured_reqs=_structured(sched, running))
+    lora_due = sched.lora is not None  # the step's adapter slots to assign (at the start, after a change)
     so.num_computed_before = before = ShiftedCounts(base, 0)
     replica, total_blocks, waiting, rows_out = core.replica, bm.num_blocks, sched.num_waiting, records.steps
     itl, used, free_ids, cached = records.itl, bm.num_used_blocks, bm.free_ids, bm.cached
@@ -132,7 +133,12 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
         before.shift = j
         so.sum_context_tokens = so.sum_attn_pairs = ctx
         so.max_context_tokens = longest0 + j + 1
+        if lora_due:
+            sched._assign_slots(so)
+            lora_due = False
         end = step_end(so, t)
+        if so.lora_loads or so.lora_dropped:  # done by this step; the next ones load nothing
+            so.lora_loads, so.lora_dropped = [], []
         if j:  # the previous step ended at t: this one starts there, and every row's last token came then
             itl.extend(repeat(end - t, b))
             start = t
@@ -160,6 +166,7 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             so.requests, so.num_new_tokens, so.block_ids = running, [1] * b, [tables[p] for p in pos]
             so.total_num_scheduled_tokens = so.num_decode_tokens = b
             so.num_structured_reqs = _structured(sched, running)
+            lora_due = sched.lora is not None
     if j:
         for p, r in zip(pos, running):
             _bring_up_to_date(r, computed0[p], j, token_id, t)

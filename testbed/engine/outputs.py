@@ -17,6 +17,11 @@ class SchedulerOutput:
     sequence bounds how fast attention over a batch can finish); `sum_attn_pairs` the number of
     (query, key) pairs; `num_structured_reqs` the requests whose token this step is drawn under a
     grammar (each costs the worker a bitmask fill on the host).
+
+    LoRA (only with enable_lora; engine/lora.py): `lora_slots[i]` is the device slot of request i's adapter
+    (-1: the base model), `lora_loads` the adapters put into slots before the step runs, `lora_dropped` the
+    adapter ids the host cache drops; `num_lora_tokens` the step's tokens that run an adapter and `num_loras`
+    its distinct adapters (cost models).
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -34,6 +39,11 @@ class SchedulerOutput:
     max_context_tokens: int = 0
     num_structured_reqs: int = 0  # requests sampling under a grammar (structured outputs) this step
     has_pooling: bool = False  # a pooling request is live: the runner pools rows that end their prompt
+    lora_slots: list[int] | None = None
+    lora_loads: list = field(default_factory=list)  # LoRALoad
+    lora_dropped: list[int] = field(default_factory=list)
+    num_lora_tokens: int = 0
+    num_loras: int = 0
     step_state: tuple = ()  # (scheduled at, used blocks, waiting, running) for the step record
 
     @property
@@ -48,7 +58,10 @@ class SchedulerOutput:
                        num_new_tokens=[self.num_new_tokens[i] for i in rows],
                        num_computed_before=[self.num_computed_before[i] for i in rows],
                        block_ids=[self.block_ids[i] for i in rows], new_req_ids=self.new_req_ids & ids,
-                       preempted_req_ids=[])
+                       preempted_req_ids=[],
+                       lora_slots=None if self.lora_slots is None else [self.lora_slots[i] for i in rows],
+                       lora_loads=[] if self.lora_slots is None else
+                       [ld for ld in self.lora_loads if ld.slot in {self.lora_slots[i] for i in rows}])
 
     @property
     def is_empty(self) -> bool:

@@ -479,6 +479,7 @@ class Request:
     catch up to it (the unified token budget). `num_pending` counts tokens sampled in scheduled steps
     whose values the core has not seen yet (placeholders: with async scheduling the next step may
     compute on them before they arrive). Timestamps are driver-supplied `now` values.
+    `lora_request`: the LoRA adapter it runs with (engine/lora.py), None for the base model.
     A pooling request (`pooling_params`, no `sampling_params`) is prompt-only: its length limit is its prompt,
     and it ends, with no token, in the step that computes its last prompt token.
     """
@@ -489,7 +490,7 @@ class Request:
         "status", "stop_reason", "num_preemptions", "block_hashes", "first_scheduled_time",
         "first_token_time", "last_token_time", "finish_time", "replica", "max_tokens", "logprobs",
         "num_tokens", "length_limit", "token_stops", "num_pending", "prompt_logprobs", "structured",
-        "pooling_params",
+        "pooling_params", "lora_request",
     )
 
     def __init__(
@@ -501,6 +502,7 @@ class Request:
         priority: int = 0,
         eos_token_id: int | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request=None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
@@ -510,6 +512,7 @@ class Request:
         check_priority(priority)
         # its unset fields take the defaults (LAST, normalised) unless the caller resolved them from a pooler config
         self.pooling_params = None if pooling_params is None else pooling_params.resolve()
+        self.lora_request = lora_request  # engine.lora.LoRARequest or None (the base model)
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)

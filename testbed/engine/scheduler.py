@@ -10,6 +10,10 @@ step that preempted. With a step in flight (async scheduling), a request that it
 ends is not scheduled again, and while one such request holds blocks a shortage stops the running
 pass instead of preempting (those blocks come back next step). Invariants: the step's tokens <= max_num_batched_tokens; running requests <=
 max_num_seqs; a scheduled request always has blocks for all its computed + scheduled tokens.
+With LoRA on, the running requests hold at most `max_loras` distinct adapters (vLLM's rule, kept over the
+whole running set so every step holds it too): a waiting request whose adapter would be one too many is
+skipped, and later waiting requests may go first (as vLLM does); then every adapter of the step gets a
+device slot (engine/lora.py).
 Policies: `fcfs` (arrival order; the waiting head blocks those behind it, so nobody starves) and
 `priority` (lower `priority` value first, then arrival; running kept in that order so the victim
 of a preemption is always the last one).
@@ -22,6 +26,7 @@ from collections import deque
 
 from testbed.engine.block_manager import BlockManager
 from testbed.engine.config import EngineConfig
+from testbed.engine.lora import AdapterSlots
 from testbed.engine.outputs import SchedulerOutput
 from testbed.engine.request import Request, RequestStatus
 
@@ -74,6 +79,8 @@ class Scheduler:
         self.finished_req_ids: list[str] = []
         self.num_preemptions = 0
         self.num_structured = 0  # live requests carrying a grammar: while 0, steps do not count them
+        self.lora = AdapterSlots(config.max_loras, config.max_cpu_loras) if config.enable_lora else None
+        self.running_loras: dict[int, int] = {}  # adapter id -> running requests that use it
 
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -83,8 +90,25 @@ class Scheduler:
     def _rank(self, req: Request) -> tuple[int, float]:
         return (req.priority, req.arrival_time)
 
+    def _lora_change(self, req: Request, delta: int) -> None:
+        """Count `req` into (1) or out of (-1) the running set's adapters."""
+        aid = req.lora_request.lora_int_id
+        n = self.running_loras.get(aid, 0) + delta
+        if n:
+            self.running_loras[aid] = n
+        else:
+            del self.running_loras[aid]
+
+    def _lora_blocked(self, req: Request) -> bool:
+        """Whether admitting `req` would give the running set more than max_loras adapters."""
+        lr = req.lora_request
+        return (lr is not None and lr.lora_int_id not in self.running_loras
+                and len(self.running_loras) >= self.config.max_loras)
+
     def _admit(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
+        if req.lora_request is not None:
+            self._lora_change(req, 1)
         if self.fcfs:
             self.running.append(req)
         else:
@@ -93,6 +117,8 @@ class Scheduler:
 
     def _preempt_last(self) -> Request:
         victim = self.running.pop()
+        if victim.lora_request is not None:
+            self._lora_change(victim, -1)
         self.block_manager.free(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -160,10 +186,14 @@ class Scheduler:
 
         if not so.preempted_req_ids and not stalled:
             waiting = self.waiting
+            skipped: list[Request] = []  # waiting requests passed over for their adapter (LoRA)
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting.peek()
                 if req.num_pending:
                     break  # preempted with a token in flight: resumes once that token has landed
+                if self.lora is not None and self._lora_blocked(req):
+                    skipped.append(waiting.pop())
+                    continue
                 hit_blocks, hit = bm.get_computed_blocks(req)
                 n = req.num_tokens - hit
                 if n > budget:
@@ -189,6 +219,8 @@ class Scheduler:
                     maxc = hit + n
                 pairs += n * hit + n * (n + 1) // 2
                 req.num_computed_tokens = hit + n
+            for req in reversed(skipped):  # back where they were, ahead of everyone not yet considered
+                waiting.push(req, front=True)
 
         so.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         so.num_prefill_tokens = prefill
@@ -196,15 +228,25 @@ class Scheduler:
         so.sum_context_tokens = ctx
         so.sum_attn_pairs = pairs
         so.max_context_tokens = maxc
+        if self.lora is not None:
+            self._assign_slots(so)
         if self.num_structured:
             so.num_structured_reqs = sum(1 for r, b, n in zip(reqs, nbefore, nnew) if r.structured and b + n >= r.num_tokens)
         return so
+
+    def _assign_slots(self, so: SchedulerOutput) -> None:
+        loras = [r.lora_request for r in so.requests]
+        so.lora_slots, so.lora_loads, so.lora_dropped = self.lora.assign(loras)
+        so.num_lora_tokens = sum(n for lr, n in zip(loras, so.num_new_tokens) if lr is not None)
+        so.num_loras = len({lr.lora_int_id for lr in loras if lr is not None})
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Move a request to a finished state and free its blocks (removal from `running` is the caller's
         batch job via `drop_finished`, to keep it O(batch) per step)."""
         if req.status == RequestStatus.WAITING or req.status == RequestStatus.PREEMPTED:
             self.waiting.remove(req)
+        elif req.status == RequestStatus.RUNNING and req.lora_request is not None:
+            self._lora_change(req, -1)
         req.status = status
         self.num_structured -= req.structured
         self.block_manager.free(req.request_id)
