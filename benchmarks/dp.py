@@ -223,7 +223,7 @@ def main() -> int:
     ap.add_argument("--cost-model", default="auto",
                     help="auto (the shipped profile of the model and GPU, else the roofline), profile (measure one "
                          "with `testbed profile` first), roofline or a profile JSON")
-    ap.add_argument("--quick-profile", action="store_true", help="testbed profile --quick (a smoke test)")
+    ap.add_argument("--smoke-profile", action="store_true", help="testbed profile --smoke (a tiny sweep: a smoke test)")
     ap.add_argument("--engine-args", default="--max-model-len 4096",
                     help="more engine flags for every run, real and simulated (one string)")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds one real run may take")
@@ -330,7 +330,7 @@ def main() -> int:
         t0 = time.perf_counter()
         cost_model = str(args.out / "profile.json")
         cmd = [sys.executable, "-m", "testbed.cli", "profile", *model, "-tp", str(args.tp), "--gpu-memory-utilization",
-               str(args.utilization), *extra, "-o", cost_model, "--no-progress", *(["--quick"] if args.quick_profile else [])]
+               str(args.utilization), *extra, "-o", cost_model, "--no-progress", *(["--smoke"] if args.smoke_profile else [])]
         with open(args.out / "profile.log", "w") as log:
             subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout * 4, stdout=log, stderr=subprocess.STDOUT)
         results["phases_s"]["profile"] = time.perf_counter() - t0

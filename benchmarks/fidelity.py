@@ -69,7 +69,7 @@ def real(args: argparse.Namespace) -> None:
     print(f"[fidelity] executor ready in {time.perf_counter() - t0:.0f} s: {executor.num_gpu_blocks} blocks", flush=True)
     if args.profile_out:
         from testbed.worker.profiler import profile_executor
-        prof = profile_executor(executor, args.model, base, "dummy", quick=args.quick, progress=not args.no_progress,
+        prof = profile_executor(executor, args.model, base, "dummy", quick=args.smoke, progress=not args.no_progress,
                                 reps=args.reps)
         Path(args.profile_out).write_text(json.dumps(prof, indent=1) + "\n")
         print(f"[fidelity] profile in {prof['sweep_wall_s']:.0f} s -> {args.profile_out}", flush=True)
@@ -235,7 +235,7 @@ def main() -> None:
     p.add_argument("--profile-out", default=None)
     p.add_argument("--tar", default=None, help="tarball of the run directories, rewritten after every case "
                                                "(default: beside --out)")
-    p.add_argument("--quick", action="store_true", help="quick profile (smoke test)")
+    p.add_argument("--smoke", action="store_true", help="a tiny profile sweep (smoke test)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar while profiling")
     p.add_argument("--reps", type=int, default=None, help="timed runs per profile point (default 5)")
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")

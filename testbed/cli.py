@@ -97,6 +97,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from testbed.sim.profiled import ProfiledCostModel, profile_file_name
     from testbed.worker.profiler import build_profile
     models = [m.strip() for m in (args.model or "").split(",")] if args.model else [None]
+    if args.quick and args.smoke:
+        raise ValueError("--quick rescales a profile from a few anchor steps, --smoke makes a tiny full sweep: give one")
+    if args.cost_model != "auto" and not args.quick:
+        raise ValueError(f"--cost-model {args.cost_model}: only --quick takes a profile (the one it rescales)")
     out = Path(args.output)
     many = len(models) > 1 or out.is_dir()
     if many and out.exists() and not out.is_dir():
@@ -105,25 +109,67 @@ def cmd_profile(args: argparse.Namespace) -> int:
     written = []
     for model in models:
         try:
-            prof = build_profile(model, engine_config(args), args.load_format, args.dtype, args.device,
-                                 args.enforce_eager, args.quick, progress=not args.no_progress, reps=args.reps)
+            if args.quick:
+                prof, path = quick_rescale(args, model, out, many)
+            else:
+                prof = build_profile(model, engine_config(args), args.load_format, args.dtype, args.device,
+                                     args.enforce_eager, args.smoke, progress=not args.no_progress, reps=args.reps)
+                path = out / profile_file_name(prof["model"]["name"], prof["gpu"], prof["tensor_parallel_size"]) \
+                    if many else out
         except (RuntimeError, ValueError) as e:
             if not many:
                 raise
             print(f"testbed profile: skipping {model}: {e}", file=sys.stderr)
             continue
-        path = out / profile_file_name(prof["model"]["name"], prof["gpu"], prof["tensor_parallel_size"]) if many \
-            else out
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(prof, indent=1) + "\n")
         tmp.replace(path)
-        errors = ProfiledCostModel(prof, name=str(path)).validate()
-        print(f"profiled {prof['model']['name']} on {prof['device_name']} (tp={prof['tensor_parallel_size']}) in "
-              f"{prof['sweep_wall_s']:.0f} s; composition error on {errors.get('sync_steps', 0)} held-out mixed "
-              "steps: " + ", ".join(f"{k} {v:.1%}" for k, v in errors.items() if not k.endswith("_steps")))
+        if not args.quick:
+            errors = ProfiledCostModel(prof, name=str(path)).validate()
+            print(f"profiled {prof['model']['name']} on {prof['device_name']} (tp={prof['tensor_parallel_size']}) "
+                  f"in {prof['sweep_wall_s']:.0f} s; composition error on {errors.get('sync_steps', 0)} held-out "
+                  "mixed steps: " + ", ".join(f"{k} {v:.1%}" for k, v in errors.items() if not k.endswith("_steps")))
         print(f"wrote {path} (use: testbed simulate TRACE --cost-model {path})")
         written.append(path)
     return 0 if written else 2
+
+
+def quick_rescale(args: argparse.Namespace, model: str | None, out: Path, many: bool) -> tuple[dict, Path]:
+    """`profile --quick`: the base profile (--cost-model: 'auto' is the one shipped for this model, this GPU and
+    TP) rescaled from anchor steps measured on this machine; prints how far the anchors moved."""
+    from testbed.sim.profiled import ProfiledCostModel, profile_file_name, shipped_profile
+    from testbed.sim.rescale import print_fit
+    from testbed.worker.profiler import device_name, gpu_preset_name
+    from testbed.worker.quick_profile import quick_profile
+    config = engine_config(args)
+    name = Path(model).name if model and args.load_format != "dummy" else (model or "SmolLM2-135M-Instruct")
+    base_path = args.cost_model
+    if base_path == "auto":
+        import torch
+        dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        gpu = gpu_preset_name(device_name(dev)) if dev.type == "cuda" else "cpu"
+        found = shipped_profile(name, gpu, config.tensor_parallel_size)
+        if found is None:
+            raise ValueError(f"no profile ships for {name} on {gpu} at TP={config.tensor_parallel_size} to rescale; "
+                             "give one with --cost-model FILE, or run `testbed profile` without --quick (a full sweep)")
+        base_path = str(found)
+    try:
+        base = json.loads(Path(base_path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--cost-model {base_path}: not a readable profile ({e})") from None
+    ProfiledCostModel(base, name=base_path)  # a malformed or attention-less profile is refused here
+    if base["model"]["name"] != name:
+        raise ValueError(f"--cost-model {base_path}: a profile of {base['model']['name']}, not of {name}")
+    prof, before, after = quick_profile(model, config, base, base_path, args.load_format, args.dtype, args.device,
+                                        args.enforce_eager, args.reps)
+    machine = prof["calibration"]["machine"]
+    print(f"rescaled {base_path} to {machine['device_name']} from {len(prof['calibration']['anchors'])} anchor "
+          f"measurements in {machine['setup_s'] + machine['measure_s']:.0f} s (engine start {machine['setup_s']:.0f} s)")
+    for a in prof["calibration"]["anchors"]:
+        print(f"  {a['anchor']:<34}{a['mode']:>6}  measured {a['measured_s'] * 1e3:9.3f} ms  moved {a['moved']:+7.1%}")
+    print_fit(prof["scales"], before, after)
+    path = out / profile_file_name(name, machine["gpu"], config.tensor_parallel_size) if many else out
+    return prof, path
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -160,7 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (profile an eager engine)")
     p.add_argument("--output", "-o", required=True,
                    help="profile JSON to write; a folder for several --model names (comma-separated), one file each")
-    p.add_argument("--quick", action="store_true", help="a few points of each sweep (a smoke test, not a profile)")
+    p.add_argument("--quick", action="store_true",
+                   help="rescale a profile to this machine from a few anchor steps (about a minute) instead of a "
+                        "full sweep: --cost-model names the profile (default: the one shipped for this model and GPU)")
+    p.add_argument("--cost-model", default="auto",
+                   help="with --quick: the profile to rescale, 'auto' (the shipped one for this model, GPU and TP) "
+                        "or a profile file")
+    p.add_argument("--smoke", action="store_true", help="a few points of each sweep (a smoke test, not a profile)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per point, median taken (default 5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_profile)

@@ -1,5 +1,5 @@
-"""`testbed profile` on the CPU (a quick sweep of the bundled model: every sweep runs), and `testbed simulate`
-choosing its cost model: a profile file, the shipped profile for (model, GPU, TP), or the roofline with a warning."""
+"""`testbed profile` on the CPU (a smoke sweep of the bundled model: every sweep runs; then `--quick`, which rescales
+that profile from anchor steps measured here), and `testbed simulate` choosing its cost model: a profile file, the shipped profile for (model, GPU, TP), or the roofline with a warning."""
 from __future__ import annotations
 
 import json
@@ -19,9 +19,9 @@ SMALL = ["--max-model-len", "256", "--num-gpu-blocks", "96", "--max-num-seqs", "
 
 
 @pytest.mark.timeout(900)
-def test_quick_profile_on_cpu_loads_and_drives_simulate(tmp_path, capsys):
+def test_smoke_profile_on_cpu_loads_and_drives_simulate_and_quick_rescales_it(tmp_path, capsys):
     (tmp_path / "profiles").mkdir()  # a folder: the profile takes the shipped name (model, GPU, TP)
-    assert main(["profile", "--load-format", "dummy", "--model", "SmolLM2-135M", *SMALL, "--quick", "--no-progress",
+    assert main(["profile", "--load-format", "dummy", "--model", "SmolLM2-135M", *SMALL, "--smoke", "--no-progress",
                  "-o", str(tmp_path / "profiles")]) == 0
     out = tmp_path / "prof.json"
     (tmp_path / "profiles" / "SmolLM2-135M_cpu_tp1.json").rename(out)
@@ -40,6 +40,40 @@ def test_quick_profile_on_cpu_loads_and_drives_simulate(tmp_path, capsys):
     assert summary["cost_model"].startswith("profile prof.json (cpu")
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["cost_model"] == summary["cost_model"]
+
+    # --quick: the profile above rescaled from anchor steps measured on this machine
+    quick = tmp_path / "quick.json"
+    assert main(["profile", "--load-format", "dummy", "--model", "SmolLM2-135M", *SMALL, "--quick", "--cost-model",
+                 str(out), "--reps", "2", "--no-progress", "-o", str(quick)]) == 0
+    printed = capsys.readouterr().out
+    assert "anchor measurements" in printed and "scales: host" in printed
+    q = json.loads(quick.read_text())
+    cal = q["calibration"]
+    assert cal["method"] == "quick" and cal["base_profile"] == str(out) and cal["machine"]["device_name"]
+    assert q["decode"] == prof["decode"] and q["chunk"] == prof["chunk"]  # only the scales change
+    kinds = {a["anchor"].split()[0] for a in cal["anchors"]}
+    assert kinds >= {"decode", "chunk", "mixed", "engine"} and all(a["measured_s"] > 0 for a in cal["anchors"])
+    sse = lambda key: sum((a[key] - a["measured_s"]) ** 2 for a in cal["anchors"])  # noqa: E731
+    assert sse("predicted_after_s") <= sse("predicted_before_s")  # the fit starts from the base: never worse
+    assert all(abs(a["moved"] - (a["measured_s"] / a["predicted_before_s"] - 1)) < 1e-12 for a in cal["anchors"])
+    assert ProfiledCostModel.from_file(quick).scales.to_dict() == q["scales"]
+    assert main(["simulate", str(SAMPLE), "--limit", "4", "--model", "SmolLM2-135M", "--gpu", "H200", *SMALL,
+                 "--cost-model", str(quick), "--format", "json", "--no-progress", "-o", str(tmp_path / "run2")]) == 0
+
+
+def test_quick_rescale_refuses_a_profile_of_another_model_or_flags(tmp_path, capsys):
+    from test_profiled import fake_profile  # a profile of Llama-3.2-1B
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(fake_profile()))
+    base = ["profile", "--load-format", "dummy", "--model", "SmolLM2-135M", *SMALL, "--no-progress", "-o",
+            str(tmp_path / "q.json")]
+    assert main([*base, "--quick", "--cost-model", str(prof)]) == 2
+    assert "a profile of Llama-3.2-1B, not of SmolLM2-135M" in capsys.readouterr().err
+    assert main([*base, "--quick", "--smoke"]) == 2 and "give one" in capsys.readouterr().err
+    assert main([*base, "--cost-model", str(prof)]) == 2 and "only --quick takes a profile" in capsys.readouterr().err
+    assert main([*base, "--quick", "--cost-model", str(tmp_path / "none.json")]) == 2
+    assert "not a readable profile" in capsys.readouterr().err
+    assert not (tmp_path / "q.json").exists()
 
 
 def test_simulate_without_a_shipped_profile_warns_and_uses_the_roofline(tmp_path, capsys):
@@ -67,11 +101,11 @@ def test_profile_for_another_model_or_block_size_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.timeout(900)
-def test_quick_profile_of_a_tensor_parallel_engine_times_its_broadcast_and_all_reduce(tmp_path, capsys):
+def test_smoke_profile_of_a_tensor_parallel_engine_times_its_broadcast_and_all_reduce(tmp_path, capsys):
     """TP=3 over gloo (SmolLM2 has 3 KV heads): rank 0 times the whole step, so the profile includes the
     inputs' broadcast and the row-parallel all-reduces; simulate uses it at the same TP."""
     out = tmp_path / "tp3.json"
-    assert main(["profile", "--load-format", "dummy", "--model", "SmolLM2-135M", *SMALL, "--quick", "--no-progress",
+    assert main(["profile", "--load-format", "dummy", "--model", "SmolLM2-135M", *SMALL, "--smoke", "--no-progress",
                  "-tp", "3", "-o", str(out)]) == 0
     prof = json.loads(out.read_text())
     assert prof["tensor_parallel_size"] == 3

@@ -28,6 +28,7 @@ from testbed.sim.profiled import fit_nonnegative
 from testbed.sim.step_terms import COMPONENTS, DECODE_ASYNC, DECODE_SYNC, Scales, combine, design
 
 MIN_SHARE = 0.01
+FAR = (0.5, 2.0)  # a scale outside this says more than 'another machine of the same kind'
 PASSES = 6
 POLISH_EVALS = 400
 IDLE_GAP_S = 1e-3  # a cycle this much longer than the step itself held an idle wait
@@ -70,16 +71,20 @@ def _sse(samples: list[StepSample], scales: Scales, meas: np.ndarray) -> float:
     return float(((pred - meas) ** 2).sum())
 
 
+def _design_matrix(samples: list[StepSample], scales: Scales) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(design matrix at `scales`, the scales as a vector, which components make up >= MIN_SHARE of the time)."""
+    X = np.array([[r.get(c, 0.0) for c in COMPONENTS] for r in (design(s.kind, s.terms, scales) for s in samples)])
+    cur = np.array([getattr(scales, c) for c in COMPONENTS])
+    share = (X * cur).sum(axis=0) / max((X * cur).sum(), 1e-30)
+    return X, cur, share >= MIN_SHARE
+
+
 def _branch_nnls(samples: list[StepSample], start: Scales, meas: np.ndarray) -> Scales:
     """Non-negative least squares on the branch of every max that holds at the current scales, repeated until
     the branches settle (or PASSES); components under MIN_SHARE of the predicted time stay put."""
     scales = start
     for _ in range(PASSES):
-        rows = [design(s.kind, s.terms, scales) for s in samples]
-        X = np.array([[r.get(c, 0.0) for c in COMPONENTS] for r in rows])
-        cur = np.array([getattr(scales, c) for c in COMPONENTS])
-        share = (X * cur).sum(axis=0) / max((X * cur).sum(), 1e-30)
-        free = share >= MIN_SHARE
+        X, cur, free = _design_matrix(samples, scales)
         if not free.any():
             break
         y = meas - X[:, ~free] @ cur[~free]
@@ -97,10 +102,11 @@ def _polish(samples: list[StepSample], scales: Scales, meas: np.ndarray) -> Scal
     helps, the factor shrinking to 1e-5 (at most POLISH_EVALS evaluations). Branch-wise least squares can stop
     where a branch flips."""
     best, err = scales, _sse(samples, scales, meas)
+    free = [c for c, f in zip(COMPONENTS, _design_matrix(samples, scales)[2]) if f]  # the rest: the steps say little
     step, evals = 0.25, 0
     while step > 1e-5 and evals < POLISH_EVALS:
         improved = False
-        for c in COMPONENTS:
+        for c in free:
             for f in (1 + step, 1 / (1 + step)):
                 trial = dataclasses.replace(best, **{c: max(getattr(best, c) * f, 1e-3)})
                 e = _sse(samples, trial, meas)
@@ -122,7 +128,7 @@ def fit_scales(samples: list[StepSample], base: Scales = Scales()) -> Scales:
     if not (meas > 0).all():
         raise ValueError("every measured step must have a positive duration")
     starts = [base] + [Scales(*corner) for corner in itertools.product((0.5, 2.0), repeat=len(COMPONENTS))]
-    fits = [_branch_nnls(samples, s, meas) for s in starts]
+    fits = [base] + [_branch_nnls(samples, s, meas) for s in starts]  # never worse than where it started
     return _polish(samples, min(fits, key=lambda f: _sse(samples, f, meas)), meas)
 
 
@@ -161,14 +167,20 @@ def samples_from_run(run, model: str, config, cost_model) -> list[StepSample]:
     return samples
 
 
-def calibrated_profile(profile: dict, scales: Scales, source: str, before: dict, after: dict) -> dict:
-    """A copy of `profile` carrying the fitted scales and the record of the fit."""
+def rescaled_profile(profile: dict, scales: Scales, record: dict, before: dict, after: dict) -> dict:
+    """A copy of `profile` carrying the fitted scales and the `calibration` record of the fit (`record` says how
+    and on what it was fitted); the measured tables are left as they are."""
     out = copy.deepcopy(profile)
     out["scales"] = scales.to_dict()
-    out["calibration"] = {"fitted_on": source, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    out["calibration"] = {**record, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           "base_scales": Scales.from_dict(profile.get("scales")).to_dict(),
                           "error_before": before, "error_after": after}
     return out
+
+
+def calibrated_profile(profile: dict, scales: Scales, source: str, before: dict, after: dict) -> dict:
+    """A copy of `profile` carrying the scales fitted to the run at `source`, and the record of the fit."""
+    return rescaled_profile(profile, scales, {"method": "run", "fitted_on": source}, before, after)
 
 
 def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict, dict]:
@@ -213,15 +225,27 @@ def cmd_calibrate(args) -> int:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(profile, indent=1) + "\n")
     tmp.replace(out)
-    print("scales: " + ", ".join(f"{k} {v:.3f}" for k, v in profile["scales"].items()))
+    print_fit(profile["scales"], before, after)
+    print(f"wrote {out} (use: testbed simulate TRACE --cost-model {out})", file=sys.stderr)
+    return 0
+
+
+def print_fit(scales: dict, before: dict, after: dict) -> None:
+    """The fitted scales and the per-step error before and after, as calibrate and profile --quick print them."""
+    print("scales: " + ", ".join(f"{k} {v:.3f}" for k, v in scales.items()))
     print(f"{'steps':<12}{'count':>7}{'MAPE before':>13}{'after':>8}{'median before':>15}{'after':>8}")
     for name, prefix in (("all", ""), ("decode-only", "decode_"), ("mixed", "mixed_")):
         if prefix + "mape" in before:
             print(f"{name:<12}{before.get(prefix + 'steps', before['steps']):>7}{before[prefix + 'mape']:>13.1%}"
                   f"{after[prefix + 'mape']:>8.1%}{before[prefix + 'median']:>+15.1%}{after[prefix + 'median']:>+8.1%}")
     print(f"total time of the steps: {before['total']:+.1%} before, {after['total']:+.1%} after")
-    print(f"wrote {out} (use: testbed simulate TRACE --cost-model {out})", file=sys.stderr)
-    return 0
+    far = {k: v for k, v in scales.items() if not FAR[0] <= v <= FAR[1]}
+    if far:
+        import sys
+        print("warning: " + ", ".join(f"{k} x{v:.3g}" for k, v in far.items()) + f" lies outside [{FAR[0]}, {FAR[1]}]: "
+              "machines of one kind differ less; were the steps timed on a loaded machine, or is the profile for "
+              "another kind of GPU? Re-measure on an idle machine, or make a full profile (`testbed profile`)",
+              file=sys.stderr)
 
 
 def add_calibrate_parser(sub) -> None:

@@ -1,0 +1,154 @@
+"""`testbed profile --quick`: a shipped profile rescaled to this machine from a few anchor steps measured here.
+
+Machines of one kind differ on the GPU side and on the host side, so a shipped profile misses a new machine by
+10-30% per step. A full sweep takes minutes; this measures a small anchor set on the real executor instead:
+- decode-only steps: a few batches x two contexts per request (graphed: the decode component and the host);
+- prefill chunks of 512, 2048 and 8192 tokens (or the longest one a step may carry), and one chunk after a
+  long cached context (GEMM- and attention-bound);
+- mixed steps drawn as a loaded server forms them (the profiler's own `random_step`);
+- the EngineCore's schedule + update at two batch sizes and one admission (the host, without a model).
+Each anchor is timed sync (and, where the executor pipelines steps, as the async cycle). The base profile
+predicts the same steps with the engine's term left out (the executor alone ran them), and rescale.fit_scales
+fits the host / GEMM / attention / decode scales to the pairs. The result is the base profile with `scales`
+and a `calibration` record listing every anchor: measured, predicted before and after, and how far it moved.
+
+Invariant: the base profile's tables are not touched; only `scales` changes, so a rescaled profile loads and
+predicts like any other, and rescaling it again starts from its scales.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from testbed.engine.config import EngineConfig
+from testbed.sim.profiled import ProfiledCostModel
+from testbed.sim.rescale import StepSample, error_report, fit_scales, rescaled_profile
+from testbed.sim.step_terms import DECODE_SYNC, combine
+from testbed.workload.synthetic import Row, StepFactory, decode_rows
+from testbed.worker.host_costs import engine_host_costs
+from testbed.worker.step_measure import StepMeasurer
+
+DECODE_BATCHES = (1, 16, 64, 256)
+DECODE_CONTEXTS = (512, 4096)
+CHUNKS = (512, 2048, 8192)
+LONG_CONTEXT = 8192  # the cached context of the one chunk that measures attention over a long prefix
+NUM_MIXED = 4
+REPS, WARMUP = 5, 2
+
+
+def anchor_steps(config: EngineConfig, max_model_len: int, capacity: int, graph_max: int,
+                 seed: int = 0) -> list[tuple[str, list[Row]]]:
+    """The anchor set for these engine limits: (name, rows) of every anchor that fits the cache and
+    max_model_len. Shapes too large for these limits shrink to the largest that fit, so a small engine still
+    measures each kind."""
+    from testbed.worker.profiler import random_step
+    top_chunk = min(config.max_num_batched_tokens, max_model_len - 1)
+    contexts = sorted({c for c in DECODE_CONTEXTS if c < max_model_len} or {max(1, max_model_len // 4)})
+    batches = sorted({min(b, config.max_num_seqs, graph_max) for b in DECODE_BATCHES})
+    chunks = sorted({min(n, top_chunk) for n in CHUNKS})
+    long_ctx = min(LONG_CONTEXT, max_model_len - chunks[0] - 1)
+    out: list[tuple[str, list[Row]]] = []
+    out += [(f"decode b={b} ctx={c}", decode_rows(b, c)) for b in batches for c in contexts]
+    out += [(f"chunk {n}", [(0, n, False)]) for n in chunks]
+    if long_ctx > 0:
+        out.append((f"chunk {chunks[0]} after {long_ctx}", [(long_ctx, chunks[0], False)]))
+    rng = np.random.default_rng(seed)
+    out += [(f"mixed {i}", random_step(rng, config, max_model_len, capacity)) for i in range(NUM_MIXED)]
+    return [(name, rows) for name, rows in out
+            if sum(c + n for c, n, _ in rows) <= capacity and max(c + n for c, n, _ in rows) <= max_model_len]
+
+
+def _rows_summary(rows: list[Row]) -> dict:
+    decodes = [c for c, _, d in rows if d]
+    chunks = [(c, n) for c, n, d in rows if not d]
+    return {"decodes": len(decodes), "mean_context": float(np.mean(decodes)) if decodes else 0.0,
+            "chunks": [list(ch) for ch in chunks]}
+
+
+def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS,
+                    warmup: int = WARMUP) -> tuple[list[StepSample], list[dict]]:
+    """Time every anchor on `executor` and pair it with the `base` profile's terms of the same step: the
+    samples to fit, and one record per measurement (name, mode, rows, measured seconds)."""
+    cms = {mode: ProfiledCostModel(base, async_scheduling=(mode == "async")) for mode in ("sync", "async")}
+    capacity = executor.num_gpu_blocks * config.block_size
+    max_model_len = executor.max_model_len
+    f = StepFactory(executor.num_gpu_blocks, config.block_size, executor.vocab_size, config.seed)
+    m = StepMeasurer(executor, reps, warmup)
+    samples: list[StepSample] = []
+    records: list[dict] = []
+    try:
+        for name, rows in anchor_steps(config, max_model_len, capacity, cms["sync"].graph_max):
+            so = f.step(rows)
+            timed = {"sync": m.sync(so)["wall_s"]}
+            if m.can_async and (cms["async"].dec_async is not None or any(not d for _, _, d in rows)):
+                timed["async"] = m.async_cycle(so)
+            for mode, seconds in timed.items():
+                kind, terms = cms[mode].terms(so, engine=0.0)  # the executor alone: no EngineCore term
+                samples.append(StepSample(kind, terms, seconds))
+                records.append({"anchor": name, "mode": mode, **_rows_summary(rows), "measured_s": seconds})
+    finally:
+        executor.runner.record_timing = False
+    # the EngineCore's own host work: no model, the same scheduler a serving step runs
+    sync = cms["sync"]
+    batches = sorted({1, min(64, config.max_num_seqs)})
+    admit = min(2048, config.max_num_batched_tokens, max_model_len - 1)
+    host = engine_host_costs(config, max_model_len, batches, [admit])
+    for b, seconds in zip(host["decode_batch"], host["decode_step_s"]):
+        samples.append(StepSample(DECODE_SYNC, (sync.engine_step(b), 0.0, 0.0, 0.0, 0.0), seconds))
+        records.append({"anchor": f"engine schedule+update b={b}", "mode": "host", "measured_s": seconds})
+    seconds = host["admit_step_s"]["plain"][0]
+    samples.append(StepSample(DECODE_SYNC, (sync._engine(1, admit), 0.0, 0.0, 0.0, 0.0), seconds))
+    records.append({"anchor": f"engine admission of {admit} tokens", "mode": "host", "measured_s": seconds})
+    return samples, records
+
+
+def rescale_to_machine(base: dict, base_name: str, samples: list[StepSample], records: list[dict],
+                       machine: dict) -> tuple[dict, dict, dict]:
+    """(rescaled profile, error before, error after): the scales fitted to the anchors, and each anchor's
+    prediction before and after with how far the machine moved it (measured / predicted - 1)."""
+    before_scales = ProfiledCostModel(base).scales
+    scales = fit_scales(samples, before_scales)
+    before, after = error_report(samples, before_scales), error_report(samples, scales)
+    anchors = []
+    for s, r in zip(samples, records):
+        pred, now = combine(s.kind, s.terms, before_scales), combine(s.kind, s.terms, scales)
+        anchors.append({**r, "predicted_before_s": pred, "predicted_after_s": now, "moved": s.seconds / pred - 1})
+    record = {"method": "quick", "fitted_on": f"{len(samples)} anchor steps measured on {machine.get('device_name')}",
+              "base_profile": base_name, "machine": machine, "anchors": anchors}
+    return rescaled_profile(base, scales, record, before, after), before, after
+
+
+def quick_profile(model: str, config: EngineConfig, base: dict, base_name: str, load_format: str = "auto",
+                  dtype: str = "auto", device: str | None = None, enforce_eager: bool = False,
+                  reps: int | None = None) -> tuple[dict, dict, dict]:
+    """Build the executor a serving run would use, measure the anchors on it and rescale `base` (a profile of
+    the same model, TP and block size made on another machine of this kind)."""
+    from testbed.rundir import environment_info
+    from testbed.worker.executor import create_executor
+    from testbed.worker.profiler import device_name, gpu_preset_name
+    check_base(base, base_name, config)
+    t0 = time.perf_counter()
+    executor = create_executor(model, config, load_format, dtype, device, enforce_eager)
+    try:
+        setup_s = time.perf_counter() - t0
+        samples, records = measure_anchors(executor, config, base, reps or REPS)
+        dev = device_name(executor.runner.device)
+    finally:
+        executor.shutdown()
+    env = environment_info()
+    machine = {"device_name": dev, "gpu": gpu_preset_name(dev) if dev.startswith("NVIDIA") else "cpu",
+               "host": env.get("host"), "git_sha": env.get("git_sha"), "setup_s": round(setup_s, 2),
+               "measure_s": round(time.perf_counter() - t0 - setup_s, 2)}
+    return rescale_to_machine(base, base_name, samples, records, machine)
+
+
+def check_base(base: dict, base_name: str, config: EngineConfig) -> None:
+    """Refuse a base profile whose steps are not this engine's (another TP or block size)."""
+    tp, bs = int(base["tensor_parallel_size"]), int(base["engine"]["block_size"])
+    if tp != config.tensor_parallel_size:
+        raise ValueError(f"{base_name}: a profile at TP={tp}; this engine runs -tp {config.tensor_parallel_size}: "
+                         "give --cost-model a profile of the same TP")
+    if bs != config.block_size:
+        raise ValueError(f"{base_name}: a profile with --block-size {bs}; this engine runs --block-size "
+                         f"{config.block_size}: pass --block-size {bs} or another profile")
