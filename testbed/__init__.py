@@ -15,7 +15,7 @@ def warn(message: str) -> None:
 _LAZY = {"LLM": "testbed.llm", "SamplingParams": "testbed.engine.request", "PoolingParams": "testbed.engine.request",
          "RequestOutput": "testbed.outputs", "CompletionOutput": "testbed.outputs", "RequestMetrics": "testbed.outputs",
          "Logprob": "testbed.outputs", "EmbeddingOutput": "testbed.outputs", "EmbeddingRequestOutput": "testbed.outputs",
-         "sweep": "testbed.sweeps"}
+         "LoRARequest": "testbed.engine.lora", "sweep": "testbed.sweeps"}
 
 
 def __getattr__(name: str):

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from testbed.detokenizer import IncrementalDetokenizer, TokenTexts
 from testbed.engine.config import PoolerConfig
 from testbed.engine.core import EngineCore
+from testbed.engine.lora import LoRARequest
 from testbed.engine.outputs import RequestOutput as EngineOutput
 from testbed.engine.request import (InvalidParam, PoolingParams, Request, SamplingParams, check_priority,
                                     check_token_ids, child_seed, truncate_prompt)
@@ -80,6 +81,12 @@ class LLM:
                 executor = create_executor(model, self.config, load_format, dtype, device, enforce_eager)
             else:
                 runner = executor.runner
+                slots = runner.lora.num_slots if runner.lora is not None else 0
+                if self.config.enable_lora and (slots < self.config.max_loras
+                                                or runner.config.max_lora_rank < self.config.max_lora_rank):
+                    raise ValueError(f"executor was built without room for max_loras={self.config.max_loras} adapters "
+                                     f"of rank {self.config.max_lora_rank} (it has {slots} slots); build it with "
+                                     "enable_lora=True and at least these max_loras and max_lora_rank")
                 if (runner.block_size, runner.config.tensor_parallel_size) != (self.config.block_size,
                                                                                self.config.tensor_parallel_size):
                     raise ValueError(f"executor was built for block_size {runner.block_size} and tensor_parallel_size "
@@ -146,14 +153,18 @@ class LLM:
             self.engine.abort(request_id, self.now())
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | PoolingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> EngineOutput | None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> EngineOutput | None:
         """Queue one request (PoolingParams: an embedding of the prompt, pooled as this LLM's pooler config says
         where they do not); returns a finished 'rejected' output when the engine cannot serve it.
         Bad input raises ValueError before the request is queued: sampling parameters out of range (checked
         again here, as they may have been changed after construction), a grammar that does not compile, a priority
         outside int64 and token ids outside the vocabulary (the embedding would fail or, under TP, read zeros).
-        bad_words become token ids through this LLM's tokenizer."""
+        bad_words become token ids through this LLM's tokenizer. `lora_request`: the adapter to run (None: the base
+        model); its folder's config is checked here (rank, target modules) and its weights on first use."""
         vocab = self.vocab_size
+        if lora_request is not None:
+            self._check_lora(request_id, lora_request)
         pooling = isinstance(params, PoolingParams)
         try:
             if pooling:
@@ -175,12 +186,27 @@ class LLM:
             raise ValueError(f"request {request_id!r}: {e}; pass token ids from this model's tokenizer"
                              if e.param == "prompt" else f"request {request_id!r}: {e}") from None
         if self.dp is not None:  # a rejection comes back from step() as a finished output
+            if lora_request is not None:
+                raise ValueError(f"request {request_id!r}: LoRA adapters are served by one engine here; use "
+                                 "data_parallel_size=1 with enable_lora=True")
             return self.dp.add_request(request_id, prompt_token_ids, params,
                                        self.now() if arrival_time is None else arrival_time, priority)
         req = Request(request_id, prompt_token_ids, None if pooling else params,
                       self.now() if arrival_time is None else arrival_time, priority=priority,
-                      eos_token_id=self.eos_token_id, pooling_params=params if pooling else None)
+                      eos_token_id=self.eos_token_id, pooling_params=params if pooling else None,
+                      lora_request=lora_request)
         return self.engine.add_request(req, self.now())
+
+    def _check_lora(self, request_id: str, lora: LoRARequest) -> None:
+        """ValueError unless LoRA is on and the adapter's folder is one this engine can serve."""
+        from testbed.worker.lora_config import read_adapter_config
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"request {request_id!r}: lora_request must be a LoRARequest(name, int_id, path) or None, "
+                             f"got {type(lora).__name__}")
+        if not self.config.enable_lora:
+            raise ValueError(f"request {request_id!r}: asks for LoRA adapter {lora.lora_name!r} but LoRA is off; "
+                             "create the LLM with enable_lora=True")
+        read_adapter_config(lora.lora_path, self.config.max_lora_rank, lora.lora_name)
 
     # ---- offline generation --------------------------------------------------------------------
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -196,14 +222,19 @@ class LLM:
         return None, [int(t) for t in prompt]
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for each prompt (a string, a token-id list, or a list of those) in input order; `use_tqdm`
-        shows a progress bar of finished prompts on stderr (as vLLM's)."""
+        shows a progress bar of finished prompts on stderr (as vLLM's). `lora_request`: one adapter for every
+        prompt, or a list with one per prompt (None: the base model), as vLLM takes it."""
         prompts, params_list = pair_params(prompts, sampling_params or SamplingParams(), "sampling")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; give one, or one per prompt")
         results: list[RequestOutput] = []
         seqs: dict[str, tuple[RequestOutput, int, SamplingParams, IncrementalDetokenizer | None, list]] = {}
         try:
-            for prompt, sp in zip(prompts, params_list):
+            for prompt, sp, lora in zip(prompts, params_list, loras):
                 text, ids = self._tokenize(prompt)
                 ids = self._truncate(ids, sp, len(results))
                 gen = RequestOutput(str(self._next_id), text, ids)
@@ -215,7 +246,8 @@ class LLM:
                     child = sp if sp.n == 1 else dataclasses.replace(
                         sp, n=1, seed=child_seed(sp.seed, k), prompt_logprobs=sp.prompt_logprobs if k == 0 else None)
                     rid = gen.request_id if sp.n == 1 else f"{gen.request_id}-{k}"
-                    rejected = self.add_request(rid, ids, child, gen.metrics.arrival_time - self._wall(0.0))
+                    rejected = self.add_request(rid, ids, child, gen.metrics.arrival_time - self._wall(0.0),
+                                                lora_request=lora)
                     if rejected is not None:
                         raise ValueError(f"prompt {len(results) - 1}: {rejected.stop_reason}")
                     detok = IncrementalDetokenizer(self.tokenizer, ids, child.stop, child.include_stop_str_in_output,

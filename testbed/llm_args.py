@@ -17,7 +17,6 @@ FIXED: dict[str, tuple[tuple, str]] = {
     "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "pipeline_parallel_size": ((1,), "there is no pipeline parallelism: use tensor_parallel_size or "
                                      "data_parallel_size"),
-    "enable_lora": ((False, None), "there are no LoRA adapters"),
     "speculative_config": ((None,), "there is no speculative decoding"),
     "cpu_offload_gb": ((0, None), "weights are not offloaded to the CPU"),
     "swap_space": ((0, None), "preemption recomputes; nothing is swapped to the CPU"),

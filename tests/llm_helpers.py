@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -79,3 +80,63 @@ def run_staggered(llm, prompts: Sequence[Sequence[int]], arrival_steps: Sequence
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
     raise AssertionError(f"requests not finished after {max_steps} steps")
+
+
+PEFT_PREFIX = "base_model.model.model.layers"
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def save_peft_adapter(folder: Path, hf, rank: int, targets: Sequence[str], alpha: float = 16.0, seed: int = 0,
+                      std: float = 0.05) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Write a random LoRA adapter for the HF model `hf` in PEFT's format (adapter_config.json and
+    adapter_model.safetensors, PEFT's tensor names), both A and B random so it changes the outputs; returns
+    {HF weight name: (A [r, in], B [out, r])}."""
+    import json
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    params = dict(hf.named_parameters())
+    tensors, mats = {}, {}
+    for i in range(hf.config.num_hidden_layers):
+        for module in targets:
+            name = f"model.layers.{i}.{_PARENT[module]}.{module}.weight"
+            out, inp = params[name].shape
+            a = torch.randn(rank, inp, generator=g) * std
+            b = torch.randn(out, rank, generator=g) * std
+            key = f"{PEFT_PREFIX}.{i}.{_PARENT[module]}.{module}"
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+            mats[name] = (a, b)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
+        "lora_dropout": 0.0, "task_type": "CAUSAL_LM", "base_model_name_or_path": "tiny"}))
+    return mats
+
+
+@contextmanager
+def merged(hf, mats: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, scaling: float = 1.0):
+    """`hf` with each adapter delta merged into its weight, W + scaling * B A (what PEFT's merge_and_unload
+    computes), inside the block; the base weights come back after it."""
+    params = dict(hf.named_parameters())
+    saved = {name: params[name].detach().clone() for name in mats or {}}
+    with torch.no_grad():
+        for name, (a, b) in (mats or {}).items():
+            params[name] += scaling * (b @ a)
+    try:
+        yield hf
+    finally:
+        with torch.no_grad():
+            for name, w in saved.items():
+                params[name].copy_(w)
+
+
+def hf_greedy_logprobs(hf, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and the logprob of each under the model."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([list(prompt)]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=max_new_tokens, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+    return tokens, lps

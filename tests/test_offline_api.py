@@ -67,7 +67,7 @@ def test_hub_id_resolves_through_the_local_cache(llm, hub_cache, monkeypatch, tm
 @pytest.mark.parametrize("kwargs,match", [
     ({"quantization": "awq"}, "weights load unquantized"),
     ({"pipeline_parallel_size": 2}, "no pipeline parallelism"),
-    ({"enable_lora": True}, "no LoRA"),
+    ({"enable_lora": True, "max_lora_rank": 7}, "--max-lora-rank: must be one of"),
     ({"speculative_config": {"method": "ngram"}}, "no speculative decoding"),
     ({"kv_cache_dtype": "fp8"}, "model's dtype"),
     ({"not_an_argument": 1}, "not an engine argument"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from testbed.kernels import AttentionPlan
+from testbed.kernels.lora import LoRAPlan
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Context:
     cu_seqlens_q: [num_seqs + 1] int32, prefix sums of the query lengths in `input_ids`.
     num_live: [1] int32 or None, the sequences with queries (a CUDA graph's padding ones after them have none).
     attn_plan: the torch path's batched-attention indices, built by the first layer and shared by the rest.
+    lora_idx: [num_tokens] int64 or None, each token's LoRA slot (-1: the base model); None: no adapter runs.
+    lora_plan: the torch path's token rows per LoRA slot, built by the first LoRA layer and shared by the rest.
     """
 
     is_decode: bool = False
@@ -33,6 +36,8 @@ class Context:
     cu_seqlens_q: torch.Tensor | None = None
     num_live: torch.Tensor | None = None
     attn_plan: AttentionPlan | None = None
+    lora_idx: torch.Tensor | None = None
+    lora_plan: LoRAPlan | None = None
 
 
 _CONTEXT = Context()
@@ -45,10 +50,11 @@ def get_context() -> Context:
 
 def set_context(is_decode: bool, slot_mapping: torch.Tensor | None = None,
                 block_tables: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-                cu_seqlens_q: torch.Tensor | None = None, num_live: torch.Tensor | None = None) -> None:
+                cu_seqlens_q: torch.Tensor | None = None, num_live: torch.Tensor | None = None,
+                lora_idx: torch.Tensor | None = None) -> None:
     """Install the metadata for the next forward."""
     global _CONTEXT
-    _CONTEXT = Context(is_decode, slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_live)
+    _CONTEXT = Context(is_decode, slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_live, lora_idx=lora_idx)
 
 
 def reset_context() -> None:

@@ -20,6 +20,11 @@ Padding (`pad_into`), the invariant every graph relies on:
   it, 256 empty sequences cost a 512-token step of Llama-3.1-8B 18% on an H100).
 Their hidden rows are never read: sampling and pooling index real rows only.
 
+With LoRA on, every graph is captured with the LoRA kernels in it, reading each token's adapter slot from a
+static index buffer (`lora_idx`) and the adapters from the layers' preallocated slot tensors, which loads
+overwrite in place: a step fills the index with its tokens' slots (-1 for base rows and the padding, which
+then add nothing), and the same graph serves any mix of adapters.
+
 Decode-only steps of at most the largest decode size replay a graph of the split-K decode kernel instead
 (batch buckets, one token per sequence), which is faster than the extend kernel on q_len 1 rows; other
 steps up to the largest size replay a mixed graph; larger steps run eagerly, where the device time of so
@@ -75,7 +80,10 @@ def split_sizes(config: EngineConfig) -> tuple[list[int], list[int]]:
 class StaticInputs:
     """The device buffers every graph reads its step from (the largest step's size; graphs see prefixes)."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
+                 lora: bool = False) -> None:
+        # each token's LoRA slot (-1: base), when LoRA is on
+        self.lora_idx = torch.full((max_tokens,), -1, dtype=torch.long, device=device) if lora else None
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
@@ -87,7 +95,8 @@ class StaticInputs:
     def set_context(self, is_decode: bool, num_tokens: int, num_seqs: int) -> None:
         """The attention context of a graph of this size, over prefixes of the buffers."""
         set_context(is_decode, self.slot_mapping[:num_tokens], self.block_tables[:num_seqs],
-                    self.seq_lens[:num_seqs], self.cu_seqlens_q[:num_seqs + 1], None if is_decode else self.num_live)
+                    self.seq_lens[:num_seqs], self.cu_seqlens_q[:num_seqs + 1], None if is_decode else self.num_live,
+                    None if self.lora_idx is None else self.lora_idx[:num_tokens])
 
 
 def pad_into(buf: StaticInputs, x, num_tokens: int, num_seqs: int, decode: bool = False) -> None:
@@ -102,6 +111,12 @@ def pad_into(buf: StaticInputs, x, num_tokens: int, num_seqs: int, decode: bool 
     buf.positions[:T].copy_(x.positions, non_blocking=True)
     buf.slot_mapping[:T].copy_(x.slot_mapping, non_blocking=True)
     buf.slot_mapping[T:num_tokens].fill_(-1)
+    if buf.lora_idx is not None:
+        if x.lora_idx is not None:
+            buf.lora_idx[:T].copy_(x.lora_idx, non_blocking=True)
+            buf.lora_idx[T:num_tokens].fill_(-1)
+        else:
+            buf.lora_idx[:num_tokens].fill_(-1)
     buf.seq_lens[:B].copy_(x.seq_lens, non_blocking=True)
     buf.seq_lens[B:num_seqs].fill_(0)
     buf.cu_seqlens_q[:B + 1].copy_(x.cu_seqlens_q, non_blocking=True)
@@ -123,7 +138,8 @@ class CudaGraphs:
         self.max_num_seqs = config.max_num_seqs
         max_tokens = max(self.decode_sizes + self.mixed_sizes, default=1)
         max_seqs = max([self.num_seqs(t) for t in self.mixed_sizes] + self.decode_sizes + [1])
-        self.buf = StaticInputs(max_tokens, max_seqs, -(-max_model_len // config.block_size), device)
+        self.buf = StaticInputs(max_tokens, max_seqs, -(-max_model_len // config.block_size), device,
+                                config.enable_lora)
         self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0

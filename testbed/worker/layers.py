@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from testbed.kernels import silu_and_mul
+from testbed.kernels.lora import lora_apply, lora_plan
 from testbed.kernels.reference import rope_ref
+from testbed.worker.context import get_context
 from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce
 
 _TP_OVERRIDE: tuple[int, int] | None = None
@@ -164,7 +166,12 @@ class RotaryEmbedding(nn.Module):
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b) with this rank's [out_local, in_local] weight; subclasses define the sharding."""
+    """y = x W^T (+ b) with this rank's [out_local, in_local] weight; subclasses define the sharding.
+
+    With LoRA slots attached (`lora_a`, `lora_b`: kernels/lora.py's layout, worker/lora.py attaches them),
+    each token of a step adds its adapter's delta, read from the step context's `lora_idx`; the shards of A
+    and B follow the base weight's (row-parallel layers add their partial delta before the all-reduce, which
+    sums it exactly as it sums the base output)."""
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp: tuple[int, int]) -> None:
         super().__init__()
@@ -174,12 +181,31 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
         if bias:
             self.bias.weight_loader = self.weight_loader
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
+
+    @property
+    def lora_slices(self) -> list[tuple[object, int]]:
+        """(shard id, local output rows) of each output slice a LoRA adapter targets separately."""
+        return [(None, self.weight.shape[0])]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def _lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y plus the step's LoRA deltas (unchanged when LoRA is off or the step runs no adapter)."""
+        if self.lora_a is None:
+            return y
+        ctx = get_context()
+        if ctx.lora_idx is None:
+            return y
+        if ctx.lora_plan is None and not y.is_cuda:
+            ctx.lora_plan = lora_plan(ctx.lora_idx)
+        return lora_apply(y, x, self.lora_a, self.lora_b, ctx.lora_idx, ctx.lora_plan,
+                          [n for _, n in self.lora_slices])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._lora(F.linear(x, self.weight, self.bias), x)
 
 
 def cpu_weight_layout(model: nn.Module) -> None:
@@ -212,6 +238,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.local_sizes = [_divide(s, tp_size, "output size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias)
 
+    @property
+    def lora_slices(self) -> list[tuple[object, int]]:
+        return list(enumerate(self.local_sizes))
+
     def weight_loader(self, param, loaded, shard_id=None):
         if shard_id is None or not 0 <= shard_id < len(self.local_sizes):
             raise ValueError(f"MergedColumnParallelLinear needs shard_id in [0, {len(self.local_sizes)}), got {shard_id!r}")
@@ -243,6 +273,10 @@ class QKVParallelLinear(LinearBase):
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, (rank, tp_size))
 
+    @property
+    def lora_slices(self) -> list[tuple[object, int]]:
+        return [("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)]
+
     def weight_loader(self, param, loaded, shard_id=None):
         if shard_id == "q":
             offset, size, start, full = 0, self.q_size, self.tp_rank * self.q_size, self.q_size * self.tp_size
@@ -269,7 +303,7 @@ class RowParallelLinear(LinearBase):
         _copy(param.data, _shard(loaded, 1, self.tp_rank * n, n, n * self.tp_size), param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self._lora(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None), x)
         return tp_all_reduce(y) if _collectives(self.tp_size) else y
 
 

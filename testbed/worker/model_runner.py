@@ -51,6 +51,7 @@ class StepInputs:
     cu_seqlens_q: torch.Tensor
     sample_idx: torch.Tensor
     is_decode: bool
+    lora_idx: torch.Tensor | None = None  # each token's LoRA slot (-1: base); None when no row runs an adapter
 
 
 def packed_offsets(n64, n32) -> tuple[list[int], list[int], int, int]:
@@ -104,6 +105,10 @@ class ModelRunner:
         self.record_timing = False  # attach a StepTiming to every output (testbed profile)
         self.graphs: CudaGraphs | None = None  # captured CUDA graphs (capture_cuda_graphs), None: eager
         self.eager_steps = False  # run every step eagerly even with graphs (`testbed profile` times attention so)
+        self.lora = None  # the adapters' device slots and host cache (worker/lora.py), with enable_lora
+        if config.enable_lora:
+            from testbed.worker.lora import WorkerLoRA
+            self.lora = WorkerLoRA(model, config, device, dtype)
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property
@@ -235,8 +240,10 @@ class ModelRunner:
                 cu.append(cu[-1] + n)
             sample_idx = [cu[i + 1] - 1 for i in rows] + list(extra_rows)  # each sampling request's last token
             input_ids, positions, slots = ids, pos, slot_list
-        return self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src], [seq_lens, cu, tables],
-                            is_decode)
+        lora_idx = (np.repeat(np.asarray(so.lora_slots, dtype=np.int64), counts) if so.num_lora_tokens
+                    else ())  # each token's LoRA slot, only when some row runs an adapter
+        return self._upload([input_ids, positions, slots, sample_idx, ph_dst, ph_src, lora_idx],
+                            [seq_lens, cu, tables], is_decode)
 
     def _prev_row(self, request_id: str) -> int:
         row = self._prev_rows.get(request_id)
@@ -303,7 +310,8 @@ class ModelRunner:
             dev = buf[:nbytes].clone()
         d64 = dev[:off32].view(torch.int64)
         d32 = dev[off32:nbytes].view(torch.int32)
-        input_ids, positions, slots, sample_idx, ph_dst, ph_src = (d64[p64[i]:p64[i] + n64[i]] for i in range(6))
+        input_ids, positions, slots, sample_idx, ph_dst, ph_src, lora_idx = (d64[p64[i]:p64[i] + n64[i]]
+                                                                             for i in range(7))
         seq_lens, cu, tables = (d32[p32[i]:p32[i] + n32[i]] for i in range(3))
         B = n32[0]
         if n64[4]:
@@ -314,7 +322,7 @@ class ModelRunner:
                 dist.broadcast(prev, 0)
             input_ids[ph_dst] = prev[ph_src]
         return StepInputs(input_ids, positions, slots, tables.view(B, n32[2] // B if B else 0), seq_lens, cu,
-                          sample_idx, is_decode)
+                          sample_idx, is_decode, lora_idx if n64[6] else None)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, sync: Callable[[], None] | None = None) -> None:
@@ -336,7 +344,7 @@ class ModelRunner:
         """The decoder over the step's tokens (a captured graph when one fits): hidden states [T, hidden]."""
         hidden = self.graphs.replay(x) if self.graphs is not None and not self.eager_steps else None
         if hidden is None:
-            set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)
+            set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q, lora_idx=x.lora_idx)
             try:
                 hidden = self.model(x.input_ids, x.positions)
             finally:
@@ -373,6 +381,8 @@ class ModelRunner:
             self._prompt_logprobs.difference_update(so.finished_req_ids)
         if so.new_req_ids:
             self._track(so)
+        if self.lora is not None and so.lora_slots is not None:
+            self.lora.apply(so)  # the step's adapters into their slots (on every tensor-parallel rank)
         rows = sampled_rows(so)
         plp = prompt_logprobs.prompt_logprob_rows(so) if self._prompt_logprobs else None
         x = self.prepare(so, rows, plp.flat if plp is not None else ())  # sent to the other TP ranks too

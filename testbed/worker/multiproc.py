@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from testbed.engine.config import EngineConfig
+from testbed.engine.lora import LoRARequest
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.worker.model_runner import ModelRunner
 from testbed.worker.shm_broadcast import ShmBroadcast
@@ -43,9 +45,9 @@ from testbed.worker.tp_all_reduce import close_tp_all_reduce, init_tp_all_reduce
 
 logger = logging.getLogger(__name__)
 
-CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN, CMD_CAPTURE = 0, 1, 2, 3, 4
+CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN, CMD_CAPTURE, CMD_LORA = 0, 1, 2, 3, 4, 5
 PHASES = {CMD_STEP: "a step", CMD_PROFILE: "memory profiling", CMD_ALLOC: "KV cache allocation",
-          CMD_CAPTURE: "CUDA graph capture"}
+          CMD_CAPTURE: "CUDA graph capture", CMD_LORA: "LoRA adapter loading"}
 REPORT_CHARS = 8000  # a failed rank's traceback is cut to its last characters: the pipe must not fill up
 DEATH_WAIT_S = 2.0  # after a failed collective: how long a dying rank gets to be reaped, so the error names it
 MAIN_GUARD_HINT = ("the script that creates the engine has no `if __name__ == \"__main__\":` guard, so each "
@@ -149,6 +151,12 @@ def _worker_main(rank: int, world: int, port: int, model: str, config: EngineCon
                 runner.allocate_kv_cache(arg)
             elif cmd == CMD_CAPTURE:
                 runner.capture_cuda_graphs()
+            elif cmd == CMD_LORA:  # the adapters rank 0 loaded (and checked) before this step, as JSON
+                loads, dropped = json.loads(bytes(payload))
+                for slot, name, aid, path in loads:
+                    runner.lora.load(slot, LoRARequest(name, aid, path))
+                for aid in dropped:
+                    runner.lora.host.pop(aid, None)
             else:
                 break
     except BaseException:
@@ -221,6 +229,8 @@ class MultiprocExecutor:
             self._startup_failed(e)
         self.num_gpu_blocks = blocks
         self.runner.broadcast_inputs = self._broadcast_inputs  # type: ignore[attr-defined]
+        if self.runner.lora is not None:
+            self.runner.lora.broadcast = self._broadcast_lora
 
     def _capture(self) -> None:
         """Every rank captures the same CUDA graphs in lockstep, rank 0 watching the others whenever it waits
@@ -379,6 +389,10 @@ class MultiprocExecutor:
     def _broadcast_inputs(self, packed: np.ndarray, layout: tuple, is_decode: bool) -> None:
         """A step for every rank; arg 1: run it eagerly (every rank takes the path rank 0 takes)."""
         self._send(CMD_STEP, arg=int(self.runner.eager_steps), layout=layout, is_decode=is_decode, payload=packed)
+
+    def _broadcast_lora(self, loads: list, dropped: list[int]) -> None:
+        """The adapters rank 0 just put into slots (slot, name, id, path), and those its host cache dropped."""
+        self._send(CMD_LORA, payload=np.frombuffer(json.dumps([loads, dropped]).encode(), dtype=np.uint8))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(so)()
