@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
-from testbed.engine.request import SamplingParams, StructuredOutputsParams
+from testbed.engine.params import SamplingParams, StructuredOutputsParams
 from testbed.worker.logits_processors import LogitsProcessors, RowContext
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},

@@ -12,7 +12,8 @@ import torch
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
-from testbed.engine.request import Request, SamplingParams
+from testbed.engine.params import SamplingParams
+from testbed.engine.request import Request
 from testbed.specs.presets import get_model_spec
 from testbed.sim.cost_model import RooflineCostModel
 from testbed.sim.executor import SimExecutor

@@ -12,7 +12,7 @@ def warn(message: str) -> None:
     print(f"{os.environ.get(COMMAND_ENV) or 'testbed'}: warning: {message}", file=sys.stderr, flush=True)
 
 # vLLM's top-level names (and testbed's sweep), imported on first use (the simulator needs no torch)
-_LAZY = {"LLM": "testbed.llm", "SamplingParams": "testbed.engine.request", "PoolingParams": "testbed.engine.request",
+_LAZY = {"LLM": "testbed.llm", "SamplingParams": "testbed.engine.params", "PoolingParams": "testbed.engine.params",
          "RequestOutput": "testbed.outputs", "CompletionOutput": "testbed.outputs", "RequestMetrics": "testbed.outputs",
          "Logprob": "testbed.outputs", "EmbeddingOutput": "testbed.outputs", "EmbeddingRequestOutput": "testbed.outputs",
          "LoRARequest": "testbed.engine.lora", "sweep": "testbed.sweeps"}

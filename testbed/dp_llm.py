@@ -23,9 +23,8 @@ from typing import Sequence
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import Recorder
-from testbed.engine.outputs import RequestOutput
-from testbed.engine.request import PoolingParams, SamplingParams
-from testbed.runtime import protocol as P
+from testbed.engine.outputs import EngineCoreOutput
+from testbed.engine.params import PoolingParams, SamplingParams
 
 # request columns holding times (REQUEST_COLUMNS order: id, replica, priority, arrival, first_scheduled, ...)
 _REQUEST_TIMES = (3, 4, 5, 6)
@@ -71,12 +70,8 @@ class DPEngine:
         from `step` as a finished output."""
         sent = time.time()
         ids, arrival = [int(t) for t in prompt_token_ids], self.t0 + arrival_time
-        if isinstance(sp, PoolingParams):
-            self.client.add(request_id, ids, arrival, stream=self.stream, max_tokens=None, priority=priority,
-                            pooling=P.Pooling(sp.pooling_type, sp.normalize))
-        else:
-            self.client.add(request_id, ids, arrival, stream=self.stream, seed=sp.seed, priority=priority,
-                            **P.engine_fields(sp))
+        params = {"pooling_params" if isinstance(sp, PoolingParams) else "sampling_params": sp}
+        self.client.add(request_id, ids, arrival, stream=self.stream, priority=priority, **params)
         self.sent[request_id] = sent
 
     def has_unfinished_requests(self) -> bool:
@@ -85,7 +80,7 @@ class DPEngine:
     def abort(self, request_id: str) -> None:
         self.client.abort([request_id])
 
-    def step(self, timeout: float | None = None) -> list[RequestOutput]:
+    def step(self, timeout: float | None = None) -> list[EngineCoreOutput]:
         """Outputs that arrived, waiting up to `timeout` s (None: until one does) for the first;
         RuntimeError when a replica serving a request died."""
         from testbed.runtime.client import EngineDeadError
@@ -103,7 +98,7 @@ class DPEngine:
             outs = self.loop.run_until_complete(collect())
         except EngineDeadError as e:
             raise RuntimeError(str(e)) from None
-        return [RequestOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
+        return [EngineCoreOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
                               o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output, o.timing) for o in outs]
 
     def shutdown(self) -> None:

@@ -17,9 +17,10 @@ from testbed.detokenizer import IncrementalDetokenizer, TokenTexts
 from testbed.engine.config import PoolerConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.lora import LoRARequest
-from testbed.engine.outputs import RequestOutput as EngineOutput
-from testbed.engine.request import (InvalidParam, PoolingParams, Request, SamplingParams, check_priority,
-                                    check_token_ids, child_seed, truncate_prompt)
+from testbed.engine.outputs import EngineCoreOutput
+from testbed.engine.params import (InvalidParam, PoolingParams, SamplingParams, check_priority, check_token_ids,
+                                   child_seed, truncate_prompt)
+from testbed.engine.request import Request
 from testbed.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics,
                              RequestOutput, logprob_dict, prompt_logprob_dicts)
 from testbed.engine.stepper import EngineStepper
@@ -132,7 +133,7 @@ class LLM:
         return self.tokenizer
 
     # ---- the real-mode driver ------------------------------------------------------------------
-    def step(self, now: float | None = None, timeout: float | None = None) -> list[EngineOutput]:
+    def step(self, now: float | None = None, timeout: float | None = None) -> list[EngineCoreOutput]:
         """One engine step scheduled at `now` (default: the wall clock), updated at the wall clock
         once the model ran (with async scheduling: the previous step is updated after this one is
         launched); nothing happens when nothing is schedulable or in flight. With data parallelism
@@ -154,7 +155,7 @@ class LLM:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | PoolingParams,
                     arrival_time: float | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> EngineOutput | None:
+                    lora_request: LoRARequest | None = None) -> EngineCoreOutput | None:
         """Queue one request (PoolingParams: an embedding of the prompt, pooled as this LLM's pooler config says
         where they do not); returns a finished 'rejected' output when the engine cannot serve it.
         Bad input raises ValueError before the request is queued: sampling parameters out of range (checked
@@ -177,7 +178,7 @@ class LLM:
                 if params.structured_outputs is not None:
                     if self.tokenizer is None:
                         raise InvalidParam("structured_outputs", "needs the model's tokenizer; this LLM has none")
-                    from testbed.worker.grammar import check_structured_outputs
+                    from testbed.worker.grammar_compile import check_structured_outputs
                     check_structured_outputs(params.structured_outputs)
                 params.verify(vocab)
             check_priority(priority)
@@ -272,7 +273,7 @@ class LLM:
         """time.time() of a time on this LLM's clock (now())."""
         return t + (self.dp.t0 if self.dp is not None else self._wall0)
 
-    def _observe(self, m: RequestMetrics, request_id: str, o: EngineOutput, finished: bool) -> None:
+    def _observe(self, m: RequestMetrics, request_id: str, o: EngineCoreOutput, finished: bool) -> None:
         """Fold one output of one of a prompt's sequences into the prompt's metrics: token and finish times as
         this LLM receives them (its clock, in time.time()), the first scheduling as the engine saw it."""
         now = self._wall(self.now())
@@ -288,7 +289,7 @@ class LLM:
             if self.dp is not None:
                 self.dp.scheduled.pop(request_id, None)
 
-    def _first_scheduled(self, request_id: str, o: EngineOutput) -> float | None:
+    def _first_scheduled(self, request_id: str, o: EngineCoreOutput) -> float | None:
         """When the engine first scheduled a request (time.time()), None while it has not."""
         if self.dp is not None:
             return self.dp.scheduled.get(request_id)

@@ -18,8 +18,9 @@ import pytest
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
-from testbed.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
-from testbed.engine.request import Request, SamplingParams
+from testbed.engine.outputs import ModelRunnerOutput, EngineCoreOutput, SchedulerOutput
+from testbed.engine.params import SamplingParams
+from testbed.engine.request import Request
 
 REPO = Path(__file__).resolve().parents[1]
 FIXED_TOKEN = 7
@@ -77,7 +78,7 @@ def check_step(engine: EngineCore, so: SchedulerOutput) -> None:
 
 
 def run_engine(engine: EngineCore, arrivals: Sequence[tuple[int, Request]], executor=None, max_steps: int = 100_000,
-               aborts: Sequence[tuple[int, str]] = ()) -> tuple[list[SchedulerOutput], dict[str, list[RequestOutput]]]:
+               aborts: Sequence[tuple[int, str]] = ()) -> tuple[list[SchedulerOutput], dict[str, list[EngineCoreOutput]]]:
     """Add each (step, request) and abort each (step, id) before that step, run checked steps (time = step
     index, each step ends 1.0 later) until every request ended. A step with live requests must schedule.
     With `engine.config.async_scheduling` one step stays in flight: step N+1 is scheduled (and executed,
@@ -90,7 +91,7 @@ def run_engine(engine: EngineCore, arrivals: Sequence[tuple[int, Request]], exec
     for step, rid in aborts:
         abort_at.setdefault(step, []).append(rid)
     steps: list[SchedulerOutput] = []
-    outs: dict[str, list[RequestOutput]] = {}
+    outs: dict[str, list[EngineCoreOutput]] = {}
     k = 0
     for step in range(max_steps):
         while k < len(pending) and pending[k][0] <= step:

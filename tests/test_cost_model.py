@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from testbed.engine.outputs import SchedulerOutput
-from testbed.engine.request import Request, SamplingParams
+from testbed.engine.params import SamplingParams
+from testbed.engine.request import Request
 from testbed.specs.presets import MODEL_PRESETS, get_model_spec
 from testbed.sim.cost_model import CALIBRATED, PHYSICAL, RooflineCostModel, num_gpu_blocks, rank_shape
 from testbed.specs.hardware import GPU_PRESETS, GPUSpec, get_gpu_spec

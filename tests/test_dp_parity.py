@@ -116,7 +116,7 @@ def test_llm_with_two_replicas_generates_what_one_does():
     """Every sampling parameter reaches the replicas: plain greedy, logits processing, a grammar and prompt
     logprobs give what one engine gives."""
     from testbed import LLM, SamplingParams
-    from testbed.engine.request import StructuredOutputsParams
+    from testbed.engine.params import StructuredOutputsParams
     prompts = ["The capital of France is", "Water boils at", "The largest planet is", "One plus one is"]
     sp = SamplingParams(temperature=0.0, max_tokens=6)
     processed = [SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.8, prompt_logprobs=1),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed.engine.params import SamplingParams
 from testbed.engine.config import EngineConfig
 from testbed.runtime.client import EngineDeadError
 from testbed.runtime.dp_client import DPEngineClient, DPTopology
@@ -77,13 +78,16 @@ def test_every_replica_validates_isolates_failures_and_keeps_accounting_exact(te
     def add(prompt, max_tokens: int):
         nonlocal n
         n += 1
-        return client.add(f"r{n}", prompt, time.time(), max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        return client.add(f"r{n}", prompt, time.time(),
+                          sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
 
     async def scenario() -> None:
         ready = await asyncio.wait_for(client.start(), 120)
         # a request that cannot be encoded (a seed past uint64) leaves no stream and no count behind
+        unsendable = SamplingParams(max_tokens=5)
+        unsendable.seed = 2**70  # set after validation
         with pytest.raises(OverflowError):
-            client.add("bad", [11], time.time(), max_tokens=5, seed=2**70)
+            client.add("bad", [11], time.time(), sampling_params=unsendable)
         assert "bad" not in client.streams and client.sent_seq == -1 and client.num_waiting_estimate == 0
 
         # each replica checks what it is sent: out-of-vocabulary ids are rejected there, not run

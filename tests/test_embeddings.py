@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from conftest import make_engine, make_request, run_engine
 from server_helpers import metric, running_server
 from testbed.engine.config import ConfigError, PoolerConfig
-from testbed.engine.request import InvalidParam, PoolingParams, Request
+from testbed.engine.params import InvalidParam, PoolingParams
+from testbed.engine.request import Request
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = ["The capital of France is Paris, a city of museums, cafés and bridges over the Seine.",

@@ -9,6 +9,8 @@ for a dead one.
   frames: random bytes, multipart messages, well-formed messages without the deployment's tag (a forged
   ReplicaFailed or Shutdown above all), messages tagged with another secret, and tagged frames of the
   wrong type. No process dies, every replica still serves, and the drops are logged.
+- The request message: AddRequest carries the validated parameter classes whole, and what the engine decodes
+  is the same parameters; parameters that fail their validation make no message.
 Real processes on 127.0.0.1 and ipc; every wait is bounded.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import zmq
 
 from server_helpers import running_server
 from testbed.engine.config import EngineConfig
+from testbed.engine.params import PoolingParams, SamplingParams, StructuredOutputsParams
 from testbed.runtime import dp_protocol as D
 from testbed.runtime import protocol as P
 from testbed.runtime.dp_client import DPEngineClient, DPTopology
@@ -34,6 +37,25 @@ from testbed.runtime.frames import SECRET_ENV, Frames
 pytestmark = pytest.mark.timeout(300)
 
 HEARTBEAT_TIMEOUT_S = 3.0
+
+
+def test_add_request_carries_the_parameters_whole():
+    so = StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True)
+    sp = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=5, seed=-4, max_tokens=9, min_tokens=0, stop=["x"],
+                        stop_token_ids=[4], ignore_eos=True, logprobs=2, presence_penalty=0.5, frequency_penalty=-1,
+                        repetition_penalty=1.2, min_p=0.1, logit_bias={3: 250}, allowed_token_ids=[1, 2, 3, 4, 5],
+                        bad_words_token_ids=[[5, 6]], prompt_logprobs=1, include_stop_str_in_output=True,
+                        truncate_prompt_tokens=7, structured_outputs=so)
+    frames = Frames("s3cret", "test")
+    for msg in (P.AddRequest(3, "r", [1, 2], 1.5, sampling_params=sp, priority=-2),
+                P.AddRequest(4, "e", [1], 2.0, pooling_params=PoolingParams("MEAN", False).resolve())):
+        got = frames.decode(frames.encode(msg), P.to_engine_decoder, "test")
+        assert got == msg and got is not msg
+    assert got.pooling_params.pooling_type == "MEAN" and got.sampling_params is None
+    # decoding checks the parameters with their own validation: a field spoilt after it never reaches a core
+    sp.temperature = -1.0
+    with pytest.raises(msgspec.ValidationError, match="temperature must be a finite number"):
+        P.to_engine_decoder.decode(msgspec.msgpack.encode(P.AddRequest(5, "r", [1], 0.0, sampling_params=sp)))
 
 
 def test_replicas_decoding_for_longer_than_the_heartbeat_timeout_stay_alive(tmp_path):
@@ -100,8 +122,9 @@ def test_a_fuzz_of_raw_frames_kills_no_engine_process(tmp_path, monkeypatch, cap
     frames = fuzz_frames(random.Random(0), "s3cret-for-this-test")
 
     async def serve_one_each() -> None:
-        streams = [client.add(f"q{time.monotonic_ns()}-{i}", [11, 12, 13], time.time(), max_tokens=4,
-                              ignore_eos=True, temperature=0.0) for i in range(2)]
+        streams = [client.add(f"q{time.monotonic_ns()}-{i}", [11, 12, 13], time.time(),
+                              sampling_params=SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+                   for i in range(2)]
         engines = set()
         for s in streams:
             while True:

@@ -149,3 +149,25 @@ def test_the_direction_check_sees_a_violation():
     assert any(_under(t, "testbed.runtime") for t in graph["testbed.server.state"])
     assert any(_under(t, f) for t in graph["testbed.server.state"] for f in FORBIDDEN["testbed.runtime"])
     assert "zmq" in {t for t, _ in imports(mods["testbed.runtime.client"], "testbed.runtime.client", set(mods))}
+
+
+def _closure(graph: dict[str, set[str]], root: str) -> set[str]:
+    """Every testbed module `root` imports, directly or through others (root included)."""
+    seen, todo = {root}, [root]
+    while todo:
+        for t in graph[todo.pop()] - seen:
+            seen.add(t)
+            todo.append(t)
+    return seen
+
+
+def test_the_api_boundary_checks_grammars_without_torch():
+    """The front-ends (API server, offline LLM) refuse a bad schema/regex/grammar through grammar_compile, whose
+    testbed imports reach no torch (the worker's grammar.py, with the torch bitmask, is not among them)."""
+    mods, graph = modules(), import_graph()
+    reach = _closure(graph, "testbed.worker.grammar_compile")
+    assert "testbed.worker.grammar" not in reach
+    bad = [f"{m}:{line}" for m in reach for t, line in imports(mods[m], m, set(mods)) if t == "torch"]
+    assert not bad, "the grammar check imports torch: " + ", ".join(bad)
+    for front in ("testbed.server.params", "testbed.llm"):
+        assert "testbed.worker.grammar_compile" in graph[front] and "testbed.worker.grammar" not in graph[front]

@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
                                                     NoBadWordsLogitsProcessor, PrefixConstrainedLogitsProcessor,
                                                     RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor)
 
-from testbed.engine.request import InvalidParam, SamplingParams, StructuredOutputsParams
+from testbed.engine.params import InvalidParam, SamplingParams, StructuredOutputsParams
 from testbed.worker.logits_processors import LogitsProcessors, RowContext
 from testbed.worker.sampler import Sampler
 
@@ -259,7 +259,7 @@ def test_bitmask_masks_as_xgrammar_does(tokenizer):
 
 def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
     import xgrammar as xgr
-    from testbed.worker.grammar import choice_grammar
+    from testbed.worker.grammar_compile import choice_grammar
     choices = ['say "hi"', "back\\slash", "two\nlines", "café"]
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer)).compile_grammar(choice_grammar(choices))
     for text in choices + ["say hi", "back\\\\slash"]:
@@ -273,7 +273,7 @@ def test_choice_grammar_accepts_exactly_the_choices(tokenizer):
     (StructuredOutputsParams(grammar="root ::= missing"), "structured_outputs.grammar"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_by_name(so, param):
-    from testbed.worker.grammar import check_structured_outputs
+    from testbed.worker.grammar_compile import check_structured_outputs
     with pytest.raises(InvalidParam) as e:
         check_structured_outputs(so)
     assert e.value.param == param and "does not compile" in str(e.value) and ".cc:" not in str(e.value)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from testbed.engine.request import InvalidParam, SamplingParams, child_seed
+from testbed.engine.params import InvalidParam, SamplingParams, child_seed
 from testbed.worker.sampler import Sampler
 
 CPU = torch.device("cpu")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from testbed import LLM, SamplingParams
-from testbed.engine.request import StructuredOutputsParams
+from testbed.engine.params import StructuredOutputsParams
 
 from llm_helpers import OpenAIPenalties, hf_greedy
 

@@ -20,6 +20,8 @@ import pytest
 
 from server_helpers import ServerProcess, metric, sse_events
 
+from testbed.engine.params import SamplingParams
+
 PROMPT = "The capital of France is"
 
 pytestmark = pytest.mark.timeout(300)
@@ -275,7 +277,7 @@ def test_engine_exception_is_reported_then_process_dies(tests_on_path):
         try:
             ready = await asyncio.wait_for(client.start(), 60)
             assert ready.max_model_len == 128 and ready.num_gpu_blocks == 64
-            stream = client.add("r1", [1, 2, 3], time.time(), max_tokens=4, temperature=0.0)
+            stream = client.add("r1", [1, 2, 3], time.time(), sampling_params=SamplingParams(max_tokens=4, temperature=0.0))
             with pytest.raises(EngineDeadError, match="boom in execute"):
                 await asyncio.wait_for(stream.get(), 30)
             assert client.is_dead
@@ -285,7 +287,7 @@ def test_engine_exception_is_reported_then_process_dies(tests_on_path):
                 await asyncio.sleep(0.05)
             assert client.proc.returncode == 1
             with pytest.raises(EngineDeadError):
-                client.add("r2", [1], time.time(), max_tokens=1)
+                client.add("r2", [1], time.time(), sampling_params=SamplingParams(max_tokens=1))
         finally:
             await client.shutdown()
 
@@ -320,10 +322,13 @@ def test_emulated_executor_serves_the_engine_process():
         assert ready.vocab_size == 49152  # no model given: the bundled SmolLM2's shape
         # a request that cannot be encoded (a seed past uint64) leaves no stream and no count behind, so the
         # waiting estimate stays exact (it once took a waiting slot for good)
+        unsendable = SamplingParams(max_tokens=5)
+        unsendable.seed = 2**70  # set after validation
         with pytest.raises(OverflowError):
-            client.add("r0", [11], time.time(), max_tokens=5, seed=2**70)
+            client.add("r0", [11], time.time(), sampling_params=unsendable)
         assert "r0" not in client.streams and client.sent_seq == -1 and client.num_waiting_estimate == 0
-        stream = client.add("r1", [11, 12, 13], time.time(), max_tokens=5, temperature=0.0, ignore_eos=True)
+        stream = client.add("r1", [11, 12, 13], time.time(),
+                            sampling_params=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
         tokens = []
         while True:
             out = await asyncio.wait_for(stream.get(), 30)
@@ -333,7 +338,7 @@ def test_emulated_executor_serves_the_engine_process():
         assert tokens == [11, 12, 13, 11, 12] and out.finish_reason == "length"
         assert client.sent_seq == client.stats.acked_seq == 0 and client.num_waiting_estimate == 0
         # the engine core checks what it is sent again: out-of-vocabulary ids are rejected, not run
-        out = await asyncio.wait_for(client.add("r2", [49152], time.time(), max_tokens=2).get(), 30)
+        out = await asyncio.wait_for(client.add("r2", [49152], time.time(), sampling_params=SamplingParams(max_tokens=2)).get(), 30)
         assert out.finish_reason == "rejected" and "outside the vocabulary" in out.stop_reason
         await client.shutdown()
 

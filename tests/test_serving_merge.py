@@ -4,7 +4,7 @@ finishes each choice once."""
 import asyncio
 
 from testbed.detokenizer import TokenTexts
-from testbed.engine.request import SamplingParams
+from testbed.engine.params import SamplingParams
 from testbed.server.metrics import ServerMetrics
 from testbed.runtime.protocol import CoreOutput
 from testbed.server.serving import GenerationRun

@@ -8,7 +8,7 @@ import sys
 import time
 
 from testbed.llm import LLM
-from testbed.engine.request import SamplingParams
+from testbed.engine.params import SamplingParams
 from testbed.bench.datasets import random_dataset
 n, inp, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 llm = LLM("Llama-3.2-1B", load_format="dummy", max_model_len=4096, async_scheduling="--async-scheduling" in sys.argv)

@@ -127,7 +127,7 @@ class PoolerConfig:
     normalize: bool = True
 
     def __post_init__(self) -> None:
-        from testbed.engine.request import InvalidParam, PoolingParams
+        from testbed.engine.params import InvalidParam, PoolingParams
         try:
             self.pooling_type = PoolingParams(self.pooling_type, self.normalize).pooling_type
         except InvalidParam as e:

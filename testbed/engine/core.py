@@ -13,7 +13,7 @@ from typing import Protocol
 from testbed.engine.block_manager import BlockManager
 from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import Recorder
-from testbed.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput, check_stop
+from testbed.engine.outputs import ModelRunnerOutput, EngineCoreOutput, SchedulerOutput, check_stop
 from testbed.engine.request import Request, RequestStatus
 from testbed.engine.scheduler import Scheduler
 
@@ -38,7 +38,7 @@ class ReplicaStats:
 
 
 def times(req: Request) -> tuple:
-    """A finished request's (first scheduled, first token, last token, finished) times: RequestOutput.timing."""
+    """A finished request's (first scheduled, first token, last token, finished) times: EngineCoreOutput.timing."""
     return req.first_scheduled_time, req.first_token_time, req.last_token_time, req.finish_time
 
 
@@ -110,7 +110,7 @@ class EngineCore:
             return f"waiting queue is full ({limit} requests, --max-num-waiting); retry later"
         return None
 
-    def add_request(self, req: Request, now: float) -> RequestOutput | None:
+    def add_request(self, req: Request, now: float) -> EngineCoreOutput | None:
         """Queue a request; returns a finished 'rejected' output instead when it cannot be served."""
         self.num_added += 1
         if req.request_id in self.requests:
@@ -122,7 +122,7 @@ class EngineCore:
             req.stop_reason = reason
             req.finish_time = now
             self.records.record_request(req)
-            return RequestOutput(req.request_id, [], True, "rejected", reason, timing=times(req))
+            return EngineCoreOutput(req.request_id, [], True, "rejected", reason, timing=times(req))
         if req.pooling_params is not None:
             self.num_pooling += 1
         elif req.sampling_params.max_tokens is None:
@@ -133,7 +133,7 @@ class EngineCore:
         self.scheduler.add_request(req)
         return None
 
-    def abort(self, request_id: str, now: float) -> RequestOutput | None:
+    def abort(self, request_id: str, now: float) -> EngineCoreOutput | None:
         """End a live request (client gone, stop string seen by the front-end); frees its blocks."""
         req = self.requests.get(request_id)
         if req is None:
@@ -142,7 +142,7 @@ class EngineCore:
         self._finish(req, RequestStatus.FINISHED_ABORTED, now)
         if was_running:
             self.scheduler.drop_finished()
-        return RequestOutput(request_id, [], True, "abort", req.stop_reason, max(req.num_cached_tokens, 0),
+        return EngineCoreOutput(request_id, [], True, "abort", req.stop_reason, max(req.num_cached_tokens, 0),
                              timing=times(req))
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
@@ -170,14 +170,14 @@ class EngineCore:
         so.has_pooling = self.num_pooling > 0
         return so
 
-    def update(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float) -> list[RequestOutput]:
+    def update(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float) -> list[EngineCoreOutput]:
         """Apply sampled tokens, run stop checks, finish requests, record the step.
 
         Steps are updated in the order they were scheduled; with async scheduling the next step may
         already be scheduled (on placeholders) when this one is updated. A token of a request that
         finished meanwhile is dropped; one of a request preempted meanwhile is kept (it was sampled
         from the full context)."""
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineCoreOutput] = []
         itl_append = self.records.itl.append
         stream = self.stream_outputs
         lps = out.logprobs
@@ -213,11 +213,11 @@ class EngineCore:
             if status is not None:
                 self._finish(req, status, now)
                 any_finished = True
-                outputs.append(RequestOutput(req.request_id, [tok], True, status.finish_reason, req.stop_reason,
+                outputs.append(EngineCoreOutput(req.request_id, [tok], True, status.finish_reason, req.stop_reason,
                                              req.num_cached_tokens, None if lp is None else [lp], plp,
                                              timing=times(req)))
             elif stream or plp is not None:
-                outputs.append(RequestOutput(req.request_id, [tok], False, None, None, req.num_cached_tokens,
+                outputs.append(EngineCoreOutput(req.request_id, [tok], False, None, None, req.num_cached_tokens,
                                              None if lp is None else [lp], plp))
         counts.generation += sampled
         if out.errors:
@@ -227,7 +227,7 @@ class EngineCore:
                     req.stop_reason = reason
                     self._finish(req, RequestStatus.FINISHED_ERROR, now)
                     any_finished = True
-                    outputs.append(RequestOutput(rid, [], True, "error", reason, max(req.num_cached_tokens, 0),
+                    outputs.append(EngineCoreOutput(rid, [], True, "error", reason, max(req.num_cached_tokens, 0),
                                                  timing=times(req)))
         if any_finished:
             self.scheduler.drop_finished()
@@ -241,7 +241,7 @@ class EngineCore:
         return outputs
 
     def _finish_pooled(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float,
-                       outputs: list[RequestOutput]) -> bool:
+                       outputs: list[EngineCoreOutput]) -> bool:
         """End the pooling requests whose last prompt token this step computed, with the executor's pooled
         output (None from an executor that runs no model); whether any ended. Their row's token, if the
         executor gave one, is not theirs to keep (they end first); one the executor failed on ends as an error
@@ -256,12 +256,12 @@ class EngineCore:
             counts.prompt += req.num_prompt_tokens
             counts.cached_prompt += max(req.num_cached_tokens, 0)
             self._finish(req, RequestStatus.FINISHED_STOPPED, now)
-            outputs.append(RequestOutput(req.request_id, [], True, "stop", None, req.num_cached_tokens,
+            outputs.append(EngineCoreOutput(req.request_id, [], True, "stop", None, req.num_cached_tokens,
                                          pooling_output=None if pooled is None else pooled[i], timing=times(req)))
             ended = True
         return ended
 
-    def step(self, now: float, executor: Executor) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    def step(self, now: float, executor: Executor) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """schedule + execute + update, with the step ending at now + the executor's duration."""
         so = self.schedule(now)
         if so.is_empty:

@@ -92,8 +92,9 @@ class ModelRunnerOutput:
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """Incremental result for one request after a step."""
+class EngineCoreOutput:
+    """Incremental result for one request after a step (vLLM's EngineCoreOutput; the offline API's RequestOutput,
+    testbed/outputs.py, is built from these)."""
 
     request_id: str
     new_token_ids: list[int]

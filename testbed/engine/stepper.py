@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from testbed.engine.core import EngineCore
-from testbed.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from testbed.engine.outputs import ModelRunnerOutput, EngineCoreOutput, SchedulerOutput
 
 
 class ExecutorFailure(RuntimeError):
@@ -51,7 +51,7 @@ class EngineStepper:
         """Requests live in the core or a step still to be read back."""
         return self.in_flight is not None or self.core.has_unfinished_requests()
 
-    def step(self, now: float | None = None) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    def step(self, now: float | None = None) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """One schedule at `now` (default: the clock) and the update of one step at the clock; the
         SchedulerOutput returned is the one scheduled now (empty when nothing was schedulable)."""
         core = self.core
@@ -76,7 +76,7 @@ class EngineStepper:
         self.in_flight = launched
         return so, outputs
 
-    def drain(self) -> list[RequestOutput]:
+    def drain(self) -> list[EngineCoreOutput]:
         """Read back and apply the step in flight, if any (before an abort-all or shutdown)."""
         if self.in_flight is None:
             return []

@@ -21,6 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from testbed.engine.params import PoolingParams, SamplingParams
 from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames, deployment_secret
 from testbed.runtime.engine_proc import EngineProcConfig
@@ -216,15 +217,18 @@ class EngineClient:
         return self.stats.num_waiting + self.sent_seq - self.stats.acked_seq
 
     def add(self, request_id: str, prompt_token_ids: list[int], arrival_time: float,
-            stream: RequestStream | None = None, **params) -> RequestStream:
-        """Send one request to the core; its outputs arrive on `stream` (several requests may share
-        one, e.g. the n choices of one HTTP request), a new one if None. `params`: AddRequest fields."""
+            stream: RequestStream | None = None, *, sampling_params: SamplingParams | None = None,
+            pooling_params: PoolingParams | None = None, priority: int = 0) -> RequestStream:
+        """Send one request (validated parameters: generation or, resolved, pooling) to the core; its outputs
+        arrive on `stream` (several requests may share one, e.g. the n choices of one HTTP request), a new one if
+        None."""
         if self.dead_reason is not None:
             raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
         if self.refusal is not None:
             raise EngineDeadError(str(self.refusal), self.refusal.code)
         # encode first: a request that cannot be sent must leave no stream and no sequence number behind
-        data = self.frames.encode(P.AddRequest(self.sent_seq + 1, request_id, prompt_token_ids, arrival_time, **params))
+        data = self.frames.encode(P.AddRequest(self.sent_seq + 1, request_id, prompt_token_ids, arrival_time,
+                                               sampling_params, pooling_params, priority))
         if not self._send_data(data):
             raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
         self.sent_seq += 1

@@ -20,8 +20,9 @@ import zmq
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
-from testbed.engine.outputs import RequestOutput
-from testbed.engine.request import PoolingParams, Request, check_token_ids
+from testbed.engine.outputs import EngineCoreOutput
+from testbed.engine.params import check_token_ids
+from testbed.engine.request import Request
 from testbed.runtime import config_arg, freeze_startup_heap, run_process
 from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames
@@ -74,22 +75,19 @@ class StepLog:
 
 
 def add_to_core(core: EngineCore, m: P.AddRequest, eos: int | None, vocab_size: int,
-                now: float) -> RequestOutput | None:
+                now: float) -> EngineCoreOutput | None:
     """Queue one request; a bad one is rejected (with the reason) rather than killing the engine. The API
     server validated it already; it is checked again so that no input can reach a step unchecked."""
     try:
-        if m.pooling is not None:
-            sp, pp = None, PoolingParams(m.pooling.pooling_type, m.pooling.normalize)
-        else:
-            sp, pp = P.sampling_params(m).verify(vocab_size), None
+        sp = None if m.sampling_params is None else m.sampling_params.verify(vocab_size)
         check_token_ids(m.prompt_token_ids, vocab_size)
-        req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, eos, pp)
+        req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, eos, m.pooling_params)
         return core.add_request(req, now)
     except (ValueError, TypeError) as e:
-        return RequestOutput(m.request_id, [], True, "rejected", str(e))
+        return EngineCoreOutput(m.request_id, [], True, "rejected", str(e))
 
 
-def abort_in_core(core: EngineCore, request_ids: list[str], now: float) -> list[RequestOutput]:
+def abort_in_core(core: EngineCore, request_ids: list[str], now: float) -> list[EngineCoreOutput]:
     """End these requests (unknown or finished ids are skipped); the abort outputs of live ones."""
     return [out for out in (core.abort(rid, now) for rid in request_ids) if out is not None]
 
@@ -111,7 +109,7 @@ def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
                             tokens.generation)
 
 
-def to_wire(o: RequestOutput) -> P.CoreOutput:
+def to_wire(o: EngineCoreOutput) -> P.CoreOutput:
     return P.CoreOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
                         o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output, o.timing)
 
@@ -185,9 +183,9 @@ class EngineProc:
             if log is not None:
                 log.close()
 
-    def read_inputs(self, block: bool) -> list[RequestOutput]:
+    def read_inputs(self, block: bool) -> list[EngineCoreOutput]:
         """Apply every pending message; waits up to PARENT_CHECK_S for the first one when `block`."""
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineCoreOutput] = []
         timeout = int(PARENT_CHECK_S * 1000) if block else 0
         while self.inp.poll(timeout):
             timeout = 0
@@ -203,7 +201,7 @@ class EngineProc:
                 break
         return outputs
 
-    def add(self, m: P.AddRequest) -> RequestOutput | None:
+    def add(self, m: P.AddRequest) -> EngineCoreOutput | None:
         self.acked_seq = m.seq
         return add_to_core(self.core, m, self.eos, self.vocab_size, time.time())
 

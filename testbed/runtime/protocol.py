@@ -7,84 +7,32 @@ process dies of an exception. Every struct is tagged, so one decoder reads the w
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
-from testbed.engine.request import SamplingParams, StructuredOutputsParams
+from testbed.engine.params import PoolingParams, SamplingParams
 
 # (logprob of the chosen token, its rank, [(token id, logprob), ...] top-N), as ModelRunnerOutput carries them
 TokenLogprob = tuple[float, int, list[tuple[int, float]]]
 
 
-class StructuredOutput(msgspec.Struct, array_like=True):
-    """StructuredOutputsParams on the wire: its one constraint (kind, value) and the whitespace option."""
-
-    kind: str
-    spec: Union[str, bool, list[str]]
-    disable_any_whitespace: bool = False
-
-
-class Pooling(msgspec.Struct, array_like=True):
-    """A pooling (embedding) request's resolved PoolingParams."""
-
-    pooling_type: str
-    normalize: bool
-
-
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    """One sequence to generate, or with `pooling` one prompt to embed (the sampling fields unused). `seq`
+    """One sequence to generate (`sampling_params`) or one prompt to embed (resolved `pooling_params`), exactly
+    one of them. The parameters cross as the classes the front-ends validated (engine/params.py, msgspec
+    encodes the dataclasses field by field), so the engine sees the same fields and checks them with the same
+    code: decoding runs their validation again, and the engine adds the vocabulary checks (`verify`). `seq`
     numbers adds so the API server knows which ones a stats snapshot already includes (its waiting-bound
-    estimate). Stop strings, detokenization options and bad words as text stay in the API server (bad words
-    cross as token ids)."""
+    estimate). The engine ignores the front-end's fields (stop strings, detokenization options, bad words as
+    text: they cross as bad_words_token_ids)."""
 
     seq: int
     request_id: str
     prompt_token_ids: list[int]
     arrival_time: float
-    max_tokens: int | None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None
+    sampling_params: SamplingParams | None = None
+    pooling_params: PoolingParams | None = None
     priority: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words_token_ids: list[list[int]] | None = None
-    prompt_logprobs: int | None = None
-    structured_outputs: StructuredOutput | None = None
-    pooling: Pooling | None = None
-
-
-# AddRequest fields that are SamplingParams fields of the same name (the engine's share of them)
-SAMPLING_FIELDS = tuple(f for f in AddRequest.__struct_fields__
-                        if f not in ("seq", "request_id", "prompt_token_ids", "arrival_time", "priority",
-                                     "structured_outputs", "pooling"))
-
-
-def engine_fields(sp: SamplingParams) -> dict[str, Any]:
-    """The AddRequest fields of what the engine honours in `sp` (seed and priority are per request: the
-    caller gives them)."""
-    so = sp.structured_outputs
-    fields = {f: getattr(sp, f) for f in SAMPLING_FIELDS if f != "seed"}
-    fields["structured_outputs"] = None if so is None else StructuredOutput(so.kind, so.spec, so.disable_any_whitespace)
-    return fields
-
-
-def sampling_params(m: AddRequest) -> SamplingParams:
-    """The engine's SamplingParams of an AddRequest (validated again by the caller's `verify`)."""
-    w = m.structured_outputs
-    so = None if w is None else StructuredOutputsParams(**{w.kind: w.spec},
-                                                        disable_any_whitespace=w.disable_any_whitespace)
-    return SamplingParams(**{f: getattr(m, f) for f in SAMPLING_FIELDS}, structured_outputs=so)
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -107,7 +55,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """New tokens of one request after a step (RequestOutput on the wire)."""
+    """New tokens of one request after a step (EngineCoreOutput on the wire)."""
 
     request_id: str
     new_token_ids: list[int]

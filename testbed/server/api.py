@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from testbed.engine.request import InvalidParam
+from testbed.engine.params import InvalidParam
 from testbed.server import responses as R
 from testbed.server.chat import create_chat_completion, render_chat
 from testbed.server.completions import create_completion

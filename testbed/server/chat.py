@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from testbed.chat_utils import apply_chat_template
-from testbed.engine.request import MAX_LOGPROBS
+from testbed.engine.params import MAX_LOGPROBS
 from testbed.server.schemas import ChatCompletionRequest, ChatMessage, bad_request
 from testbed.server.params import request_params, truncate_prompts
 from testbed.server.serving import GenerationRun, floor_logprob, prompt_logprobs_json

@@ -10,7 +10,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from testbed.engine.request import InvalidParam, PoolingParams
+from testbed.engine.params import InvalidParam, PoolingParams
 from testbed.server.completions import parse_prompts
 from testbed.server.schemas import APIError, EmbeddingRequest, bad_request
 from testbed.server.params import check_request_priority, truncate_prompts, warn_ignored_fields

@@ -13,8 +13,8 @@ import asyncio
 import logging
 from typing import Any
 
-from testbed.engine.request import (InvalidParam, PoolingParams, SamplingParams, StructuredOutputsParams,
-                                    check_priority, truncate_prompt)
+from testbed.engine.params import (InvalidParam, PoolingParams, SamplingParams, StructuredOutputsParams,
+                                   check_priority, truncate_prompt)
 from testbed.server.schemas import bad_request
 from testbed.server.state import ServerState
 
@@ -112,7 +112,7 @@ def prepare_params(state: ServerState, sp: SamplingParams) -> SamplingParams:
 async def check_grammar(state: ServerState, sp: SamplingParams, source: str | None) -> None:
     """The request's structured output must parse, on a grammar thread within --structured-outputs-timeout
     (a 400 naming the field otherwise; a check that overran finishes in the background, holding no one up)."""
-    from testbed.worker.grammar import check_structured_outputs
+    from testbed.worker.grammar_compile import check_structured_outputs
     loop = asyncio.get_running_loop()
     job = loop.run_in_executor(state.grammar_pool, check_structured_outputs, sp.structured_outputs)
     try:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from testbed.engine.request import check_text
+from testbed.engine.params import check_text
 
 
 class _Strict(BaseModel):

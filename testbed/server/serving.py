@@ -9,12 +9,12 @@ Invariant: every choice finishes exactly once, with one finish_reason.
 """
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
 from testbed.engine.outputs import NO_TOKEN_LEFT
-from testbed.engine.request import PoolingParams, SamplingParams, child_seed
-from testbed.runtime import protocol as P
+from testbed.engine.params import PoolingParams, SamplingParams, child_seed
 from testbed.runtime.client import EngineDeadError, RequestStream
 from testbed.detokenizer import IncrementalDetokenizer
 from testbed.server.metrics import FinishedRequest
@@ -147,11 +147,14 @@ class GenerationRun:
         sp = self.sp
         if self.pooling:
             self.state.client.add(c.request_id, self.prompts[c.prompt_index], self.arrival, stream=self.stream,
-                                  max_tokens=None, priority=self.priority,
-                                  pooling=P.Pooling(sp.pooling_type, sp.normalize))
+                                  pooling_params=sp, priority=self.priority)
             return
+        seed = child_seed(sp.seed, c.index % sp.n)
+        if seed != sp.seed:  # choice k of n draws with its own seed (a copy: the checked fields stay as they are)
+            sp = copy.copy(sp)
+            sp.seed = seed
         self.state.client.add(c.request_id, self.prompts[c.prompt_index], self.arrival, stream=self.stream,
-                              seed=child_seed(sp.seed, c.index % sp.n), priority=self.priority, **P.engine_fields(sp))
+                              sampling_params=sp, priority=self.priority)
 
     def metrics(self, c: Choice):
         """The metrics of the replica serving choice `c` (unrouted while none took it)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from testbed.engine.config import PoolerConfig
-from testbed.engine.request import InvalidParam, check_token_ids
+from testbed.engine.params import InvalidParam, check_token_ids
 from testbed.runtime.client import EngineClient
 from testbed.detokenizer import TokenTexts
 from testbed.server.metrics import ServerMetrics

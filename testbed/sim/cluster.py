@@ -22,7 +22,8 @@ from testbed.engine.coordinator import DPCoordinator, StatsPublisher
 from testbed.engine.core import EngineCore
 from testbed.engine.fast_forward import fast_forward
 from testbed.engine.metrics import Recorder
-from testbed.engine.request import Request, SamplingParams
+from testbed.engine.params import SamplingParams
+from testbed.engine.request import Request
 from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment
 from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor

@@ -6,75 +6,17 @@ rows that carry a grammar, copied to the logits' device in one transfer and unpa
 ops: the same batched path on GPU and CPU. A matcher advances lazily: before each fill it accepts the
 request's tokens it has not seen yet (the caller passes every token sampled so far). Once it accepted
 the end of its grammar (a stop token), its row is no longer constrained, as in vLLM (ignore_eos goes on
-freely). `check_structured_outputs` compiles the grammar without a tokenizer, so the front-ends can
-refuse a bad schema, regex or grammar with a 400 before the request reaches the engine.
+freely). The constraint's translation into xgrammar, and the front-ends' torch-free check of it, are in
+grammar_compile.py.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Sequence
 
 import torch
 
-from testbed.engine.request import InvalidParam, StructuredOutputsParams
-
-_XGR_LOCATION = re.compile(r"\[[^\]]*\] \S+?:\d+: ")  # xgrammar's "[time] file.cc:line: " prefix
-
-
-def _xgrammar():
-    try:
-        import xgrammar
-    except ImportError as e:  # an optional dependency: the `real` extra installs it
-        raise RuntimeError("structured outputs need the xgrammar package: pip install xgrammar") from e
-    return xgrammar
-
-
-def _reason(e: Exception) -> str:
-    return _XGR_LOCATION.sub("", str(e)).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def choice_grammar(choices: Sequence[str]) -> str:
-    """An EBNF grammar whose language is exactly `choices` (quotes, backslashes and control characters escaped)."""
-    def literal(s: str) -> str:
-        out = []
-        for ch in s:
-            if ch in '"\\':
-                out.append("\\" + ch)
-            elif ord(ch) < 32 or ord(ch) == 127:
-                out.append(f"\\u{ord(ch):04x}")
-            else:
-                out.append(ch)
-        return '"' + "".join(out) + '"'
-    return "root ::= " + " | ".join(literal(c) for c in choices)
-
-
-def _grammar(xgr, so: StructuredOutputsParams, compiler=None):
-    """The constraint as an xgrammar Grammar (compiler None) or CompiledGrammar."""
-    kind, spec, ws = so.kind, so.spec, not so.disable_any_whitespace
-    if compiler is None:
-        g = xgr.Grammar
-        build = {"json": lambda: g.from_json_schema(spec, any_whitespace=ws),
-                 "json_object": lambda: g.builtin_json_grammar(),
-                 "regex": lambda: g.from_regex(spec),
-                 "grammar": lambda: g.from_ebnf(spec),
-                 "choice": lambda: g.from_ebnf(choice_grammar(spec))}
-    else:
-        c = compiler
-        build = {"json": lambda: c.compile_json_schema(spec, any_whitespace=ws),
-                 "json_object": lambda: c.compile_builtin_json_grammar(),
-                 "regex": lambda: c.compile_regex(spec),
-                 "grammar": lambda: c.compile_grammar(spec),
-                 "choice": lambda: c.compile_grammar(choice_grammar(spec))}
-    return build[kind]()
-
-
-def check_structured_outputs(so: StructuredOutputsParams) -> None:
-    """InvalidParam (naming structured_outputs.<kind>) when the constraint does not compile."""
-    xgr = _xgrammar()
-    try:
-        _grammar(xgr, so)
-    except Exception as e:  # noqa: BLE001 - xgrammar reports every parse error as RuntimeError or ValueError
-        raise InvalidParam(f"structured_outputs.{so.kind}", f"does not compile: {_reason(e)}") from None
+from testbed.engine.params import StructuredOutputsParams
+from testbed.worker.grammar_compile import compile_constraint, xgrammar
 
 
 def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -108,16 +50,12 @@ class GrammarStates:
 
     def _matcher(self, so: StructuredOutputsParams, vocab_size: int, eos_token_id: int | None):
         if self._compiler is None or self._vocab != vocab_size:
-            xgr = self._xgr = _xgrammar()
+            xgr = self._xgr = xgrammar()
             stop = [eos_token_id] if eos_token_id is not None else None
             info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=vocab_size,
                                                       stop_token_ids=stop)
             self._compiler, self._vocab = xgr.GrammarCompiler(info), vocab_size
-        try:
-            compiled = _grammar(self._xgr, so, self._compiler)
-        except Exception as e:  # noqa: BLE001
-            raise InvalidParam(f"structured_outputs.{so.kind}", f"does not compile: {_reason(e)}") from None
-        return self._xgr.GrammarMatcher(compiled)
+        return self._xgr.GrammarMatcher(compile_constraint(so, self._compiler))
 
     def bitmask(self, request_ids: Sequence[str], params: Sequence, outputs: Sequence[Sequence[int]],
                 eos_token_ids: Sequence[int | None], vocab_size: int, pin: bool = False) -> torch.Tensor:

@@ -10,7 +10,8 @@ import numpy as np
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import ModelRunnerOutput
-from testbed.engine.request import Request, SamplingParams
+from testbed.engine.params import SamplingParams
+from testbed.engine.request import Request
 
 
 def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[int], admit_tokens: list[int]) -> dict:

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from testbed.engine.request import SamplingParams
+from testbed.engine.params import SamplingParams
 from testbed.worker.grammar import GrammarStates, unpack_bitmask
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from testbed.engine.request import SamplingParams
+from testbed.engine.params import SamplingParams
 from testbed.worker.logits_processors import LogitsProcessors, RowContext, on_device as _on
 
 

@@ -14,7 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from testbed.engine.outputs import SchedulerOutput
-from testbed.engine.request import Request, SamplingParams
+from testbed.engine.params import SamplingParams
+from testbed.engine.request import Request
 
 Row = tuple[int, int, bool]  # (cached tokens before this step, new tokens, is a decode)
 

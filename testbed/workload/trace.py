@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.engine.request import SamplingParams, StructuredOutputsParams
+from testbed.engine.params import SamplingParams, StructuredOutputsParams
 
 FORMATS = ("auto", "jsonl", "azure", "mooncake", "lengths")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
