@@ -68,7 +68,7 @@ def real(args: argparse.Namespace) -> None:
     executor = create_executor(args.model, base, "dummy")
     print(f"[fidelity] executor ready in {time.perf_counter() - t0:.0f} s: {executor.num_gpu_blocks} blocks", flush=True)
     if args.profile_out:
-        from testbed.worker.profiler import profile_executor
+        from testbed.profiling.sweep import profile_executor
         prof = profile_executor(executor, args.model, base, "dummy", quick=args.smoke, progress=not args.no_progress,
                                 reps=args.reps)
         Path(args.profile_out).write_text(json.dumps(prof, indent=1) + "\n")
@@ -132,7 +132,8 @@ def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None) -> dict
     from testbed.sim.cluster import simulate
     from testbed.sim.cost_model import RecordedCostModel
     from testbed.specs.hardware import get_gpu_spec
-    from testbed.sim.run import load_cost_model, run_simulation
+    from testbed.sim.factory import load_cost_model
+    from testbed.sim.run import run_simulation
     from testbed.workload.trace import load_trace
     run = read_run(run_dir)
     m = run.manifest

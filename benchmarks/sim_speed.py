@@ -35,7 +35,7 @@ from blis_peer import replay_command, write_trace  # noqa: E402
 from testbed.engine.config import EngineConfig  # noqa: E402
 from testbed.sim.cluster import simulate  # noqa: E402
 from testbed.sim.cost_model import num_gpu_blocks  # noqa: E402
-from testbed.sim.run import load_cost_model  # noqa: E402
+from testbed.sim.factory import load_cost_model  # noqa: E402
 from testbed.specs.hardware import get_gpu_spec  # noqa: E402
 from testbed.specs.presets import get_model_spec  # noqa: E402
 from testbed.workload.trace import TraceRequest, gamma_arrivals, load_trace  # noqa: E402

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from testbed.cli_args import ArgumentParser, add_engine_args, add_model_args, add_trace_args, default_run_dir, engine_config, print_result
 from testbed.engine.config import ConfigError
@@ -94,36 +92,31 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     """Sweep synthetic steps through the real executor and write the measured profile(s): one model to a file,
     or several (comma-separated) into a folder, one profile each, skipping those that do not fit the GPU."""
-    from testbed.sim.profiled import ProfiledCostModel, profile_file_name
-    from testbed.worker.profiler import build_profile
+    from testbed.profiling.profile_file import output_path, output_target, write_profile
+    from testbed.profiling.sweep import build_profile
+    from testbed.sim.profiled import ProfiledCostModel
     models = [m.strip() for m in (args.model or "").split(",")] if args.model else [None]
     if args.quick and args.smoke:
         raise ValueError("--quick rescales a profile from a few anchor steps, --smoke makes a tiny full sweep: give one")
     if args.cost_model != "auto" and not args.quick:
         raise ValueError(f"--cost-model {args.cost_model}: only --quick takes a profile (the one it rescales)")
-    out = Path(args.output)
-    many = len(models) > 1 or out.is_dir()
-    if many and out.exists() and not out.is_dir():
-        raise ValueError(f"--output {out}: several models write one profile each; give a folder")
-    (out if many else out.parent).mkdir(parents=True, exist_ok=True)
+    out, many = output_target(args.output, len(models))
     written = []
     for model in models:
         try:
             if args.quick:
-                prof, path = quick_rescale(args, model, out, many)
+                from testbed.sim.quick_rescale import quick_rescale
+                prof, path = quick_rescale(args, engine_config(args), model, out, many)
             else:
                 prof = build_profile(model, engine_config(args), args.load_format, args.dtype, args.device,
                                      args.enforce_eager, args.smoke, progress=not args.no_progress, reps=args.reps)
-                path = out / profile_file_name(prof["model"]["name"], prof["gpu"], prof["tensor_parallel_size"]) \
-                    if many else out
+                path = output_path(out, many, prof["model"]["name"], prof["gpu"], prof["tensor_parallel_size"])
         except (RuntimeError, ValueError) as e:
             if not many:
                 raise
             print(f"testbed profile: skipping {model}: {e}", file=sys.stderr)
             continue
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(prof, indent=1) + "\n")
-        tmp.replace(path)
+        write_profile(path, prof)
         if not args.quick:
             errors = ProfiledCostModel(prof, name=str(path)).validate()
             print(f"profiled {prof['model']['name']} on {prof['device_name']} (tp={prof['tensor_parallel_size']}) "
@@ -132,44 +125,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"wrote {path} (use: testbed simulate TRACE --cost-model {path})")
         written.append(path)
     return 0 if written else 2
-
-
-def quick_rescale(args: argparse.Namespace, model: str | None, out: Path, many: bool) -> tuple[dict, Path]:
-    """`profile --quick`: the base profile (--cost-model: 'auto' is the one shipped for this model, this GPU and
-    TP) rescaled from anchor steps measured on this machine; prints how far the anchors moved."""
-    from testbed.sim.profiled import ProfiledCostModel, profile_file_name, shipped_profile
-    from testbed.sim.rescale import print_fit
-    from testbed.worker.profiler import device_name, gpu_preset_name
-    from testbed.worker.quick_profile import quick_profile
-    config = engine_config(args)
-    name = Path(model).name if model and args.load_format != "dummy" else (model or "SmolLM2-135M-Instruct")
-    base_path = args.cost_model
-    if base_path == "auto":
-        import torch
-        dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        gpu = gpu_preset_name(device_name(dev)) if dev.type == "cuda" else "cpu"
-        found = shipped_profile(name, gpu, config.tensor_parallel_size)
-        if found is None:
-            raise ValueError(f"no profile ships for {name} on {gpu} at TP={config.tensor_parallel_size} to rescale; "
-                             "give one with --cost-model FILE, or run `testbed profile` without --quick (a full sweep)")
-        base_path = str(found)
-    try:
-        base = json.loads(Path(base_path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--cost-model {base_path}: not a readable profile ({e})") from None
-    ProfiledCostModel(base, name=base_path)  # a malformed or attention-less profile is refused here
-    if base["model"]["name"] != name:
-        raise ValueError(f"--cost-model {base_path}: a profile of {base['model']['name']}, not of {name}")
-    prof, before, after = quick_profile(model, config, base, base_path, args.load_format, args.dtype, args.device,
-                                        args.enforce_eager, args.reps)
-    machine = prof["calibration"]["machine"]
-    print(f"rescaled {base_path} to {machine['device_name']} from {len(prof['calibration']['anchors'])} anchor "
-          f"measurements in {machine['setup_s'] + machine['measure_s']:.0f} s (engine start {machine['setup_s']:.0f} s)")
-    for a in prof["calibration"]["anchors"]:
-        print(f"  {a['anchor']:<34}{a['mode']:>6}  measured {a['measured_s'] * 1e3:9.3f} ms  moved {a['moved']:+7.1%}")
-    print_fit(prof["scales"], before, after)
-    path = out / profile_file_name(name, machine["gpu"], config.tensor_parallel_size) if many else out
-    return prof, path
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import pytest
 
 from testbed.cli import main
 from testbed.sim.error_bands import BANDS_FILE, METRICS, bands_from_fidelity, load_bands, within
-from testbed.sim.profiled import PROFILES_DIR
+from testbed.profiling.profile_file import PROFILES_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 FIDELITY = ROOT / "benchmarks/results/fidelity"

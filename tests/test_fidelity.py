@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from testbed.sim.profiled import PROFILES_DIR, ProfiledCostModel
+from testbed.profiling.profile_file import PROFILES_DIR
+from testbed.sim.profiled import ProfiledCostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -107,16 +107,21 @@ def test_engine_imports_no_io_module():
 
 
 # Packages a package must never import, so the arrows between them point one way: engine <- workload/specs <-
-# sim/worker <- runtime <- server <- cli. (The HTTP layer talks to the engine processes only through runtime/.)
+# worker <- profiling <- sim <- runtime <- server <- cli. (The HTTP layer talks to the engine processes only through runtime/.)
 MODE_NEUTRAL_FORBIDS = ("testbed.sim", "testbed.runtime", "testbed.server", "testbed.worker", "testbed.dashboard",
-                        "testbed.cli", "testbed.bench")
+                        "testbed.cli", "testbed.bench", "testbed.profiling")
 FORBIDDEN = {
     "testbed.engine": ("testbed.runtime", "testbed.server", "testbed.worker", "testbed.sim", "testbed.dashboard",
-                       "testbed.cli", "testbed.workload", "testbed.specs"),
+                       "testbed.cli", "testbed.workload", "testbed.specs", "testbed.profiling"),
     "testbed.workload": MODE_NEUTRAL_FORBIDS,  # traces and specs serve both modes: they import neither
     "testbed.specs": MODE_NEUTRAL_FORBIDS + ("testbed.workload",),
     "testbed.runtime": ("testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.llm"),
-    "testbed.worker": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli"),
+    "testbed.worker": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli", "testbed.sim",
+                       "testbed.profiling"),
+    # profiles are measured on the worker and read by the simulator: worker <- profiling <- sim
+    "testbed.profiling": ("testbed.sim", "testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli",
+                          "testbed.bench"),
+    "testbed.sim": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench"),
     "testbed.server": ("testbed.dashboard", "testbed.cli", "zmq"),
     # run figures <- compare's table <- the dashboard (which shows both)
     "testbed.figures": ("testbed.compare", "testbed.dashboard", "testbed.cli"),

@@ -10,8 +10,9 @@ from hypothesis import given, settings, strategies as st
 
 from testbed.cli import main
 from testbed.engine.config import EngineConfig
-from testbed.sim.profiled import PROFILES_DIR, ProfiledCostModel
-from testbed.worker.profiler import default_grid
+from testbed.profiling.profile_file import PROFILES_DIR
+from testbed.sim.profiled import ProfiledCostModel
+from testbed.profiling.sweep import default_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "traces/azure_conv_10min.jsonl"

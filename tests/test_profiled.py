@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from testbed.sim.profiled import ProfileError, ProfiledCostModel, fit_nonnegative, nnls
-from testbed.workload.synthetic import StepFactory, decode_rows
+from testbed.profiling.profile_file import ProfileError
+from testbed.sim.profiled import ProfiledCostModel, fit_nonnegative, nnls
+from testbed.profiling.synthetic_steps import StepFactory, decode_rows
 from testbed.sim.tables import Table1D, Table2D
 
 BS = 16

@@ -14,11 +14,12 @@ from hypothesis import Phase, given, settings, strategies as st
 
 from testbed.cli import main
 from testbed.engine.config import EngineConfig
-from testbed.sim.profiled import PROFILES_DIR, ProfileError, ProfiledCostModel
+from testbed.profiling.profile_file import PROFILES_DIR, ProfileError
+from testbed.sim.profiled import ProfiledCostModel
 from testbed.sim.rescale import StepSample, calibrated_profile, error_report, fit_scales
 from testbed.sim.step_terms import COMPONENTS, Scales, combine, design
-from testbed.worker.profiler import random_step
-from testbed.workload.synthetic import StepFactory
+from testbed.profiling.sweep import random_step
+from testbed.profiling.synthetic_steps import StepFactory
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = PROFILES_DIR / "Llama-3.2-1B_H200_tp1.json"

@@ -20,8 +20,9 @@ from typing import Iterable
 from testbed.specs.presets import get_model_spec
 from testbed.sim.cost_model import PHYSICAL, RooflineConstants, RooflineCostModel, rank_shape
 from testbed.specs.hardware import get_gpu_spec
-from testbed.sim.profiled import PROFILES_DIR, ProfiledCostModel
-from testbed.workload.synthetic import StepFactory, decode_rows
+from testbed.profiling.profile_file import PROFILES_DIR
+from testbed.sim.profiled import ProfiledCostModel
+from testbed.profiling.synthetic_steps import StepFactory, decode_rows
 
 
 def _constants(cm: ProfiledCostModel) -> RooflineConstants:

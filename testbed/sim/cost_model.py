@@ -69,7 +69,7 @@ class RooflineConstants:
 
 
 PHYSICAL = RooflineConstants(0.0, 0.0, 1.0, 1.0)  # the bounds alone: no overhead, every byte and FLOP at the preset
-# Medians over the profiles shipped in testbed/sim/profiles (3 models x H200/H100, 2026-11-24); a test checks that
+# Medians over the profiles shipped in testbed/profiling/profiles (3 models x H200/H100, 2026-11-24); a test checks that
 # calibrate.roofline_constants() over those files still gives these.
 CALIBRATED = RooflineConstants(step_overhead_s=1.436e-3, eager_overhead_per_layer_s=0.9731e-3,
                                bandwidth_efficiency=0.9346, matmul_efficiency=0.7885)

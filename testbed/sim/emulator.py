@@ -18,6 +18,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.specs.presets import get_model_spec
 from testbed.sim.cost_model import num_gpu_blocks
+from testbed.sim.factory import load_cost_model
 from testbed.specs.hardware import get_gpu_spec
 
 COST_MODELS = "'auto', 'roofline', 'zero' (no wait: the engine and API server alone) or a profile JSON"
@@ -27,7 +28,6 @@ LATE_WINDOW = 200  # steps a falling-behind check looks at
 class EmulatedExecutor:
     def __init__(self, model: str, config: EngineConfig, gpu: str = "H100-SXM", cost_model: str = "auto",
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
-        from testbed.sim.run import load_cost_model
         spec = get_model_spec(model)
         gpu_spec = get_gpu_spec(gpu)
         if cost_model == "zero":

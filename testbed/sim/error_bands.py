@@ -60,7 +60,8 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
     """What `testbed simulate` states about its cost model's error: {"basis": text, "bounds": {metric: fraction}}
     (no bounds when none were measured)."""
     from testbed.sim.cost_model import RecordedCostModel, RooflineCostModel
-    from testbed.sim.profiled import ProfiledCostModel, shipped_profile
+    from testbed.profiling.profile_file import shipped_profile
+    from testbed.sim.profiled import ProfiledCostModel
     from testbed.sim.recorded_dp import RecordedDPRun
     bands = load_bands() if bands is None else bands
     if isinstance(cost_model, RooflineCostModel):

@@ -21,23 +21,18 @@ A step's time is the real engine's cycle, schedule to next schedule, built from 
 """
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 import numpy as np
 
 from testbed.engine.outputs import SchedulerOutput
+from testbed.profiling.profile_file import FORMAT, ProfileError, read_profile
 from testbed.sim.cost_model import GRAMMAR_ROW_S
 from testbed.sim.step_terms import DECODE_ASYNC, DECODE_SYNC, MIXED_ASYNC, MIXED_SYNC, Scales, combine
 from testbed.sim.tables import LastLookup, Table1D, Table2D
 
-FORMAT = "testbed-profile"
 ISSUE_BOUND_TOKENS = 1024  # eager steps this small take longer to issue than to run: their launch time is pure host
-
-
-class ProfileError(ValueError):
-    """A profile file that cannot be used; the message names the file and what is wrong."""
 
 
 def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -162,12 +157,7 @@ class ProfiledCostModel:
     def from_file(cls, path: str | Path, async_scheduling: bool = False,
                   enable_prefix_caching: bool = False) -> "ProfiledCostModel":
         p = Path(path)
-        try:
-            data = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise ProfileError(f"{p}: no such profile file") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ProfileError(f"{p}: not a JSON profile ({e}); make one with `testbed profile`") from None
+        data = read_profile(p)
         try:
             return cls(data, async_scheduling, enable_prefix_caching, str(p))
         except ProfileError:
@@ -263,7 +253,7 @@ class ProfiledCostModel:
     def validate(self) -> dict[str, float]:
         """Errors of this model on the profile's held-out mixed steps, which were measured whole on the
         executor alone (so the engine's host term is left out): MAPE and the worst error, sync and async."""
-        from testbed.workload.synthetic import StepFactory
+        from testbed.profiling.synthetic_steps import StepFactory
         f = StepFactory(1 << 30, self.block_size, 32000)
         steps = [(f.step([tuple(r) for r in v["rows"]]), v) for v in self.profile.get("validation", [])]
         out: dict[str, float] = {}
@@ -287,21 +277,3 @@ class ProfiledCostModel:
 
     def __repr__(self) -> str:
         return f"ProfiledCostModel({self.model_name}, gpu={self.gpu_name}, tp={self.tensor_parallel_size}, {self.name})"
-
-
-PROFILES_DIR = Path(__file__).parent / "profiles"
-
-
-def profile_file_name(model: str, gpu: str, tensor_parallel_size: int) -> str:
-    """Where a profile of (model preset, GPU preset, TP) ships: `{model}_{gpu}_tp{N}.json`."""
-    return f"{model}_{gpu}_tp{tensor_parallel_size}.json"
-
-
-def shipped_profile(model: str, gpu: str, tensor_parallel_size: int) -> Path | None:
-    """The shipped profile for these preset names, or None."""
-    path = PROFILES_DIR / profile_file_name(model, gpu, tensor_parallel_size)
-    return path if path.is_file() else None
-
-
-def shipped_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.json"))

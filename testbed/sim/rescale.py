@@ -190,7 +190,7 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict
     from testbed.rundir import read_run
     from testbed.sim.like import run_setup
     from testbed.sim.profiled import ProfiledCostModel
-    from testbed.sim.run import load_cost_model
+    from testbed.sim.factory import load_cost_model
     from testbed.specs.hardware import get_gpu_spec
     from testbed.specs.presets import get_model_spec
 
@@ -217,14 +217,10 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict
 
 
 def cmd_calibrate(args) -> int:
-    import json
     import sys
+    from testbed.profiling.profile_file import write_profile
     profile, before, after = calibrate(args.run_dir, args.cost_model)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(profile, indent=1) + "\n")
-    tmp.replace(out)
+    out = write_profile(args.output, profile)
     print_fit(profile["scales"], before, after)
     print(f"wrote {out} (use: testbed simulate TRACE --cost-model {out})", file=sys.stderr)
     return 0

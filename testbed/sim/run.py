@@ -14,62 +14,14 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.metrics import check_slos, summarize
 from testbed.specs.presets import ModelSpec, get_model_spec
-from testbed.rundir import RunDirError, check_output, environment_info, read_run, write_run
+from testbed.rundir import check_output, environment_info, write_run
 from testbed.sim.error_bands import expected_error
 from testbed.sim.cluster import simulate, trace_to_request
-from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel, num_gpu_blocks
-from testbed.specs.hardware import GPUSpec, get_gpu_spec
-from testbed.sim.profiled import ProfiledCostModel, shipped_profile, shipped_profiles
+from testbed.sim.cost_model import num_gpu_blocks
+from testbed.sim.factory import load_cost_model
+from testbed.specs.hardware import get_gpu_spec
 from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
 from testbed.workload.trace import load_trace
-
-
-def _preset_name(name: str) -> str:
-    try:
-        return get_model_spec(name).name
-    except ValueError:
-        return name
-
-
-def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineConfig) -> tuple[CostModel, str]:
-    """The cost model `--cost-model` names, and a one-line description of it for the manifest and summary.
-
-    'auto' (default): the profile shipped for (model, GPU, TP), else the roofline with a warning on stderr;
-    'roofline'; 'recorded:RUN_DIR' (replay a real run's step timeline: decision parity); or the path of a
-    profile written by `testbed profile`."""
-    tp = config.tensor_parallel_size
-    if spec == "auto":
-        path = shipped_profile(model.name, gpu.name, tp)
-        if path is None:
-            warn(f"no profile ships for {model.name} on {gpu.name} at TP={tp} (shipped: "
-                 f"{', '.join(shipped_profiles()) or 'none'}); using the roofline model, whose errors are much larger "
-                 "(README: Cost models); measure one with `testbed profile`")
-            spec = "roofline"
-        else:
-            spec = str(path)
-    if spec == "roofline":
-        return RooflineCostModel(model, gpu, tensor_parallel_size=tp), "roofline"
-    if spec.startswith("recorded:"):
-        run_dir = spec.removeprefix("recorded:")
-        try:
-            read_run(run_dir)
-        except RunDirError as e:
-            raise ValueError(f"--cost-model {spec}: not a readable run directory: {e}") from None
-        if RecordedDPRun.is_dp_run(run_dir):  # per-replica timelines and the coordinator's record
-            return RecordedDPRun.from_run_dir(run_dir), spec
-        return RecordedCostModel.from_run_dir(run_dir), spec
-    path = Path(spec)
-    if not path.is_file():
-        raise ValueError(f"--cost-model {spec!r}: not 'auto', 'roofline', 'recorded:RUN_DIR' or an existing profile "
-                         "file (testbed profile -o FILE writes one)")
-    cm = ProfiledCostModel.from_file(path, config.async_scheduling, config.enable_prefix_caching)
-    if _preset_name(cm.model_name) != model.name or cm.tensor_parallel_size != tp:
-        raise ValueError(f"--cost-model {spec}: profile is for {cm.model_name} TP={cm.tensor_parallel_size}, "
-                         f"but the run uses {model.name} TP={tp}; use a matching profile")
-    if cm.block_size != config.block_size:
-        raise ValueError(f"--cost-model {spec}: profile was measured with --block-size {cm.block_size}, the run "
-                         f"uses {config.block_size}; profile that block size")
-    return cm, f"profile {path.name} ({cm.gpu_name}, {cm.profile.get('created', '?')}, {cm.profile.get('git_sha') or '?'})"
 
 
 def check_vocabulary(trace: list, trace_path, spec: ModelSpec) -> None:

@@ -18,16 +18,18 @@ predicts like any other, and rescaling it again starts from its scales.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
 from testbed.engine.config import EngineConfig
+from testbed.profiling.host_costs import engine_host_costs
+from testbed.profiling.profile_file import base_profile, output_path
+from testbed.profiling.step_measure import StepMeasurer
+from testbed.profiling.synthetic_steps import Row, StepFactory, decode_rows
 from testbed.sim.profiled import ProfiledCostModel
 from testbed.sim.rescale import StepSample, error_report, fit_scales, rescaled_profile
 from testbed.sim.step_terms import DECODE_SYNC, combine
-from testbed.workload.synthetic import Row, StepFactory, decode_rows
-from testbed.worker.host_costs import engine_host_costs
-from testbed.worker.step_measure import StepMeasurer
 
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (512, 4096)
@@ -42,7 +44,7 @@ def anchor_steps(config: EngineConfig, max_model_len: int, capacity: int, graph_
     """The anchor set for these engine limits: (name, rows) of every anchor that fits the cache and
     max_model_len. Shapes too large for these limits shrink to the largest that fit, so a small engine still
     measures each kind."""
-    from testbed.worker.profiler import random_step
+    from testbed.profiling.sweep import random_step
     top_chunk = min(config.max_num_batched_tokens, max_model_len - 1)
     contexts = sorted({c for c in DECODE_CONTEXTS if c < max_model_len} or {max(1, max_model_len // 4)})
     batches = sorted({min(b, config.max_num_seqs, graph_max) for b in DECODE_BATCHES})
@@ -126,7 +128,7 @@ def quick_profile(model: str, config: EngineConfig, base: dict, base_name: str, 
     the same model, TP and block size made on another machine of this kind)."""
     from testbed.rundir import environment_info
     from testbed.worker.executor import create_executor
-    from testbed.worker.profiler import device_name, gpu_preset_name
+    from testbed.profiling.sweep import device_name, gpu_preset_name
     check_base(base, base_name, config)
     t0 = time.perf_counter()
     executor = create_executor(model, config, load_format, dtype, device, enforce_eager)
@@ -152,3 +154,30 @@ def check_base(base: dict, base_name: str, config: EngineConfig) -> None:
     if bs != config.block_size:
         raise ValueError(f"{base_name}: a profile with --block-size {bs}; this engine runs --block-size "
                          f"{config.block_size}: pass --block-size {bs} or another profile")
+
+
+def quick_rescale(args, config: EngineConfig, model: str | None, out: Path, many: bool) -> tuple[dict, Path]:
+    """`profile --quick`: the base profile (--cost-model: 'auto' is the one shipped for this model, this GPU and
+    TP) rescaled from anchor steps measured on this machine; prints how far the anchors moved. Returns the
+    profile and the path to write it to."""
+    from testbed.profiling.sweep import device_name, gpu_preset_name
+    from testbed.sim.rescale import print_fit
+    name = Path(model).name if model and args.load_format != "dummy" else (model or "SmolLM2-135M-Instruct")
+    gpu = None
+    if args.cost_model == "auto":
+        import torch
+        dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        gpu = gpu_preset_name(device_name(dev)) if dev.type == "cuda" else "cpu"
+    base, base_path = base_profile(args.cost_model, name, gpu, config.tensor_parallel_size)
+    ProfiledCostModel(base, name=base_path)  # a malformed or attention-less profile is refused here
+    if base["model"]["name"] != name:
+        raise ValueError(f"--cost-model {base_path}: a profile of {base['model']['name']}, not of {name}")
+    prof, before, after = quick_profile(model, config, base, base_path, args.load_format, args.dtype, args.device,
+                                        args.enforce_eager, args.reps)
+    machine = prof["calibration"]["machine"]
+    print(f"rescaled {base_path} to {machine['device_name']} from {len(prof['calibration']['anchors'])} anchor "
+          f"measurements in {machine['setup_s'] + machine['measure_s']:.0f} s (engine start {machine['setup_s']:.0f} s)")
+    for a in prof["calibration"]["anchors"]:
+        print(f"  {a['anchor']:<34}{a['mode']:>6}  measured {a['measured_s'] * 1e3:9.3f} ms  moved {a['moved']:+7.1%}")
+    print_fit(prof["scales"], before, after)
+    return prof, output_path(out, many, name, machine["gpu"], config.tensor_parallel_size)

@@ -27,12 +27,11 @@ import numpy as np
 import torch
 
 from testbed.engine.config import EngineConfig
-from testbed.workload.synthetic import Row, StepFactory, decode_rows
-from testbed.worker.host_costs import engine_host_costs
-from testbed.worker.step_measure import TIMING_FIELDS, StepMeasurer
+from testbed.profiling.host_costs import engine_host_costs
+from testbed.profiling.profile_file import FORMAT, VERSION
+from testbed.profiling.step_measure import TIMING_FIELDS, StepMeasurer
+from testbed.profiling.synthetic_steps import Row, StepFactory, decode_rows
 
-FORMAT = "testbed-profile"
-VERSION = 1
 CONTEXTS = (16, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 CHUNK_CONTEXTS = (0, 512, 2048, 8192, 16384, 32768, 65536, 131072)
