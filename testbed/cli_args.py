@@ -63,6 +63,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     g.add_argument("--async-scheduling", action="store_true",
                    help="keep one step in flight: schedule the next step while the device runs this one")
     g.add_argument("--seed", type=int, default=0, help="seed of sampling, synthetic prompts and arrivals")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (requests name one; vLLM's flag)")
+    g.add_argument("--max-loras", type=int, default=1, help="most LoRA adapters in one step (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank served (the slots' size)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters kept in host memory, least recently used dropped first (default: --max-loras)")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="TOKENS",
                    help="token counts of the steps captured as CUDA graphs on a GPU (decode batches up to "
                         "--max-num-seqs, mixed/prefill steps up to --max-num-batched-tokens; default: 1 2 4 8, "
@@ -78,7 +83,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         dp_policy=args.dp_policy, dp_stats_interval=args.dp_stats_interval, dp_routing_delay=args.dp_routing_delay,
         max_num_waiting=args.max_num_waiting, async_scheduling=args.async_scheduling,
-        seed=args.seed, cuda_graph_sizes=args.cuda_graph_sizes)
+        seed=args.seed, cuda_graph_sizes=args.cuda_graph_sizes, enable_lora=args.enable_lora,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def add_trace_args(p: argparse.ArgumentParser, trace_required: bool = True) -> None:

@@ -81,7 +81,8 @@ def add_to_core(core: EngineCore, m: P.AddRequest, eos: int | None, vocab_size: 
     try:
         sp = None if m.sampling_params is None else m.sampling_params.verify(vocab_size)
         check_token_ids(m.prompt_token_ids, vocab_size)
-        req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, eos, m.pooling_params)
+        req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, eos, m.pooling_params,
+                      lora_request=m.lora_request)
         return core.add_request(req, now)
     except (ValueError, TypeError) as e:
         return EngineCoreOutput(m.request_id, [], True, "rejected", str(e))

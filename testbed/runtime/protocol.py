@@ -11,6 +11,7 @@ from typing import Union
 
 import msgspec
 
+from testbed.engine.lora import LoRARequest
 from testbed.engine.params import PoolingParams, SamplingParams
 
 # (logprob of the chosen token, its rank, [(token id, logprob), ...] top-N), as ModelRunnerOutput carries them
@@ -24,7 +25,8 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     code: decoding runs their validation again, and the engine adds the vocabulary checks (`verify`). `seq`
     numbers adds so the API server knows which ones a stats snapshot already includes (its waiting-bound
     estimate). The engine ignores the front-end's fields (stop strings, detokenization options, bad words as
-    text: they cross as bad_words_token_ids)."""
+    text: they cross as bad_words_token_ids). `lora_request`: the LoRA adapter the request runs with (None: the
+    base model)."""
 
     seq: int
     request_id: str
@@ -33,6 +35,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     sampling_params: SamplingParams | None = None
     pooling_params: PoolingParams | None = None
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

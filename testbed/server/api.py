@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from testbed.engine.params import InvalidParam
 from testbed.server import responses as R
@@ -26,6 +26,7 @@ from testbed.server.chat import create_chat_completion, render_chat
 from testbed.server.completions import create_completion
 from testbed.server.embeddings import create_embedding
 from testbed.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                     EmbeddingRequest, TokenizeRequest, bad_request)
 from testbed.server.state import ServerState
 
@@ -152,10 +153,27 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
 
     @app.get("/v1/models", response_model=R.ModelList, responses=R.openapi_responses(api_key=keyed))
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "testbed",
-            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
-            "vocab_size": state.vocab_size, "emulated": state.emulated}]})
+        """The base model, then each LoRA adapter (its `parent` the base model, as vLLM lists them)."""
+        base = {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "testbed",
+                "root": state.model_path, "parent": None, "max_model_len": state.max_model_len,
+                "vocab_size": state.vocab_size, "emulated": state.emulated}
+        adapters = [{**base, "id": name, "root": lora.lora_path, "parent": state.served_model_name}
+                    for name, lora in state.loras.adapters.items()]
+        return JSONResponse({"object": "list", "data": [base, *adapters]})
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+              responses=R.openapi_responses(R.BAD_REQUEST, api_key=keyed))
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        """Serve one more LoRA adapter (a PEFT folder), named by lora_name in the `model` field from now on."""
+        await state.run_blocking(state.loras.add, req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              responses=R.openapi_responses(R.MODEL_NOT_FOUND, api_key=keyed))
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        """Stop serving an adapter (requests already running on it finish)."""
+        state.loras.remove(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     generation = R.openapi_responses(R.BAD_REQUEST, R.MODEL_NOT_FOUND, R.GENERATION_ERRORS, api_key=keyed, stream=True)
     plain = R.openapi_responses(R.BAD_REQUEST, R.MODEL_NOT_FOUND, api_key=keyed)

@@ -53,7 +53,7 @@ def refuse_tools(req: ChatCompletionRequest) -> None:
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request) -> Response:
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     refuse_tools(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
@@ -68,9 +68,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     prompt = await state.run_blocking(render_chat, state, req.messages, req.add_generation_prompt,
                                       req.continue_final_message, req.chat_template_kwargs)
     prompt = truncate_prompts(state, [prompt], sp)[0]
-    run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.priority)
+    run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.priority, lora)
     run.start()
-    head = {"id": run.request_id, "created": int(time.time()), "model": state.served_model_name}
+    head = {"id": run.request_id, "created": int(time.time()), "model": run.model}
     if req.stream:
         return SSEResponse(event_stream(run, _stream(run, req, head)))
     if not await collect(run, request):

@@ -85,7 +85,7 @@ def echo_texts(state: ServerState, prompts: list[list[int]], texts: list[str | N
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request) -> Response:
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
@@ -95,11 +95,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                                              req.truncate_prompt_tokens is not None)
     prompts = truncate_prompts(state, parsed, sp)
     texts = [t if len(p) == len(q) else None for t, p, q in zip(texts, prompts, parsed)]  # echo what was kept
-    run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.priority)
+    run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.priority, lora)
     echoes = await state.run_blocking(echo_texts, state, prompts, texts) if req.echo else [""] * len(prompts)
     run.start()
     head = {"id": run.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": state.served_model_name}
+            "model": run.model}
     if req.stream:
         return SSEResponse(event_stream(run, _stream(run, req, head, echoes)))
     if not await collect(run, request):

@@ -25,7 +25,7 @@ def encode(vec: list[float], encoding_format: str) -> list[float] | str:
 
 
 async def create_embedding(state: ServerState, req: EmbeddingRequest, request: Request) -> Response:
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     warn_ignored_fields(req)
     check_request_priority(state, req.priority)
     try:
@@ -37,7 +37,7 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, request: R
     prompts, _ = await state.run_blocking(parse_prompts, state, req.input, "input", req.add_special_tokens,
                                           req.truncate_prompt_tokens is not None)
     prompts = truncate_prompts(state, prompts, pp)
-    run = GenerationRun(state, new_id("embd"), prompts, pp, priority=req.priority)
+    run = GenerationRun(state, new_id("embd"), prompts, pp, priority=req.priority, lora=lora)
     run.start()
     if not await collect(run, request):
         return client_closed_response()
@@ -46,7 +46,7 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, request: R
                             "runs no model, or a custom one that does not pool)", None, "generation_failed")
     n = sum(len(p) for p in prompts)
     return JSONResponse({"id": run.request_id, "object": "list", "created": int(time.time()),
-                         "model": state.served_model_name,
+                         "model": run.model,
                          "data": [{"index": c.index, "object": "embedding", "embedding": encode(c.embedding,
                                                                                                  req.encoding_format)}
                                   for c in run.choices],

@@ -182,6 +182,24 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's body of POST /v1/load_lora_adapter."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's body of POST /v1/unload_lora_adapter (lora_int_id is accepted and not needed: names are unique)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class DetokenizeRequest(_Body):
     model_config = ConfigDict(extra="ignore")
 

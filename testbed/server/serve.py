@@ -42,6 +42,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p, None)
     g = p.add_argument_group("server")
     g.add_argument("--served-model-name", default=None, help="name in the API (default: the model's folder name)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) to serve under these model names, with --enable-lora")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or hub id (default: the model's; with --emulate of a preset, the bundled "
                         "SmolLM2 tokenizer)")
@@ -261,6 +263,8 @@ async def run_server(args: argparse.Namespace) -> int:
     from testbed.runtime.client import EngineClient
     from testbed.detokenizer import TokenTexts
     from testbed.server.metrics import ServerMetrics
+    from testbed.server.lora import LoRARegistry, parse_lora_modules
+    from testbed.server.schemas import APIError
     from testbed.server.state import ServerState
     from testbed.worker.executor import resolve_model
 
@@ -325,6 +329,13 @@ async def run_server(args: argparse.Namespace) -> int:
                         structured_outputs_timeout=args.structured_outputs_timeout,
                         emulated=f"{args.gpu}, cost model {args.cost_model}" if args.emulate else None)
     client.on_stats = state.on_stats
+    state.loras = LoRARegistry(cfg.enable_lora, cfg.max_lora_rank)
+    try:
+        for name, path, base in parse_lora_modules(args.lora_modules):
+            state.loras.add(name, path, base)
+    except (ValueError, APIError) as e:
+        await client.shutdown()
+        raise ConfigError(f"--lora-modules: {e.message if isinstance(e, APIError) else e}") from None
     app = build_app(state, args.max_request_bytes)
     what = (f"engine core pid {ready.pid}" if topology is None else
             f"{cfg.data_parallel_size} data-parallel replicas ({cfg.dp_policy}), coordinator pid {ready.pid}")

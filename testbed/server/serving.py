@@ -13,6 +13,7 @@ import copy
 import time
 from typing import Any
 
+from testbed.engine.lora import LoRARequest
 from testbed.engine.outputs import NO_TOKEN_LEFT
 from testbed.engine.params import PoolingParams, SamplingParams, child_seed
 from testbed.runtime.client import EngineDeadError, RequestStream
@@ -70,9 +71,12 @@ class Choice:
 
 class GenerationRun:
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 sp: SamplingParams | PoolingParams, priority: int = 0) -> None:
+                 sp: SamplingParams | PoolingParams, priority: int = 0, lora: LoRARequest | None = None) -> None:
+        """`lora`: the adapter every choice runs with (None: the base model)."""
         self.state, self.request_id, self.prompts, self.sp = state, request_id, prompts, sp
         self.priority = priority
+        self.lora = lora
+        self.model = state.served_model_name if lora is None else lora.lora_name  # what responses name
         self.arrival = time.time()
         self.pooling = isinstance(sp, PoolingParams)
         self.n = 1 if self.pooling else sp.n
@@ -147,14 +151,14 @@ class GenerationRun:
         sp = self.sp
         if self.pooling:
             self.state.client.add(c.request_id, self.prompts[c.prompt_index], self.arrival, stream=self.stream,
-                                  pooling_params=sp, priority=self.priority)
+                                  pooling_params=sp, priority=self.priority, lora_request=self.lora)
             return
         seed = child_seed(sp.seed, c.index % sp.n)
         if seed != sp.seed:  # choice k of n draws with its own seed (a copy: the checked fields stay as they are)
             sp = copy.copy(sp)
             sp.seed = seed
         self.state.client.add(c.request_id, self.prompts[c.prompt_index], self.arrival, stream=self.stream,
-                              sampling_params=sp, priority=self.priority)
+                              sampling_params=sp, priority=self.priority, lora_request=self.lora)
 
     def metrics(self, c: Choice):
         """The metrics of the replica serving choice `c` (unrouted while none took it)."""

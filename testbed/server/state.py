@@ -19,6 +19,7 @@ from testbed.engine.config import PoolerConfig
 from testbed.engine.params import InvalidParam, check_token_ids
 from testbed.runtime.client import EngineClient
 from testbed.detokenizer import TokenTexts
+from testbed.server.lora import LoRARegistry
 from testbed.server.metrics import ServerMetrics
 from testbed.server.schemas import APIError, bad_request
 
@@ -54,6 +55,7 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar"))
     structured_outputs_timeout: float = 5.0
     emulated: str | None = None  # --emulate: "GPU, cost model" (reported in /v1/models), else None
+    loras: LoRARegistry = field(default_factory=LoRARegistry)  # the LoRA adapters served beside the base model
     _max_prompt_bytes: int | None = field(default=None, repr=False)
 
     async def run_blocking(self, fn: Callable[..., T], *args) -> T:
@@ -68,10 +70,16 @@ class ServerState:
             if c is not None and c.scheduled_time is None:
                 c.scheduled_time = t
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.served_model_name, self.model_path):
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.served_model_name}`.",
+    def check_model(self, model: str | None):
+        """The LoRARequest of the adapter `model` names, None for the base model; 404 for any other name."""
+        if model is None or model in (self.served_model_name, self.model_path):
+            return None
+        lora = self.loras.adapters.get(model)
+        if lora is None:
+            served = ", ".join(f"`{m}`" for m in [self.served_model_name, *self.loras.adapters])
+            raise APIError(404, f"The model `{model}` does not exist. This server serves {served}.",
                            "model", "model_not_found")
+        return lora
 
     @property
     def max_prompt_bytes(self) -> int:
