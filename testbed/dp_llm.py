@@ -65,13 +65,14 @@ class DPEngine:
         self.t0 = time.time()
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sp: SamplingParams | PoolingParams,
-                    arrival_time: float, priority: int = 0) -> None:
+                    arrival_time: float, priority: int = 0, lora_request=None) -> None:
         """Send one request (resolved PoolingParams: an embedding) to the coordinator; a rejection comes back
         from `step` as a finished output."""
         sent = time.time()
         ids, arrival = [int(t) for t in prompt_token_ids], self.t0 + arrival_time
         params = {"pooling_params" if isinstance(sp, PoolingParams) else "sampling_params": sp}
-        self.client.add(request_id, ids, arrival, stream=self.stream, priority=priority, **params)
+        self.client.add(request_id, ids, arrival, stream=self.stream, priority=priority, lora_request=lora_request,
+                        **params)
         self.sent[request_id] = sent
 
     def has_unfinished_requests(self) -> bool:

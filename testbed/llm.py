@@ -187,11 +187,8 @@ class LLM:
             raise ValueError(f"request {request_id!r}: {e}; pass token ids from this model's tokenizer"
                              if e.param == "prompt" else f"request {request_id!r}: {e}") from None
         if self.dp is not None:  # a rejection comes back from step() as a finished output
-            if lora_request is not None:
-                raise ValueError(f"request {request_id!r}: LoRA adapters are served by one engine here; use "
-                                 "data_parallel_size=1 with enable_lora=True")
             return self.dp.add_request(request_id, prompt_token_ids, params,
-                                       self.now() if arrival_time is None else arrival_time, priority)
+                                       self.now() if arrival_time is None else arrival_time, priority, lora_request)
         req = Request(request_id, prompt_token_ids, None if pooling else params,
                       self.now() if arrival_time is None else arrival_time, priority=priority,
                       eos_token_id=self.eos_token_id, pooling_params=params if pooling else None,
