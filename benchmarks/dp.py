@@ -116,7 +116,7 @@ def take_run_flags(args: argparse.Namespace, earlier: Path) -> list[dict]:
 def earlier_runs(earlier: Path, entries: list[dict]) -> list[dict]:
     """--resimulate: the finished real runs among an earlier benchmark's `entries`, read again from their run
     directories under `earlier`/runs (wherever they were written)."""
-    from testbed.rundir import read_run
+    from testbed.runs.rundir import read_run
     return [{k: r[k] for k in ("layout", "dp", "utilization", "rate")}
             | real_entry(read_run(earlier / "runs" / Path(r["real_dir"]).name)) for r in entries if "real" in r]
 
@@ -267,7 +267,7 @@ def main() -> int:
         return time.perf_counter() - t_start > args.budget_s
 
     # ---- real runs --------------------------------------------------------------------------------
-    from testbed.rundir import RunDirError, read_run
+    from testbed.runs.rundir import RunDirError, read_run
     if args.resimulate is not None:
         results["runs"] = earlier_runs(args.resimulate, earlier_entries)
     else:

@@ -128,7 +128,7 @@ def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None) -> dict
 
     from testbed.engine.config import EngineConfig
     from testbed.specs.presets import get_model_spec
-    from testbed.rundir import read_run
+    from testbed.runs.rundir import read_run
     from testbed.sim.cluster import simulate
     from testbed.sim.cost_model import RecordedCostModel
     from testbed.specs.hardware import get_gpu_spec

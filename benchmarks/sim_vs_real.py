@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from testbed.engine.config import EngineConfig
-from testbed.rundir import read_run
+from testbed.runs.rundir import read_run
 from testbed.sim.like import like_config
 from testbed.sim.run import run_simulation
 

@@ -42,9 +42,9 @@ import pandas as pd
 from IPython.display import Markdown, display
 
 from testbed import experiment, sweep
-from testbed.compare import compare_table, diff_column, load_runs
-from testbed.figures import plots, series
-from testbed.rundir import find_runs, read_run
+from testbed.runs.compare import compare_table, diff_column, load_runs
+from testbed.runs import plots, series
+from testbed.runs.rundir import find_runs, read_run
 from testbed.sweeps import ENGINE_KEYS
 
 out, env = experiment.start(output_dir, seeds={"simulation": 0})

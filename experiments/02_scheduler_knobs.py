@@ -48,7 +48,7 @@ import numpy as np
 import pandas as pd
 
 from testbed import experiment, sweep
-from testbed.rundir import read_run
+from testbed.runs.rundir import read_run
 from testbed.workload.trace import load_trace, write_jsonl
 
 out, env = experiment.start(output_dir, seeds={"arrivals_and_priorities": seed})

@@ -50,7 +50,7 @@ import pandas as pd
 
 from testbed import experiment, sweep
 from testbed.specs.presets import get_model_spec
-from testbed.rundir import read_run
+from testbed.runs.rundir import read_run
 from testbed.workload.prefix_reuse import prefix_reuse
 from testbed.workload.trace import load_trace
 

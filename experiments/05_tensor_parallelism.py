@@ -53,7 +53,7 @@ from IPython.display import Markdown, display
 
 from testbed import experiment, sweep
 from testbed.specs.presets import get_model_spec
-from testbed.rundir import read_run
+from testbed.runs.rundir import read_run
 from testbed.sim.cost_model import CALIBRATED, num_gpu_blocks, rank_shape
 from testbed.specs.hardware import get_gpu_spec
 from testbed.workload.trace import TraceRequest, write_jsonl

@@ -15,7 +15,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if trace is None:
         raise ValueError("give a TRACE file, or --like RUN_DIR to simulate the requests a run served")
     if args.like is not None:
-        from testbed.rundir import read_run
+        from testbed.runs.rundir import read_run
         from testbed.sim.like import like_config
         run = read_run(args.like)
         cfg = like_config(run, take_from_run(args, run, cfg))
@@ -26,8 +26,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, output=out, progress=not args.no_progress)
     setup = None
     if run_dir is not None and args.format == "table":
-        from testbed.report import format_setup
-        from testbed.rundir import read_run
+        from testbed.runs.report import format_setup
+        from testbed.runs.rundir import read_run
         run = read_run(run_dir)
         replicas = run.request_column("replica")
         setup = format_setup(run.manifest, [replicas.count(i) for i in range(cfg.data_parallel_size)])
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dashboard)
 
     from testbed.bench.serve import add_bench_parser
-    from testbed.compare import add_compare_parser
+    from testbed.runs.compare import add_compare_parser
     from testbed.server.serve import add_serve_parser
     from testbed.sim.rescale import add_calibrate_parser
     add_serve_parser(sub)

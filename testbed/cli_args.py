@@ -108,7 +108,7 @@ def default_run_dir(mode: str, trace: str, model: str) -> Path:
 
 
 def print_result(summary: dict, run_dir: Path | None, fmt: str, title: str, setup: str | None = None) -> None:
-    from testbed.report import format_summary
+    from testbed.runs.report import format_summary
     if fmt == "json":
         print(json.dumps({"run_dir": str(run_dir) if run_dir else None, **summary}, sort_keys=True))
     else:

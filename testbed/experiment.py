@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from testbed.engine.config import EngineConfig
-from testbed.rundir import environment_info
+from testbed.runs.rundir import environment_info
 
 PACKAGES = ("testbed", "simpy", "numpy", "pandas", "pyarrow", "matplotlib", "nbclient", "jupytext", "ipykernel")
 
@@ -82,7 +82,7 @@ def save_figure(fig, path: str | Path) -> None:
     notebook; the bytes depend only on the figure and the matplotlib version."""
     from IPython.display import Image, display
 
-    from testbed.figures.plots import to_png
+    from testbed.runs.plots import to_png
     png = to_png(fig)
     Path(path).write_bytes(png)
     display(Image(data=png))

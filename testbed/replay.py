@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 from testbed.engine.config import EngineConfig
-from testbed.engine.metrics import check_slos, summarize
-from testbed.rundir import check_output, environment_info, write_run
+from testbed.runs.finish import finish_run, start_run, trace_record
 from testbed.workload.trace import load_trace, synthesize_prompt
 
 RESERVED_TOKEN_IDS = 1000  # synthetic prompts avoid the low ids where tokenizers keep special tokens
@@ -59,9 +58,7 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
     import gc
 
     from testbed.llm import LLM
-    check_slos(slo_ttft, slo_tpot)
-    if output is not None:
-        check_output(output)
+    start_run(output, slo_ttft, slo_tpot)
     trace = load_trace(trace_path, request_rate=request_rate, burstiness=burstiness, seed=config.seed,
                        limit=limit, fmt=trace_format)
     llm = LLM(model, load_format=load_format, dtype=dtype, device=device, skip_tokenizer_init=True,
@@ -100,17 +97,11 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
         gc.unfreeze()
         if executor is None:
             llm.shutdown()  # TP: end the worker processes and the process group; DP: the coordinator and replicas
-    rec = llm.records()
-    summary = summarize(rec.request_columns(), rec.step_columns(), rec.itl, slo_ttft, slo_tpot, *prefix)
-    run_dir = None
-    if output is not None:
-        manifest = {
-            "mode": "real", "config": config.to_dict(), "num_gpu_blocks": facts["num_gpu_blocks"],
-            "max_model_len": facts["max_model_len"],
-            "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
-                      "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
-            "model": facts["model"], "hardware": hardware_info(facts["device"]), "dtype": facts["dtype"],
-            "seed": config.seed, "wall_time_s": wall, **environment_info(),
-        }
-        run_dir = write_run(output, manifest, rec, summary)
-    return run_dir, summary
+    manifest = {
+        "mode": "real", "config": config.to_dict(), "num_gpu_blocks": facts["num_gpu_blocks"],
+        "max_model_len": facts["max_model_len"],
+        "trace": trace_record(trace_path, trace_format, len(trace), request_rate, burstiness, limit),
+        "model": facts["model"], "hardware": hardware_info(facts["device"]), "dtype": facts["dtype"],
+        "seed": config.seed, "wall_time_s": wall,
+    }
+    return finish_run(llm.records(), output, manifest, slo_ttft, slo_tpot, prefix)

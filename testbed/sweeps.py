@@ -160,7 +160,7 @@ def sweep(configs: Iterable[Mapping[str, Any]], trace: str | Path | None = None,
     if out is not None and dupes:
         raise ValueError(f"configurations share the name(s) {', '.join(dupes)}; each names its own run directory")
     if out is not None:
-        from testbed.rundir import check_output
+        from testbed.runs.rundir import check_output
         for j in todo:
             check_output(j["output"])
     if pool is not None:

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from testbed.arrow_columns import column
+from testbed.runs.arrow_columns import column
 
 CASES = [
     ([1, 2, 3], pa.int64()), ([1, None, 3], pa.int64()), ([], pa.int64()), ([], pa.string()), ([1, 2], pa.int32()),

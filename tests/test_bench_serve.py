@@ -10,7 +10,7 @@ import pytest
 
 from server_helpers import ServerProcess
 from testbed.engine.metrics import summarize
-from testbed.rundir import read_run
+from testbed.runs.rundir import read_run
 from testbed.cli import main as cli_main
 from testbed.bench.serve import build_records
 

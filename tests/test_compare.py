@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from testbed.cli import main
-from testbed.compare import COMPARE_METRICS, compare_table, load_runs, metric
-from testbed.rundir import read_run
+from testbed.runs.compare import COMPARE_METRICS, compare_table, load_runs, metric
+from testbed.runs.rundir import read_run
 
 from conftest import REPO
 

@@ -15,9 +15,10 @@ pytest.importorskip("streamlit")
 pytest.importorskip("matplotlib")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from testbed import cli, compare  # noqa: E402
+from testbed import cli  # noqa: E402
+from testbed.runs import compare  # noqa: E402
 from testbed.dashboard import data  # noqa: E402
-from testbed.figures import series  # noqa: E402
+from testbed.runs import series  # noqa: E402
 from testbed.dashboard.launch import APP, SimSettings, dashboard_command, simulate_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

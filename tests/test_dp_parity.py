@@ -18,7 +18,7 @@ import pytest
 from test_parity import FLAGS, REQUEST_OUTCOMES, STEP_DECISIONS, write_trace
 from testbed.cli import main
 from testbed.engine.config import EngineConfig
-from testbed.rundir import read_run
+from testbed.runs.rundir import read_run
 from testbed.sim.run import run_simulation
 
 from conftest import REPO

@@ -77,7 +77,7 @@ def test_an_emulated_server_says_so_and_runs_against_it_are_labelled(emulated, t
     out = tmp_path / "bench"
     assert main(["bench", "serve", "--url", emulated.url, "--dataset", "random", "--num-prompts", "4",
                  "--random-input-len", "16", "--random-output-len", "4", "-o", str(out), "--disable-tqdm"]) == 0
-    from testbed.rundir import read_run
+    from testbed.runs.rundir import read_run
     assert read_run(out).manifest["emulated"] == "H200, cost model auto"
     capsys.readouterr()
     real = REPO / "benchmarks" / "results" / "fidelity" / "2026-11-24_795c0af_h200_llama-3.2-1b" / "azure-80"

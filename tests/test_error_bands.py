@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from testbed.cli import main
-from testbed.sim.error_bands import BANDS_FILE, METRICS, bands_from_fidelity, load_bands, within
+from testbed.runs.compare import within
+from testbed.sim.error_bands import BANDS_FILE, METRICS, bands_from_fidelity, load_bands
 from testbed.profiling.profile_file import PROFILES_DIR
 
 ROOT = Path(__file__).resolve().parents[1]

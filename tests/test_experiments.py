@@ -13,13 +13,13 @@ import matplotlib.pyplot as plt
 import nbformat
 import pytest
 
-from testbed.figures.plots import to_png
+from testbed.runs.plots import to_png
 from testbed.notebooks import INJECTED_TAG, find_notebooks, inject_parameters, main, parameter_names, read_notebook
 
 from conftest import REPO
 
 NOTEBOOKS = REPO / "experiments"
-# what a run directory's manifest says about the run itself rather than its results (testbed.rundir)
+# what a run directory's manifest says about the run itself rather than its results (testbed.runs.rundir)
 VOLATILE = ("created", "wall_time_s", "speedup")
 
 
@@ -125,7 +125,7 @@ def test_notebook_runner_errors_are_one_line(tmp_path, capsys):
 
 def test_png_bytes_depend_only_on_the_figure():
     code = ("import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt, sys\n"
-            "from testbed.figures.plots import to_png\n"
+            "from testbed.runs.plots import to_png\n"
             "fig, ax = plt.subplots(); ax.plot([0, 1, 4]); ax.set_title('t')\n"
             "sys.stdout.buffer.write(to_png(fig))")
     runs = [subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, check=True, timeout=120).stdout

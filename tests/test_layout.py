@@ -114,7 +114,7 @@ FORBIDDEN = {
     "testbed.engine": ("testbed.runtime", "testbed.server", "testbed.worker", "testbed.sim", "testbed.dashboard",
                        "testbed.cli", "testbed.workload", "testbed.specs", "testbed.profiling"),
     "testbed.workload": MODE_NEUTRAL_FORBIDS,  # traces and specs serve both modes: they import neither
-    "testbed.specs": MODE_NEUTRAL_FORBIDS + ("testbed.workload",),
+    "testbed.specs": MODE_NEUTRAL_FORBIDS + ("testbed.workload", "testbed.runs"),
     "testbed.runtime": ("testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.llm"),
     "testbed.worker": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli", "testbed.sim",
                        "testbed.profiling"),
@@ -123,9 +123,12 @@ FORBIDDEN = {
                           "testbed.bench"),
     "testbed.sim": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench"),
     "testbed.server": ("testbed.dashboard", "testbed.cli", "zmq"),
-    # run figures <- compare's table <- the dashboard (which shows both)
-    "testbed.figures": ("testbed.compare", "testbed.dashboard", "testbed.cli"),
-    "testbed.compare": ("testbed.dashboard",),
+    # run records sit on the engine alone: both modes write them, the dashboard and the CLI read them
+    "testbed.runs": ("testbed.sim", "testbed.profiling", "testbed.worker", "testbed.runtime", "testbed.server",
+                     "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.workload"),
+    # run figures <- compare's table (its --png draws them) <- the dashboard (which shows both)
+    "testbed.runs.series": ("testbed.runs.compare",),
+    "testbed.runs.plots": ("testbed.runs.compare",),
 }
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from llm_helpers import save_tiny_llama
 from testbed.cli import main
-from testbed.rundir import FILES, read_run
+from testbed.runs.rundir import FILES, read_run
 
 TRACE = [  # arrivals a fraction of a second apart; b and d share two 16-token prefix blocks
     {"id": "a", "arrival_s": 0.0, "input_tokens": 24, "output_tokens": 5},

@@ -16,7 +16,7 @@ import pytest
 from testbed.cli import main
 from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import REQUEST_COLUMNS, STEP_COLUMNS
-from testbed.rundir import FILES, read_run
+from testbed.runs.rundir import FILES, read_run
 from testbed.sim.run import run_simulation
 from testbed.workload.trace import load_trace
 
@@ -338,7 +338,7 @@ def _consistent(run_dir) -> int:
 
 def test_rewriting_a_run_leaves_the_old_one_or_the_new_one(tmp_path):
     from testbed.engine.metrics import Recorder
-    from testbed.rundir import find_runs, write_run
+    from testbed.runs.rundir import find_runs, write_run
     out = tmp_path / "run"
     simulate(tmp_path, "run", limit=20)
     before = {f: (out / f).read_bytes() for f in FILES}

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from testbed import sweep
-from testbed.rundir import read_run
+from testbed.runs.rundir import read_run
 from testbed.sweeps import SweepError, grid
 
 from conftest import REPO

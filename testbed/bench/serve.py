@@ -197,7 +197,7 @@ def run_bench(args: argparse.Namespace) -> tuple[Path | None, dict]:
     summary.update(duration_s=duration, num_failed=sum(r.finish_reason == "error" for r in results),
                    first_error=errors[0] if errors else None)
     from testbed.cli_args import default_run_dir
-    from testbed.rundir import environment_info, write_run
+    from testbed.runs.rundir import environment_info, write_run
     out = args.output or default_run_dir("real", args.trace or args.dataset, model)
     manifest = {
         "mode": "real", "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},

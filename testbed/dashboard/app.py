@@ -13,11 +13,11 @@ from pathlib import Path
 
 import streamlit as st
 
-from testbed import compare
+from testbed.runs import compare
 from testbed.dashboard import data
-from testbed.figures import plots, series
+from testbed.runs import plots, series
 from testbed.dashboard.launch_form import launch_form
-from testbed.rundir import RunDirError
+from testbed.runs.rundir import RunDirError
 
 TITLE = "testbed experiment dashboard"
 LOADERS = {"latency": series.latency_samples, "timeline": series.timeline, "replicas": series.replica_load,

@@ -1,4 +1,4 @@
-"""Run discovery and the runs table; plain pandas, no Streamlit. The comparison table is testbed.compare's,
+"""Run discovery and the runs table; plain pandas, no Streamlit. The comparison table is testbed.runs.compare's,
 shared with `testbed compare`."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from testbed.compare import RunMeta, metric, scaled
-from testbed.rundir import FILES, find_runs
+from testbed.runs.compare import RunMeta, metric, scaled
+from testbed.runs.rundir import FILES, find_runs
 
 
 def file_key(path: str | Path) -> tuple:

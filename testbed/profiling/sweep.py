@@ -277,7 +277,7 @@ def profile_executor(executor, model: str | None, config: EngineConfig, load_for
     hardware, engine flags, versions and git sha."""
     from pathlib import Path
 
-    from testbed.rundir import environment_info
+    from testbed.runs.rundir import environment_info
     measured = run_profile(executor, config, quick=quick, progress=progress, reps=reps)
     runner, hf = executor.runner, executor.hf_config
     dev = device_name(runner.device)

@@ -15,7 +15,6 @@ BANDS_FILE = Path(__file__).with_suffix(".json")  # testbed/sim/error_bands.json
 # summary.json keys ("key" or "key.quantile") a band covers
 METRICS = ("output_throughput", "ttft_s.mean", "ttft_s.p50", "ttft_s.p99", "tpot_s.mean", "tpot_s.p50",
            "tpot_s.p99", "e2e_s.mean", "e2e_s.p50", "e2e_s.p99")
-SHORT = {"output_throughput": "throughput", "ttft_s.p50": "TTFT p50", "tpot_s.p50": "TPOT p50", "e2e_s.p50": "E2E p50"}
 
 
 def summary_value(summary: dict, key: str) -> float | None:
@@ -89,21 +88,3 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
 def _measured(entry: dict, source: str | None) -> dict:
     return {"basis": f"the largest error over {len(entry['cases'])} fidelity cases; {source}",
             "bounds": dict(entry["bounds"])}
-
-
-def format_expected(expected: dict) -> str:
-    """One line for the summary table."""
-    bounds = expected.get("bounds")
-    if not bounds:
-        return f"Expected error: {expected['basis']}"
-    parts = [f"{SHORT[k]} ±{bounds[k]:.0%}" if bounds[k] >= 0.01 else f"{SHORT[k]} ±{bounds[k]:.1%}"
-             for k in SHORT if k in bounds]
-    return f"Expected error: {', '.join(parts)}; {expected['basis']}"
-
-
-def within(expected: dict | None, key: str, relative_error: float | None) -> bool | None:
-    """Whether a sim-vs-real difference lies inside the band for that metric (None: no band for it)."""
-    bounds = (expected or {}).get("bounds") or {}
-    if relative_error is None or key not in bounds:
-        return None
-    return abs(relative_error) <= bounds[key] + 1e-12

@@ -8,7 +8,7 @@ from pathlib import Path
 from testbed import warn
 from testbed.engine.config import EngineConfig
 from testbed.profiling.profile_file import shipped_profile, shipped_profiles
-from testbed.rundir import RunDirError, read_run
+from testbed.runs.rundir import RunDirError, read_run
 from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel
 from testbed.sim.profiled import ProfiledCostModel
 from testbed.sim.recorded_dp import RecordedDPRun

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from testbed.engine.config import EngineConfig
-from testbed.rundir import Run, RunDirError, entry_name, read_run
+from testbed.runs.rundir import Run, RunDirError, entry_name, read_run
 from testbed.specs.hardware import get_gpu_spec
 from testbed.specs.presets import get_model_spec
 

@@ -126,7 +126,7 @@ def quick_profile(model: str, config: EngineConfig, base: dict, base_name: str, 
                   reps: int | None = None) -> tuple[dict, dict, dict]:
     """Build the executor a serving run would use, measure the anchors on it and rescale `base` (a profile of
     the same model, TP and block size made on another machine of this kind)."""
-    from testbed.rundir import environment_info
+    from testbed.runs.rundir import environment_info
     from testbed.worker.executor import create_executor
     from testbed.profiling.sweep import device_name, gpu_preset_name
     check_base(base, base_name, config)

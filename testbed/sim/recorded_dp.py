@@ -70,7 +70,7 @@ class RecordedDPRun:
 
     @classmethod
     def from_run_dir(cls, path) -> "RecordedDPRun":
-        from testbed.rundir import read_run
+        from testbed.runs.rundir import read_run
         run = read_run(path)
         routes, pubs = run.dp_table("routes"), run.dp_table("publications")
         if routes is None or pubs is None:

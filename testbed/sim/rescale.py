@@ -187,7 +187,7 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict
     """(calibrated profile, per-step error before, after) of `cost_model` ('auto': the profile shipped for the
     run's model, GPU and TP; or a profile file) fitted to a run's recorded steps."""
     from testbed.engine.config import EngineConfig
-    from testbed.rundir import read_run
+    from testbed.runs.rundir import read_run
     from testbed.sim.like import run_setup
     from testbed.sim.profiled import ProfiledCostModel
     from testbed.sim.factory import load_cost_model

@@ -12,9 +12,8 @@ from typing import Callable
 from testbed import warn
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
-from testbed.engine.metrics import check_slos, summarize
 from testbed.specs.presets import ModelSpec, get_model_spec
-from testbed.rundir import check_output, environment_info, write_run
+from testbed.runs.finish import finish_run, start_run, trace_record
 from testbed.sim.error_bands import expected_error
 from testbed.sim.cluster import simulate, trace_to_request
 from testbed.sim.cost_model import num_gpu_blocks
@@ -74,9 +73,7 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     on stderr; `on_progress(sim_time, horizon)` is called as simulated time advances (for GUIs).
     Every input is checked before the simulation starts; requests the configuration must reject
     (too long for max_model_len or the KV cache) are counted in the run and explained on stderr."""
-    check_slos(slo_ttft, slo_tpot)
-    if output is not None:
-        check_output(output)
+    start_run(output, slo_ttft, slo_tpot)
     spec, gpu_spec = get_model_spec(model), get_gpu_spec(gpu)
     tp = config.tensor_parallel_size
     cm, cm_desc = load_cost_model(cost_model, spec, gpu_spec, config)
@@ -119,20 +116,14 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     rec = result.records
     req_cols, step_cols = rec.request_columns(), rec.step_columns()
     warn_rejections(req_cols, trace, config, blocks, max_model_len, spec.vocab_size)
-    summary = summarize(req_cols, step_cols, rec.itl, slo_ttft, slo_tpot,
-                        result.prefix_queries, result.prefix_hits)
-    summary["cost_model"] = cm_desc
-    summary["expected_error"] = expected_error(cm, spec.name, gpu_spec.name, tp)
-    run_dir = None
-    if output is not None:
-        manifest = {
-            "mode": "sim", "config": config.to_dict(), "num_gpu_blocks": blocks, "max_model_len": max_model_len,
-            "trace": {"path": str(trace_path), "format": trace_format, "num_requests": len(trace),
-                      "request_rate": request_rate, "burstiness": burstiness, "limit": limit},
-            "model": asdict(spec), "hardware": asdict(gpu_spec),
-            "cost_model": cm_desc, "expected_error": summary["expected_error"],
-            "seed": config.seed, "wall_time_s": wall, "simulated_time_s": result.sim_time,
-            "speedup": result.sim_time / wall if wall > 0 else None, **environment_info(),
-        }
-        run_dir = write_run(output, manifest, rec, summary, (req_cols, step_cols))
-    return run_dir, summary
+    expected = expected_error(cm, spec.name, gpu_spec.name, tp)
+    manifest = {
+        "mode": "sim", "config": config.to_dict(), "num_gpu_blocks": blocks, "max_model_len": max_model_len,
+        "trace": trace_record(trace_path, trace_format, len(trace), request_rate, burstiness, limit),
+        "model": asdict(spec), "hardware": asdict(gpu_spec),
+        "cost_model": cm_desc, "expected_error": expected,
+        "seed": config.seed, "wall_time_s": wall, "simulated_time_s": result.sim_time,
+        "speedup": result.sim_time / wall if wall > 0 else None,
+    }
+    return finish_run(rec, output, manifest, slo_ttft, slo_tpot, (result.prefix_queries, result.prefix_hits),
+                      {"cost_model": cm_desc, "expected_error": expected}, (req_cols, step_cols))

@@ -312,12 +312,12 @@ def _load_azure(path, lines) -> list[TraceRequest]:
 
 
 def _load_run(path: Path) -> list[TraceRequest]:
-    """The requests a run directory recorded (testbed.rundir), with their ids, arrivals, priorities and the
+    """The requests a run directory recorded (testbed.runs.rundir), with their ids, arrivals, priorities and the
     input and output tokens they were served with. A request the engine rejected is kept, asking for
     REJECTED_OUTPUT_TOKENS (more than any max_model_len), so a replay sees it arrive and rejects it too, whatever
     the run's reason was (a data-parallel run routed it first); one that failed or was aborted before its first
     token has no output length to reproduce and is left out."""
-    from testbed.rundir import RunDirError, read_run
+    from testbed.runs.rundir import RunDirError, read_run
     req = read_run(path).requests(columns=["request_id", "arrival", "input_tokens", "output_tokens", "priority",
                                            "finish_reason"])
     rejected = req["finish_reason"] == "rejected"

@@ -14,8 +14,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from testbed.sim.error_bands import within
-from testbed.rundir import RunDirError, entry_name, read_run
+from testbed.runs.rundir import RunDirError, entry_name, read_run
 
 if TYPE_CHECKING:  # pandas is imported where a table is built: the CLI starts without it
     import pandas as pd
@@ -147,6 +146,15 @@ def compare_table(runs: list[RunMeta], baseline: RunMeta) -> pd.DataFrame:
                 [within(band, key, None if s is None or x is None or x == 0 else (s - x) / abs(x))
                  for (_, key, _), s, x in zip(COMPARE_METRICS, sim, real)], dtype="boolean")
     return out
+
+
+def within(expected: dict | None, key: str, relative_error: float | None) -> bool | None:
+    """Whether a sim-vs-real difference lies inside a simulation's expected-error band for that metric (None: no
+    band for it). `expected` is the band a simulation states (sim/error_bands.py), as its summary records it."""
+    bounds = (expected or {}).get("bounds") or {}
+    if relative_error is None or key not in bounds:
+        return None
+    return abs(relative_error) <= bounds[key] + 1e-12
 
 
 def expected_band(run: RunMeta, baseline: RunMeta) -> dict | None:
@@ -291,7 +299,7 @@ def cmd_compare(args) -> int:
         print(format_table(table, runs, baseline))
         print(format_settings(differing_settings(runs)))
     if args.png is not None:
-        from testbed.figures import plots, series
+        from testbed.runs import plots, series
         fig = plots.latency_cdfs([(plots.Series(r.label, r.mode, i), series.latency_samples(r.path))
                                   for i, r in enumerate(runs)])
         out = Path(args.png)

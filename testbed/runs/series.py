@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from testbed.rundir import read_run
+from testbed.runs.rundir import read_run
 
 DONE = ("stop", "length")
 _STEP_COLS = ["replica", "start", "duration", "num_reqs", "num_decode_tokens", "kv_blocks_used", "kv_blocks_total",

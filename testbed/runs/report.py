@@ -37,7 +37,6 @@ def format_summary(s: dict, title: str = "Result", setup: str | None = None) -> 
     if s.get("cost_model") and not setup:
         lines.append(f"Cost model: {s['cost_model']}")
     if s.get("expected_error") and not setup:
-        from testbed.sim.error_bands import format_expected
         lines.append(format_expected(s["expected_error"]))
     lines.append("=" * w)
     if setup:
@@ -49,7 +48,7 @@ def format_setup(manifest: dict, replicas: list[int] | None = None) -> str:
     """What a simulation ran (model, GPU, TP, DP and its policy, prefix caching, cost model) and how fast
     (simulated seconds per wall second); with DP, each replica's share of the requests and the imbalance
     (the busiest replica's share over the mean)."""
-    from testbed.rundir import entry_name
+    from testbed.runs.rundir import entry_name
     cfg = manifest.get("config") or {}
     dp = cfg.get("data_parallel_size", 1)
     lines = [f"Setup: {entry_name(manifest.get('model'))} on {entry_name(manifest.get('hardware'))}, TP {cfg.get('tensor_parallel_size', 1)}, "
@@ -59,7 +58,6 @@ def format_setup(manifest: dict, replicas: list[int] | None = None) -> str:
     if manifest.get("cost_model"):
         lines.append(f"Cost model: {manifest['cost_model']}")
     if manifest.get("expected_error"):
-        from testbed.sim.error_bands import format_expected
         lines.append(format_expected(manifest["expected_error"]))
     sim_s, wall = manifest.get("simulated_time_s"), manifest.get("wall_time_s")
     if sim_s is not None and wall:
@@ -69,3 +67,17 @@ def format_setup(manifest: dict, replicas: list[int] | None = None) -> str:
         lines.append("Replica load (requests): " + ", ".join(f"{i}: {n}" for i, n in enumerate(replicas))
                      + (f"; imbalance (max / mean) {max(replicas) / mean:.2f}" if mean else ""))
     return "\n".join(lines)
+
+
+# the metrics of a band the summary names, with their short names
+SHORT = {"output_throughput": "throughput", "ttft_s.p50": "TTFT p50", "tpot_s.p50": "TPOT p50", "e2e_s.p50": "E2E p50"}
+
+
+def format_expected(expected: dict) -> str:
+    """One line for the summary table."""
+    bounds = expected.get("bounds")
+    if not bounds:
+        return f"Expected error: {expected['basis']}"
+    parts = [f"{SHORT[k]} ±{bounds[k]:.0%}" if bounds[k] >= 0.01 else f"{SHORT[k]} ±{bounds[k]:.1%}"
+             for k in SHORT if k in bounds]
+    return f"Expected error: {', '.join(parts)}; {expected['basis']}"

@@ -1,6 +1,6 @@
 """Matplotlib figures of one or more runs; sim runs draw solid lines / dots, real runs dashed lines / crosses.
 
-Every function takes [(Series, data)] pairs (data from testbed.figures.series) and returns a
+Every function takes [(Series, data)] pairs (data from testbed.runs.series) and returns a
 Figure with a title, axis labels with units and a legend naming each run and its mode. Colours
 follow the run's position in the selection, so a run keeps its colour across all figures.
 """
@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from testbed.figures.series import cdf  # noqa: E402
+from testbed.runs.series import cdf  # noqa: E402
 
 
 @dataclass(frozen=True)

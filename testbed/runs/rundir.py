@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from testbed.arrow_columns import column
+from testbed.runs.arrow_columns import column
 from testbed.engine.metrics import PUBLICATION_COLUMNS, REQUEST_COLUMNS, ROUTE_COLUMNS, STEP_COLUMNS, Recorder
 
 if TYPE_CHECKING:  # reading tables imports pandas; writing a run needs only pyarrow
