@@ -50,7 +50,7 @@ def take_from_run(args: argparse.Namespace, run, cfg):
     if gpu is not None and "gpu" not in given and gpu != args.gpu:
         args.gpu = gpu
         taken.append(f"--gpu {gpu}")
-    changes = {k: v for k, v in engine.items() if k not in given and k not in ("num_gpu_blocks", "max_model_len")
+    changes = {k: v for k, v in engine.items() if k not in given and k not in ("num_gpu_blocks", "num_cpu_blocks", "max_model_len")
                and getattr(cfg, k) != v}
     for k, v in changes.items():
         taken.append(f"--{k.replace('_', '-')} {v}")

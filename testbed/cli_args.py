@@ -11,7 +11,8 @@ import json
 import re
 from pathlib import Path
 
-from testbed.engine.config import DEFAULT_DP_ROUTING_DELAY, DP_POLICIES, SCHEDULING_POLICIES, EngineConfig
+from testbed.engine.config import (DEFAULT_DP_ROUTING_DELAY, DP_POLICIES, PREEMPTION_MODES, SCHEDULING_POLICIES,
+                                   EngineConfig)
 from testbed.specs.presets import MODEL_PRESETS
 
 
@@ -56,6 +57,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per replica (default: from memory)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory for weights, activations and KV cache")
+    g.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute",
+                   help="what a preempted request's KV blocks become: freed and recomputed later, or swapped to a CPU "
+                        "pool of --swap-space GiB and back (recompute when that pool is full)")
+    g.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
+                   help="CPU swap pool per GPU (per tensor-parallel rank) with --preemption-mode swap")
+    g.add_argument("--num-cpu-blocks", type=int, default=None, help="CPU swap pool in blocks (default: from --swap-space)")
     g.add_argument("--enable-prefix-caching", action="store_true", help="reuse the KV blocks of shared prompt prefixes")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help="schedule every prompt whole (default: in chunks under --max-num-batched-tokens)")
     g.add_argument("--policy", "--scheduling-policy", dest="policy", choices=SCHEDULING_POLICIES, default="fcfs", help="waiting-queue order")
@@ -84,7 +91,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dp_policy=args.dp_policy, dp_stats_interval=args.dp_stats_interval, dp_routing_delay=args.dp_routing_delay,
         max_num_waiting=args.max_num_waiting, async_scheduling=args.async_scheduling,
         seed=args.seed, cuda_graph_sizes=args.cuda_graph_sizes, enable_lora=args.enable_lora,
-        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space, num_cpu_blocks=args.num_cpu_blocks)
 
 
 def add_trace_args(p: argparse.ArgumentParser, trace_required: bool = True) -> None:

@@ -93,8 +93,11 @@ class LLM:
                     raise ValueError(f"executor was built for block_size {runner.block_size} and tensor_parallel_size "
                                      f"{runner.config.tensor_parallel_size}; these engine arguments ask for "
                                      f"{self.config.block_size} and {self.config.tensor_parallel_size}")
+                if hasattr(executor, "set_swap_space"):  # the CPU pool these engine arguments ask for
+                    executor.set_swap_space(self.config.cpu_blocks(runner.block_bytes))
             self.executor = executor
-            self.engine = EngineCore(self.config, executor.num_gpu_blocks, executor.max_model_len)
+            self.engine = EngineCore(self.config, executor.num_gpu_blocks, executor.max_model_len,
+                                     num_cpu_blocks=getattr(executor, "num_cpu_blocks", None))
             self.stepper = EngineStepper(self.engine, executor, self.now, self.config.async_scheduling)
             model_path, self.eos_token_id, self.vocab_size, self.max_model_len = (
                 executor.model_path, executor.eos_token_id, executor.vocab_size, executor.max_model_len)

@@ -9,7 +9,8 @@ from typing import Any
 
 from testbed.engine.config import EngineConfig
 
-RENAMED = {"scheduling_policy": "policy", "num_gpu_blocks_override": "num_gpu_blocks"}
+RENAMED = {"scheduling_policy": "policy", "num_gpu_blocks_override": "num_gpu_blocks",
+           "num_cpu_blocks_override": "num_cpu_blocks"}
 
 # vLLM arguments with one answer here: the values accepted, and why no other is
 FIXED: dict[str, tuple[tuple, str]] = {
@@ -19,7 +20,6 @@ FIXED: dict[str, tuple[tuple, str]] = {
                                      "data_parallel_size"),
     "speculative_config": ((None,), "there is no speculative decoding"),
     "cpu_offload_gb": ((0, None), "weights are not offloaded to the CPU"),
-    "swap_space": ((0, None), "preemption recomputes; nothing is swapped to the CPU"),
     "tokenizer_mode": (("auto", "hf"), "the Hugging Face tokenizer of the model is used"),
     "distributed_executor_backend": ((None, "mp"), "tensor-parallel workers are processes; Ray places "
                                                    "data-parallel replicas only (testbed serve "

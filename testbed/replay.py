@@ -34,15 +34,17 @@ def _model_facts(llm, model: str | None, load_format: str, dtype: str, device: s
         ex = llm.executor
         blocks, max_len, path, hf, dt, dev = (ex.num_gpu_blocks, ex.max_model_len, ex.model_path, ex.hf_config,
                                               ex.runner.dtype, ex.device)
+        cpu_blocks = llm.engine.block_manager.num_cpu_blocks
     else:
         from testbed.worker.resolve import resolve_device, resolve_dtype
         from testbed.worker.loader import model_config
         ready, path, dev = llm.dp.ready, llm.dp.model_path, resolve_device(device)
         blocks, max_len, hf = ready.num_gpu_blocks, ready.max_model_len, model_config(path, load_format)
+        cpu_blocks = ready.num_cpu_blocks
         dt = resolve_dtype(dtype, dev)
     keys = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "vocab_size")
-    return {"num_gpu_blocks": blocks, "max_model_len": max_len, "dtype": str(dt), "device": dev,
+    return {"num_gpu_blocks": blocks, "num_cpu_blocks": cpu_blocks, "max_model_len": max_len, "dtype": str(dt), "device": dev,
             "model": {"name": model or "SmolLM2-135M-Instruct", "path": path, "load_format": load_format,
                       **{k: hf.get(k) for k in keys}}}
 
@@ -99,6 +101,7 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
             llm.shutdown()  # TP: end the worker processes and the process group; DP: the coordinator and replicas
     manifest = {
         "mode": "real", "config": config.to_dict(), "num_gpu_blocks": facts["num_gpu_blocks"],
+        "num_cpu_blocks": facts["num_cpu_blocks"],
         "max_model_len": facts["max_model_len"],
         "trace": trace_record(trace_path, trace_format, len(trace), request_rate, burstiness, limit),
         "model": facts["model"], "hardware": hardware_info(facts["device"]), "dtype": facts["dtype"],

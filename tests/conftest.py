@@ -47,6 +47,37 @@ class FixedTokenExecutor:
         return ModelRunnerOutput([self.token if r.num_computed_tokens >= r.num_tokens else -1 for r in so.requests])
 
 
+class KVCheckingExecutor(FixedTokenExecutor):
+    """A FixedTokenExecutor that keeps what a worker's KV cache would hold (the token id of every written slot, GPU
+    and CPU pools), runs the step's block moves as a worker does (swap out, swap in, copy on write, in that order)
+    and asserts that every scheduled request finds its earlier tokens in its blocks: it checks the block manager's
+    swaps, copies and prefix-cache hits by content, not by counts."""
+
+    def __init__(self, block_size: int, token: int = FIXED_TOKEN) -> None:
+        super().__init__(token)
+        self.bs = block_size
+        self.gpu: dict[int, list] = {}
+        self.cpu: dict[int, list] = {}
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for g, c in so.blocks_to_swap_out:
+            self.cpu[c] = list(self.gpu.get(g, [None] * self.bs))
+        for c, g in so.blocks_to_swap_in:
+            self.gpu[g] = list(self.cpu[c])
+        for src, dst in so.blocks_to_copy:
+            self.gpu[dst] = list(self.gpu.get(src, [None] * self.bs))
+        bs = self.bs
+        for req, before, n, table in zip(so.requests, so.num_computed_before, so.num_new_tokens, so.block_ids):
+            for p in range(before):
+                want = req.token_id(p) if p < req.num_tokens else self.token
+                got = self.gpu.get(table[p // bs], [None] * bs)[p % bs]
+                assert got == want, f"{req}: position {p} holds {got} in block {table[p // bs]}, not {want}"
+            for p in range(before, before + n):
+                self.gpu.setdefault(table[p // bs], [None] * bs)[p % bs] = (
+                    req.token_id(p) if p < req.num_tokens else self.token)
+        return super().execute(so)
+
+
 def make_engine(num_gpu_blocks: int = 64, max_model_len: int = 256, **config) -> EngineCore:
     return EngineCore(EngineConfig(**config), num_gpu_blocks=num_gpu_blocks, max_model_len=max_model_len)
 

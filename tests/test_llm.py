@@ -106,15 +106,22 @@ def test_smollm2_continuous_batching_matches_hf_generate(smol, smol_prompts, hf_
 
 
 @pytest.mark.smollm2
-def test_smollm2_preemption_keeps_greedy_tokens(smol_dir, smol_prompts, hf_refs):
-    # 9 blocks of 16 tokens: the longest request needs 6, so running several forces recompute preemption.
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_smollm2_preemption_keeps_greedy_tokens(smol_dir, smol_prompts, hf_refs, mode):
+    # 9 blocks of 16 tokens: the longest request needs 6, so running several forces preemption: by recompute, or
+    # by swapping the victim's blocks to the CPU pool and back (the greedy tokens are the unpreempted ones either way)
     picked = [6, 0, 5, 1]
     llm = LLM(smol_dir, max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET, max_num_seqs=4, num_gpu_blocks=9,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, preemption_mode=mode, swap_space=0.01)
     try:
         outs = llm.generate([smol_prompts[i] for i in picked], _greedy())
         preemptions = sum(r[10] for r in llm.engine.records.requests)
         assert preemptions > 0, "the tiny cache should have forced preemptions"
+        swapped = llm.engine.records.step_columns()["blocks_swapped_in"].sum()
+        assert (swapped > 0 and llm.engine.scheduler.num_swap_preemptions == preemptions) if mode == "swap" else \
+            swapped == 0
+        assert llm.engine.block_manager.num_cpu_blocks == (0 if mode == "recompute" else
+                                                          int(0.01 * 2**30 // llm.executor.runner.block_bytes))
         for i, out in zip(picked, outs):
             assert out.outputs[0].token_ids == hf_refs[i], f"prompt {i}"
         llm.engine.block_manager.check_invariants()

@@ -138,3 +138,29 @@ def test_values_move_as_vllms(server):
     assert metric(page, "vllm:num_requests_waiting_by_reason", reason="capacity") == metric(
         page, "vllm:num_requests_waiting") == 0
     assert metric(page, "vllm:num_requests_running") == 0 and metric(page, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_swap_preemption_shows_in_the_swap_families(tmp_path):
+    """--preemption-mode swap: vLLM V0's swap gauges (requests swapped, CPU cache usage) and the counters of swap
+    preemptions and blocks moved, which a tight cache under concurrent requests makes move."""
+    from concurrent.futures import ThreadPoolExecutor
+    with running_server("--emulate", "--cost-model", "zero", "--max-model-len", str(MAX_MODEL_LEN),
+                        "--num-gpu-blocks", "12", "--preemption-mode", "swap", "--num-cpu-blocks", "64",
+                        "--served-model-name", "smol", log_dir=tmp_path) as srv:
+        fams = {f.name: f.type for f in text_string_to_metric_families(scrape(srv))}
+        assert {n: fams.get(f"vllm:{n}") for n in ("num_requests_swapped", "cpu_cache_usage_perc",
+                                                   "num_swap_preemptions", "kv_blocks_swapped_out",
+                                                   "kv_blocks_swapped_in")} == {
+            "num_requests_swapped": "gauge", "cpu_cache_usage_perc": "gauge", "num_swap_preemptions": "counter",
+            "kv_blocks_swapped_out": "counter", "kv_blocks_swapped_in": "counter"}
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        prompt = "The quick brown fox jumps over the lazy dog. " * 4  # about 40 tokens: 5 blocks with its outputs
+        with ThreadPoolExecutor(6) as pool:
+            done = list(pool.map(lambda _: client.completions.create(model="smol", prompt=prompt, max_tokens=40,
+                                                                     extra_body={"ignore_eos": True}), range(6)))
+        assert all(c.usage.completion_tokens == 40 for c in done)
+        page = scrape(srv)
+        swaps = metric(page, "vllm:num_swap_preemptions_total")
+        assert swaps > 0 and swaps == metric(page, "vllm:num_preemptions_total")
+        assert metric(page, "vllm:kv_blocks_swapped_out_total") == metric(page, "vllm:kv_blocks_swapped_in_total") > 0
+        assert metric(page, "vllm:num_requests_swapped") == 0 and metric(page, "vllm:cpu_cache_usage_perc") == 0

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.smollm2, pytest.mark.timeout(300)]
 FLAGS = ["--max-model-len", "256", "--block-size", "16", "--max-num-batched-tokens", "32", "--max-num-seqs", "4",
          "--enable-prefix-caching", "--num-gpu-blocks", "9", "--format", "json"]
 STEP_DECISIONS = ["num_reqs", "num_prefill_tokens", "num_decode_tokens", "sum_context_tokens", "sum_attn_pairs",
-                  "kv_blocks_used", "num_waiting", "num_running", "num_preempted"]
+                  "kv_blocks_used", "num_waiting", "num_running", "num_preempted", "num_swapped", "num_swapped_out",
+                  "blocks_swapped_out", "blocks_swapped_in"]
 REQUEST_OUTCOMES = ["request_id", "input_tokens", "output_tokens", "cached_tokens", "preemptions", "finish_reason"]
 
 
@@ -35,15 +36,18 @@ def write_trace(path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def test_simulation_replays_a_real_runs_batches_exactly(tmp_path, capsys):
+# swap: a CPU pool of 3 blocks takes some victims and sends the larger ones to recompute
+@pytest.mark.parametrize("preemption", [[], ["--preemption-mode", "swap", "--num-cpu-blocks", "3"]],
+                         ids=["recompute", "swap"])
+def test_simulation_replays_a_real_runs_batches_exactly(tmp_path, capsys, preemption):
     from testbed.worker.smollm2 import default_model_dir
     trace = tmp_path / "trace.jsonl"
     write_trace(trace)
     real, sim = tmp_path / "real", tmp_path / "sim"
-    assert main(["replay", str(trace), "--model", str(default_model_dir()), "-o", str(real), *FLAGS]) == 0
+    assert main(["replay", str(trace), "--model", str(default_model_dir()), "-o", str(real), *FLAGS, *preemption]) == 0
     real_summary = json.loads(capsys.readouterr().out)
     assert main(["simulate", str(trace), "--model", "SmolLM2-135M", "--cost-model", f"recorded:{real}",
-                 "-o", str(sim), "--no-progress", *FLAGS]) == 0
+                 "-o", str(sim), "--no-progress", *FLAGS, *preemption]) == 0
     sim_summary = json.loads(capsys.readouterr().out)
 
     rs, ss = pd.read_parquet(real / "steps.parquet"), pd.read_parquet(sim / "steps.parquet")
@@ -59,6 +63,9 @@ def test_simulation_replays_a_real_runs_batches_exactly(tmp_path, capsys):
     assert ((rs["num_prefill_tokens"] > 0) & (rs["num_decode_tokens"] > 0)).any()  # mixed chunked steps
     assert real_summary["num_rejected"] == sim_summary["num_rejected"] == 1  # the 300-token prompt
     assert sim_summary["num_finished"] == real_summary["num_finished"] == 7
+    if preemption:  # both a swap and a fallback to recompute happened
+        assert 0 < rs["num_swapped_out"].sum() < rs["num_preempted"].sum()
+        assert real_summary["num_blocks_swapped_in"] == sim_summary["num_blocks_swapped_in"] > 0
 
 
 def test_a_diverging_simulation_is_an_error(tmp_path, capsys):

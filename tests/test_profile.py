@@ -34,6 +34,9 @@ def test_smoke_profile_on_cpu_loads_and_drives_simulate_and_quick_rescales_it(tm
     assert all(t > 0 for t in prof["engine_host"]["decode_step_s"]) and len(prof["validation"]) == 2
     cm = ProfiledCostModel.from_file(out)
     assert set(cm.validate()) >= {"sync_mape", "sync_worst", "sync_steps"}
+    hd = prof["host_device"]  # swap traffic: measured on this machine, and what the cost model prices it at
+    assert hd["blocks"] == 48 and hd["bandwidth"] > 0 and hd["swap_out_s"] > 0 and hd["device_bandwidth"] > 0
+    assert cm.moves.host_bandwidth == hd["bandwidth"] and cm.moves.block_bytes == hd["block_bytes"]
     capsys.readouterr()
     assert main(["simulate", str(SAMPLE), "--limit", "8", "--model", "SmolLM2-135M", "--gpu", "H200", *SMALL,
                  "--cost-model", str(out), "--format", "json", "--no-progress", "-o", str(tmp_path / "run")]) == 0

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
-from conftest import FIXED_TOKEN, make_engine, make_request, run_engine
+from conftest import FIXED_TOKEN, KVCheckingExecutor, make_engine, make_request, run_engine
 
 
 def finished_tokens(outs, rid) -> list[int]:
@@ -33,7 +33,8 @@ def scenarios(draw):
                enable_chunked_prefill=chunked, enable_prefix_caching=draw(st.booleans()),
                async_scheduling=draw(st.booleans()),
                policy=draw(st.sampled_from(["fcfs", "priority"])),
-               max_model_len=max_model_len if mml_in_config else None)
+               max_model_len=max_model_len if mml_in_config else None,
+               preemption_mode=draw(st.sampled_from(["recompute", "swap"])), num_cpu_blocks=draw(st.integers(0, 24)))
     reqs = draw(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 1), st.integers(1, 40), st.integers(1, 24),
                                    st.integers(0, 2), st.none() | st.integers(0, 40)), min_size=1, max_size=10))
     lengths = [20 + tail + out for _, _, tail, out, _, _ in reqs if 20 + tail + out <= max_model_len] or [max_model_len]
@@ -61,7 +62,8 @@ def test_random_workloads_finish_with_exact_outputs(scenario):
             rejected = True
         want[req.request_id] = None if rejected else max_tokens
     total = sum(len(r.prompt_token_ids) + r.max_tokens for _, r in arrivals)
-    steps, outs = run_engine(engine, arrivals, max_steps=50 * total + 50, aborts=aborts)
+    steps, outs = run_engine(engine, arrivals, KVCheckingExecutor(bs), max_steps=50 * total + 50, aborts=aborts)
+    event(f"swapped out {engine.scheduler.num_swapped_out_blocks > 0}")
     aborted = {rid for rid, o in outs.items() if o[-1].finish_reason == "abort"}
     assert aborted <= {rid for _, rid in aborts}
 
@@ -77,6 +79,7 @@ def test_random_workloads_finish_with_exact_outputs(scenario):
             assert last.finish_reason == "length" and finished_tokens(outs, rid) == [FIXED_TOKEN] * n
     bm, sched = engine.block_manager, engine.scheduler
     assert bm.num_used_blocks == 0 and bm.usage == 0 and not sched.running and not sched.num_waiting
+    assert bm.num_used_cpu_blocks == 0 and not sched.swapped
     bm.check_invariants()
     rows = engine.records.request_columns()
     assert sorted(rows["request_id"]) == sorted(want)

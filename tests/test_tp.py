@@ -120,6 +120,22 @@ def test_tiny_llama_tp2_matches_tp1_and_hf(name, tmp_path, engines):
     assert cached["p0"] > 0 and again == {"p0": ref["t1"], "p1": ref["t2"]}
 
 
+def test_tiny_llama_tp2_swap_preemption_matches_tp1(tmp_path, engines):
+    """Swap preemption on TP: every rank copies its shard of the swapped blocks to its own CPU pool and back,
+    on rank 0's command, before the step that needs them."""
+    hf = save_tiny_llama(tmp_path, 4, 2, seed=4)
+    prompts = random_prompts([30, 26, 21, 33], hf.config.vocab_size, seed=3)
+    engine = {**ENGINE, "num_gpu_blocks": 13, "preemption_mode": "swap", "num_cpu_blocks": 16}  # 4 x 6 blocks
+    tp1 = engines(str(tmp_path), skip_tokenizer_init=True, **engine)
+    ref, _, _ = run_staggered(tp1, prompts, [0, 0, 0, 0], GREEDY, prefix="t")
+    assert [ref[f"t{i}"] for i in range(len(prompts))] == [hf_greedy(hf, p, 16) for p in prompts]
+    assert tp1.engine.scheduler.num_swap_preemptions > 0
+    tp1.executor.shutdown()
+    tp2 = engines(str(tmp_path), skip_tokenizer_init=True, tensor_parallel_size=2, **engine)
+    assert run_staggered(tp2, prompts, [0, 0, 0, 0], GREEDY, prefix="t")[0] == ref
+    assert tp2.engine.scheduler.num_swapped_in_blocks == tp1.engine.scheduler.num_swapped_in_blocks > 0
+
+
 def test_tiny_llama_tp2_async_scheduling_matches_tp1(tmp_path, engines):
     """Async scheduling on TP: rank 0 launches step k+1 before it reads step k, so the tokens sampled at step k
     reach the other rank's inputs by broadcast, on the device."""

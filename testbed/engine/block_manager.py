@@ -6,6 +6,10 @@ Invariants (checked by `check_invariants`, exercised by the property tests):
     so free + cached + used == num_blocks, and no block sits in two free lists;
   * `hash_to_block` maps exactly the hashed blocks (USED or CACHED), one block per hash;
   * a block's ref count equals the number of block tables holding it (no double free).
+A second pool of `num_cpu_blocks` CPU blocks holds the KV of swapped-out requests (swap preemption) with the
+same invariants: a CPU block is FREE (ref 0, in `cpu_free_ids`) or USED (ref == the number of swapped block
+tables holding it), never both, so free + used (+ cached, none on CPU) == total per pool. A block shared by
+several requests of one swap (beams) is copied once, and shared again on the way back.
 Allocation takes a FREE block first and evicts the least recently freed CACHED block otherwise;
 allocate, free and a cache hit are O(1) per block. Only full prompt blocks are hashed, each hash
 chained on its parent's, so a hit on block i implies hits on blocks 0..i-1.
@@ -34,9 +38,16 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 class BlockManager:
     """Owns the KV block pool of one engine; the scheduler asks it for slots, never for memory."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_cpu_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_ref_cnt = [0] * num_cpu_blocks
+        self.cpu_free_ids: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.req_cpu_blocks: dict[str, list[int]] = {}  # swapped-out requests' block tables in the CPU pool
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -64,6 +75,15 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests (vLLM's kv_cache_usage)."""
         return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_used_cpu_blocks(self) -> int:
+        return self.num_cpu_blocks - len(self.cpu_free_ids)
+
+    @property
+    def cpu_usage(self) -> float:
+        """Fraction of the CPU swap pool held by swapped-out requests (vLLM V0's cpu_cache_usage)."""
+        return self.num_used_cpu_blocks / self.num_cpu_blocks if self.num_cpu_blocks else 0.0
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
@@ -179,8 +199,63 @@ class BlockManager:
             h2b[h] = b
         self.req_num_registered[req.request_id] = n_full
 
-    def free(self, request_id: str) -> None:
-        """Release a request's blocks, tail first, so its tail is evicted before its (shareable) head."""
+    # ---- swapping ------------------------------------------------------------------------------
+    def can_swap_out(self, request_ids: Sequence[str]) -> bool:
+        """Whether the CPU pool has a block for every distinct GPU block these requests hold."""
+        distinct = {b for rid in request_ids for b in self.req_blocks.get(rid, ())}
+        return len(distinct) <= len(self.cpu_free_ids)
+
+    def swap_out(self, request_ids: Sequence[str]) -> list[tuple[int, int]]:
+        """Move these requests' block tables to the CPU pool (the caller checked `can_swap_out`) and release
+        their GPU blocks as `free` does; returns the (GPU block, CPU block) copies to make, one per distinct
+        block (blocks the requests share stay shared on the CPU)."""
+        mapping: dict[int, int] = {}
+        cpu_ref, cpu_free = self.cpu_ref_cnt, self.cpu_free_ids
+        for rid in request_ids:
+            table = self.req_cpu_blocks[rid] = []
+            for b in self.req_blocks.get(rid, ()):
+                c = mapping.get(b)
+                if c is None:
+                    c = mapping[b] = cpu_free.pop()
+                cpu_ref[c] += 1
+                table.append(c)
+        for rid in request_ids:
+            self.free(rid, cpu=False)
+        return list(mapping.items())
+
+    def swap_in_blocks(self, request_ids: Sequence[str]) -> int:
+        """GPU blocks a swap-in of these requests takes (their distinct CPU blocks)."""
+        return len({c for rid in request_ids for c in self.req_cpu_blocks.get(rid, ())})
+
+    def swap_in(self, request_ids: Sequence[str]) -> list[tuple[int, int]]:
+        """Bring swapped-out block tables back to the GPU pool (the caller checked that `swap_in_blocks` fit
+        `num_free_blocks`) and release their CPU blocks; returns the (CPU block, GPU block) copies to make."""
+        mapping: dict[int, int] = {}
+        cpu_ref, ref_cnt = self.cpu_ref_cnt, self.ref_cnt
+        for rid in request_ids:
+            table = self.req_blocks[rid] = []
+            for c in self.req_cpu_blocks.pop(rid, ()):
+                b = mapping.get(c)
+                if b is None:
+                    b = mapping[c] = self._take_block()
+                ref_cnt[b] += 1
+                table.append(b)
+                cpu_ref[c] -= 1
+                if cpu_ref[c] == 0:
+                    self.cpu_free_ids.append(c)
+        return list(mapping.items())
+
+    def free(self, request_id: str, cpu: bool = True) -> None:
+        """Release a request's blocks, tail first, so its tail is evicted before its (shareable) head (and, with
+        `cpu`, the CPU blocks it holds while swapped out)."""
+        if cpu and request_id in self.req_cpu_blocks:
+            cpu_ref = self.cpu_ref_cnt
+            for c in reversed(self.req_cpu_blocks.pop(request_id)):
+                cpu_ref[c] -= 1
+                if cpu_ref[c] == 0:
+                    self.cpu_free_ids.append(c)
+                elif cpu_ref[c] < 0:
+                    raise AssertionError(f"double free of CPU block {c} by request {request_id!r}")
         blocks = self.req_blocks.pop(request_id, None)
         self.req_num_registered.pop(request_id, None)
         if not blocks:
@@ -234,3 +309,14 @@ class BlockManager:
         assert hashed == set(self.hash_to_block.values()), "hash map out of sync with block hashes"
         for h, b in self.hash_to_block.items():
             assert self.block_hash[b] == h
+        cpu_free = set(self.cpu_free_ids)
+        assert len(cpu_free) == len(self.cpu_free_ids), "a CPU block is twice in the free list"
+        cpu_holders = [0] * self.num_cpu_blocks
+        for blocks in self.req_cpu_blocks.values():
+            for c in blocks:
+                cpu_holders[c] += 1
+        for c in range(self.num_cpu_blocks):
+            assert cpu_holders[c] == self.cpu_ref_cnt[c], f"CPU block {c}: ref {self.cpu_ref_cnt[c]} but {cpu_holders[c]} holders"
+            assert (c in cpu_free) + (self.cpu_ref_cnt[c] > 0) == 1, f"CPU block {c} is FREE and USED, or neither"
+        assert len(cpu_free) + sum(r > 0 for r in self.cpu_ref_cnt) == self.num_cpu_blocks
+        assert not set(self.req_cpu_blocks) & set(self.req_blocks), "a request holds GPU and CPU blocks at once"

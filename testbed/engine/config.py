@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 DP_POLICIES = ("round_robin", "least_loaded", "kv_aware", "prefix_affinity")
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
 DEFAULT_DP_ROUTING_DELAY = 7e-4  # s, arrival -> admission at a replica, measured (README: Data parallelism)
@@ -29,6 +30,11 @@ class EngineConfig:
     admission by the replica (API server -> coordinator -> replica; the default was measured, see
     the README); half of it passes before the coordinator decides, and a stats publication takes
     the other half (one hop) to reach the coordinator.
+
+    Preemption (vLLM V0's flags): `preemption_mode` "recompute" frees a preempted request's blocks and recomputes
+    its tokens later; "swap" copies them to a CPU block pool of `swap_space` GiB per GPU (per rank) and back before
+    the request runs again, recomputing only when that pool is full. `num_cpu_blocks` None sizes the pool from
+    `swap_space` and the model's block bytes (the executor in real mode, the model spec in simulation).
 
     `cuda_graph_sizes` (vLLM's name): the token counts of the steps real mode captures as CUDA graphs on a
     GPU (decode batches up to max_num_seqs, mixed and prefill steps up to max_num_batched_tokens; None:
@@ -61,6 +67,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    num_cpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +95,13 @@ class EngineConfig:
              f"({self.max_num_batched_tokens}) must be >= --max-num-seqs ({self.max_num_seqs}) so every running "
              "sequence can decode in one step; raise it or lower --max-num-seqs")
         need(self.policy in SCHEDULING_POLICIES, "policy", f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        need(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+             f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        need(isinstance(self.swap_space, (int, float)) and not isinstance(self.swap_space, bool)
+             and 0 <= self.swap_space < float("inf"), "swap_space",
+             f"must be a number of GiB >= 0, got {self.swap_space!r}")
+        need(self.num_cpu_blocks is None or (isinstance(self.num_cpu_blocks, int) and self.num_cpu_blocks >= 0),
+             "num_cpu_blocks", f"must be an integer >= 0, got {self.num_cpu_blocks!r}")
         need(self.dp_policy in DP_POLICIES, "dp_policy", f"must be one of {DP_POLICIES}, got {self.dp_policy!r}")
         for name in ("dp_stats_interval", "dp_routing_delay"):
             v = getattr(self, name)
@@ -115,6 +131,15 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def cpu_blocks(self, block_bytes: int) -> int:
+        """Blocks of the CPU swap pool: `num_cpu_blocks` if given, else `swap_space` GiB of blocks of
+        `block_bytes` (one rank's K and V of a block over all layers) in swap mode, 0 otherwise."""
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
+        if self.preemption_mode != "swap":
+            return 0
+        return int(self.swap_space * (1 << 30) // block_bytes)
 
 
 @dataclass

@@ -60,7 +60,9 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, num_gpu_blocks: int | None = None, max_model_len: int | None = None,
-                 replica: int = 0, stream_outputs: bool = True) -> None:
+                 replica: int = 0, stream_outputs: bool = True, num_cpu_blocks: int | None = None) -> None:
+        """`num_cpu_blocks`: the CPU swap pool (the executor's; None: the config's `num_cpu_blocks`, which
+        swap mode then needs)."""
         num_gpu_blocks = num_gpu_blocks or config.num_gpu_blocks
         max_model_len = max_model_len or config.max_model_len
         if not num_gpu_blocks or not max_model_len:
@@ -69,7 +71,15 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.replica = replica
         self.stream_outputs = stream_outputs
-        self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        if num_cpu_blocks is None:
+            num_cpu_blocks = config.num_cpu_blocks
+        if num_cpu_blocks is None:
+            if config.preemption_mode == "swap":
+                raise ValueError("--preemption-mode swap needs the CPU pool's size: num_cpu_blocks (from the "
+                                 "executor or the config)")
+            num_cpu_blocks = 0
+        self.block_manager = BlockManager(num_gpu_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_cpu_blocks)
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self.records = Recorder()
@@ -166,7 +176,7 @@ class EngineCore:
                 req.first_scheduled_time = now
                 self.num_waiting_tokens -= req.num_prompt_tokens
         so.step_state = (now, self.block_manager.num_used_blocks, self.scheduler.num_waiting,
-                         self.scheduler.num_running)
+                         self.scheduler.num_running, len(self.scheduler.swapped))
         so.has_pooling = self.num_pooling > 0
         return so
 
@@ -231,13 +241,14 @@ class EngineCore:
                                                  timing=times(req)))
         if any_finished:
             self.scheduler.drop_finished()
-        start, used, waiting, running_n = so.step_state
+        start, used, waiting, running_n, swapped = so.step_state
         start = max(start, self._last_update)  # overlapped steps: this one ran after the previous one ended
         self._last_update = now
         self.records.steps.append((
             self.replica, start, now - start, len(so.requests), so.num_prefill_tokens, so.num_decode_tokens,
             so.sum_context_tokens, so.sum_attn_pairs, used, self.block_manager.num_blocks, waiting, running_n,
-            len(so.preempted_req_ids)))
+            len(so.preempted_req_ids), swapped, so.num_swapped_out, len(so.blocks_to_swap_out),
+            len(so.blocks_to_swap_in), len(so.blocks_to_copy)))
         return outputs
 
     def _finish_pooled(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float,
@@ -275,5 +286,5 @@ class EngineCore:
 
     def stats(self) -> ReplicaStats:
         bm = self.block_manager
-        return ReplicaStats(self.scheduler.num_waiting, self.scheduler.num_running, bm.usage,
+        return ReplicaStats(self.scheduler.num_waiting + self.scheduler.num_swapped, self.scheduler.num_running, bm.usage,
                             bm.num_free_blocks, bm.num_blocks, self.num_waiting_tokens, self.num_added)

@@ -17,9 +17,14 @@ from testbed.engine.request import Request
 
 REQUEST_COLUMNS = ("request_id", "replica", "priority", "arrival", "first_scheduled", "first_token", "finish",
                    "input_tokens", "output_tokens", "cached_tokens", "preemptions", "finish_reason")
-STEP_COLUMNS = ("replica", "start", "duration", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
-                "sum_context_tokens", "sum_attn_pairs", "kv_blocks_used", "kv_blocks_total", "num_waiting",
-                "num_running", "num_preempted")
+BASE_STEP_COLUMNS = ("replica", "start", "duration", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
+                     "sum_context_tokens", "sum_attn_pairs", "kv_blocks_used", "kv_blocks_total", "num_waiting",
+                     "num_running", "num_preempted")
+# KV block moves (swap preemption, copy-on-write of beams): requests in the swapped queue when the step was
+# scheduled, preempted requests it swapped out (the rest of num_preempted recomputed), blocks it copied out to
+# the CPU pool, back in, and within the GPU. Run directories written before these existed lack them (read as 0).
+BLOCK_STEP_COLUMNS = ("num_swapped", "num_swapped_out", "blocks_swapped_out", "blocks_swapped_in", "blocks_copied")
+STEP_COLUMNS = BASE_STEP_COLUMNS + BLOCK_STEP_COLUMNS
 # Data-parallel runs only: the coordinator's decisions and the stats they used. `seq` numbers the
 # coordinator's events (routes and stats receipts share it), so the two tables replay its order.
 ROUTE_COLUMNS = ("seq", "request_id", "replica", "arrival", "sent", "routed", "added")
@@ -74,6 +79,14 @@ def _stats(values) -> dict[str, float | None]:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     qs = np.percentile(xs, PERCENTILES)
     return {"mean": float(xs.mean()), **{f"p{p}": float(q) for p, q in zip(PERCENTILES, qs)}}
+
+
+def _block_moves(steps: dict) -> dict[str, int]:
+    """Totals of the block-move columns (0 for records written before they existed)."""
+    return {"num_swap_preemptions": int(np.sum(steps.get("num_swapped_out", 0))),
+            "num_blocks_swapped_out": int(np.sum(steps.get("blocks_swapped_out", 0))),
+            "num_blocks_swapped_in": int(np.sum(steps.get("blocks_swapped_in", 0))),
+            "num_blocks_copied": int(np.sum(steps.get("blocks_copied", 0)))}
 
 
 def check_slos(slo_ttft: float | None, slo_tpot: float | None) -> None:
@@ -136,6 +149,7 @@ def summarize(requests: dict[str, list], steps: dict[str, list], itl: list[float
         "kv_util_mean": kv_mean,
         "kv_util_max": float(kv.max()) if kv.size else 0.0,
         "num_preemptions": int(np.sum(steps["num_preempted"])),
+        **_block_moves(steps),
         "prefix_cache_hit_rate": prefix_hits / prefix_queries if prefix_queries else 0.0,
         "mean_batch_size": float(num_reqs.mean()) if num_reqs.size else 0.0,
         "num_steps": len(dur),

@@ -44,7 +44,14 @@ class SchedulerOutput:
     lora_dropped: list[int] = field(default_factory=list)
     num_lora_tokens: int = 0
     num_loras: int = 0
-    step_state: tuple = ()  # (scheduled at, used blocks, waiting, running) for the step record
+    step_state: tuple = ()  # (scheduled at, used blocks, waiting, running, swapped) for the step record
+    # KV block moves the worker runs before the forward, in this order (vLLM's names): (GPU block, CPU block)
+    # pairs of preempted requests copied out, (CPU block, GPU block) pairs of resumed ones copied back,
+    # (source, destination) GPU blocks copied on write (a beam writing into a block it shares)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    num_swapped_out: int = 0  # preempted requests of this step that were swapped out (the others recompute)
 
     @property
     def num_reqs(self) -> int:
@@ -58,14 +65,20 @@ class SchedulerOutput:
                        num_new_tokens=[self.num_new_tokens[i] for i in rows],
                        num_computed_before=[self.num_computed_before[i] for i in rows],
                        block_ids=[self.block_ids[i] for i in rows], new_req_ids=self.new_req_ids & ids,
-                       preempted_req_ids=[],
+                       preempted_req_ids=[], blocks_to_swap_out=[], blocks_to_swap_in=[], blocks_to_copy=[],
                        lora_slots=None if self.lora_slots is None else [self.lora_slots[i] for i in rows],
                        lora_loads=[] if self.lora_slots is None else
                        [ld for ld in self.lora_loads if ld.slot in {self.lora_slots[i] for i in rows}])
 
     @property
+    def has_block_ops(self) -> bool:
+        """Whether the worker must move KV blocks before this step's forward."""
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.requests
+        """Nothing to run: no request and no block to move (a step may only swap out its preempted requests)."""
+        return not self.requests and not self.has_block_ops
 
 
 # The error of a request whose logits processing left no token to draw (the executor ends it, the engine goes on).

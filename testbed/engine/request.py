@@ -8,16 +8,18 @@ from testbed.engine.params import PoolingParams, SamplingParams, check_priority
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING)* -> FINISHED_*. Finished ones are >= STOPPED."""
+    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED|SWAPPED -> RUNNING)* -> FINISHED_*. Finished ones are >= STOPPED.
+    PREEMPTED: its blocks were freed, its tokens are recomputed; SWAPPED: its blocks wait in the CPU pool."""
 
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_REJECTED = 6
-    FINISHED_ERROR = 7  # the executor failed on this request (its data); the engine went on
+    SWAPPED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_REJECTED = 7
+    FINISHED_ERROR = 8  # the executor failed on this request (its data); the engine went on
 
     @property
     def finished(self) -> bool:

@@ -5,8 +5,10 @@ tokens still in flight (`num_pending`, sampled by earlier steps not yet updated)
 step: running requests first (in queue order), then waiting ones, each taking up to the remaining
 budget (chunked prefill) while `max_num_seqs` and the block pool allow. When a running request
 cannot get a block, the lowest-ranked running request is preempted by recompute (its blocks freed,
-its progress reset, back to the front of the waiting queue); no waiting request is admitted in a
-step that preempted. With a step in flight (async scheduling), a request that its in-flight token
+its progress reset, back to the front of the waiting queue), or, with `--preemption-mode swap`, swapped out
+(its blocks copied to the CPU pool, its progress kept, to the front of the swapped queue; by recompute when
+the CPU pool cannot take them). Swapped requests come back (their blocks copied in) before any waiting
+request is admitted, as vLLM V0 does; no swapped or waiting request is admitted in a step that preempted. With a step in flight (async scheduling), a request that its in-flight token
 ends is not scheduled again, and while one such request holds blocks a shortage stops the running
 pass instead of preempting (those blocks come back next step). Invariants: the step's tokens <= max_num_batched_tokens; running requests <=
 max_num_seqs; a scheduled request always has blocks for all its computed + scheduled tokens.
@@ -76,6 +78,11 @@ class Scheduler:
         self.fcfs = config.policy == "fcfs"
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
+        self.swap = config.preemption_mode == "swap"
+        self.swapped: deque[Request] = deque()  # swapped out, in the order they resume
+        self.num_swapped_out_blocks = 0  # cumulative KV blocks copied to the CPU pool
+        self.num_swapped_in_blocks = 0   # and back
+        self.num_swap_preemptions = 0    # preemptions that swapped (the others recomputed)
         self.finished_req_ids: list[str] = []
         self.num_preemptions = 0
         self.num_structured = 0  # live requests carrying a grammar: while 0, steps do not count them
@@ -115,17 +122,59 @@ class Scheduler:
             keys = [self._rank(r) for r in self.running]
             self.running.insert(bisect.bisect_right(keys, self._rank(req)), req)
 
-    def _preempt_last(self) -> Request:
+    def _preempt_last(self, so: SchedulerOutput) -> Request:
+        """Preempt the last running request: swap it out when swapping and the CPU pool can take its blocks,
+        else recompute it."""
         victim = self.running.pop()
         if victim.lora_request is not None:
             self._lora_change(victim, -1)
-        self.block_manager.free(victim.request_id)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        so.preempted_req_ids.append(victim.request_id)
+        bm = self.block_manager
+        if self.swap and bm.can_swap_out((victim.request_id,)):
+            pairs = bm.swap_out((victim.request_id,))
+            so.blocks_to_swap_out.extend(pairs)
+            so.num_swapped_out += 1
+            self.num_swapped_out_blocks += len(pairs)
+            self.num_swap_preemptions += 1
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(victim)
+            return victim
+        bm.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
         self.waiting.push(victim, front=True)
         return victim
+
+    def _swap_in(self, so: SchedulerOutput, budget: int) -> bool:
+        """Bring the head of the swapped queue back to the end of the running queue if its blocks and the slots
+        of its next tokens fit (the running pass then schedules it); whether it did. It lands at the end: every
+        running request outranks it (it was the last when preempted, and nobody is admitted while it waits)."""
+        req = self.swapped[0]
+        if req.num_pending:
+            return False  # swapped with a token in flight: resumes once that token has landed
+        if self.lora is not None and self._lora_blocked(req):
+            return False  # its adapter would exceed max_loras: it waits for a running one to end
+        n = req.num_tokens - req.num_computed_tokens
+        if n > budget:
+            if not self.chunked:
+                return False
+            n = budget
+        bm = self.block_manager
+        rid = (req.request_id,)
+        have = bm.swap_in_blocks(rid)
+        if have + max(0, bm.blocks_needed(req.num_computed_tokens + n) - have) > bm.num_free_blocks:
+            return False
+        pairs = bm.swap_in(rid)
+        so.blocks_to_swap_in.extend(pairs)
+        self.num_swapped_in_blocks += len(pairs)
+        self.swapped.popleft()
+        self._admit(req)
+        if self.running[-1] is not req:
+            raise AssertionError(f"request {req.request_id!r} swapped in ahead of a running request")
+        so.new_req_ids.add(req.request_id)
+        return True
 
     def schedule(self) -> SchedulerOutput:
         so = SchedulerOutput(finished_req_ids=self.finished_req_ids)
@@ -140,51 +189,55 @@ class Scheduler:
         ending = False  # a running request whose in-flight token ends it: its blocks free up next step
         stalled = False  # a running request waits for those blocks: admit nobody before it
         i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            computed = req.num_computed_tokens
-            known = req.num_tokens + req.num_pending
-            n = known - computed
-            if n <= 0 or (req.num_pending and known >= req.length_limit):
-                ending = ending or known >= req.length_limit
-                i += 1  # its in-flight token ends it (length) or is all it awaits: nothing to compute
-                continue
-            if n > budget:
-                n = budget
-            blocks = req_blocks.get(req.request_id)
-            # Fast path (most decodes): its blocks already cover the new tokens and no prompt block
-            # awaits registration in the prefix cache; otherwise ask the block manager, preempting
-            # from the back of the queue until it can.
-            if blocks is None or len(blocks) * bs < computed + n or computed < req.num_prompt_tokens:
-                scheduled = True
-                while not bm.allocate_slots(req, n):
-                    if ending:  # wait for the ending requests' blocks rather than preempt (async scheduling)
-                        scheduled, stalled = False, True
+        while True:  # the running queue, then each request swapped back in (to its end) in turn
+            while i < len(running) and budget > 0:
+                req = running[i]
+                computed = req.num_computed_tokens
+                known = req.num_tokens + req.num_pending
+                n = known - computed
+                if n <= 0 or (req.num_pending and known >= req.length_limit):
+                    ending = ending or known >= req.length_limit
+                    i += 1  # its in-flight token ends it (length) or is all it awaits: nothing to compute
+                    continue
+                if n > budget:
+                    n = budget
+                blocks = req_blocks.get(req.request_id)
+                # Fast path (most decodes): its blocks already cover the new tokens and no prompt block
+                # awaits registration in the prefix cache; otherwise ask the block manager, preempting
+                # from the back of the queue until it can.
+                if blocks is None or len(blocks) * bs < computed + n or computed < req.num_prompt_tokens:
+                    scheduled = True
+                    while not bm.allocate_slots(req, n):
+                        if ending:  # wait for the ending requests' blocks rather than preempt (async scheduling)
+                            scheduled, stalled = False, True
+                            break
+                        victim = self._preempt_last(so)
+                        if victim is req:
+                            scheduled = False
+                            break
+                    if not scheduled:
                         break
-                    victim = self._preempt_last()
-                    so.preempted_req_ids.append(victim.request_id)
-                    if victim is req:
-                        scheduled = False
-                        break
-                if not scheduled:
-                    break
-                blocks = req_blocks[req.request_id]
-            i += 1
-            reqs.append(req); nnew.append(n); nbefore.append(computed); tables.append(blocks)
-            budget -= n
-            if computed + n >= known:
-                req.num_pending += 1  # this step samples its next token
-            if n == 1 and computed >= req.num_prompt_tokens:
-                decode += 1
-            else:
-                prefill += n
-            ctx += computed + n
-            if computed + n > maxc:
-                maxc = computed + n
-            pairs += n * computed + n * (n + 1) // 2
-            req.num_computed_tokens = computed + n
+                    blocks = req_blocks[req.request_id]
+                i += 1
+                reqs.append(req); nnew.append(n); nbefore.append(computed); tables.append(blocks)
+                budget -= n
+                if computed + n >= known:
+                    req.num_pending += 1  # this step samples its next token
+                if n == 1 and computed >= req.num_prompt_tokens:
+                    decode += 1
+                else:
+                    prefill += n
+                ctx += computed + n
+                if computed + n > maxc:
+                    maxc = computed + n
+                pairs += n * computed + n * (n + 1) // 2
+                req.num_computed_tokens = computed + n
+            if (i < len(running) or budget <= 0 or not self.swapped or so.preempted_req_ids or stalled
+                    or len(running) >= self.max_num_seqs or not self._swap_in(so, budget)):
+                break
+            running = self.running
 
-        if not so.preempted_req_ids and not stalled:
+        if not so.preempted_req_ids and not stalled and not self.swapped:
             waiting = self.waiting
             skipped: list[Request] = []  # waiting requests passed over for their adapter (LoRA)
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
@@ -247,6 +300,8 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status == RequestStatus.RUNNING and req.lora_request is not None:
             self._lora_change(req, -1)
+        elif req.status == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
         req.status = status
         self.num_structured -= req.structured
         self.block_manager.free(req.request_id)
@@ -262,3 +317,7 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)

@@ -12,6 +12,8 @@ Sweeps (each point: warm-up runs, then the median of `reps` timed runs):
   a second pass with hooks on the attention modules splits attention from the rest of the forward;
 - decode rows: decodes that share an eager step with a small chunk (how a mixed step runs them);
 - engine host: the EngineCore's own schedule + update per batch size and per admitted prompt token;
+- host-device: KV blocks swapped out to a pinned CPU pool and back, and copied within the device, as the
+  worker's CacheEngine moves them (swap preemption, copy on write): the bandwidths the simulator prices them at;
 - validation: random mixed steps (heterogeneous contexts, several chunks), measured whole, so the cost
   model's composition error is known before anyone trusts it.
 """
@@ -220,6 +222,7 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
             "rows_tail": sweep_rows_tail(m, f, grid, capacity, tick),
             "validation": validation_steps(m, f, grid, config, max_model_len, capacity, tick),
             "engine_host": engine_host_costs(config, max_model_len, grid.host_batches, grid.host_admit_tokens),
+            "host_device": measure_block_moves(runner, grid.reps),
         }
     finally:
         runner.record_timing = False
@@ -231,6 +234,38 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
         raise RuntimeError("the profile measured no time in attention (its forward hooks did not run); the "
                            "profile would fold attention into the linear layers and misprice long contexts")
     return result
+
+
+SWAP_PROBE_BLOCKS = 64  # blocks per measured move: one long request's worth at block size 16
+
+
+def measure_block_moves(runner, reps: int) -> dict:
+    """Median times of moving SWAP_PROBE_BLOCKS KV blocks (every other device block, so no two are adjacent and
+    each moves on its own, as a fragmented cache's do) out to a pinned CPU pool, back in, and within the device;
+    and the bandwidths they give (bytes of blocks moved / time; a device copy reads and writes each)."""
+    from testbed.worker.cache_engine import CacheEngine
+    n = max(1, min(SWAP_PROBE_BLOCKS, runner.num_gpu_blocks // 2))
+    engine = CacheEngine(runner.kv_caches, n)
+    out = [(2 * i, i) for i in range(n)]
+    back = [(c, g) for g, c in out]
+    copy = [(2 * i, 2 * i + 1) for i in range(n) if 2 * i + 1 < runner.num_gpu_blocks]
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+
+    def timed(fn, pairs) -> float:
+        times = []
+        for _ in range(max(reps, 3) + 1):
+            sync()
+            t0 = time.perf_counter()
+            fn(pairs)
+            sync()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))  # the first warms up
+
+    t_out, t_in, t_copy = timed(engine.swap_out, out), timed(engine.swap_in, back), timed(engine.copy, copy)
+    nbytes = n * runner.block_bytes
+    return {"blocks": n, "block_bytes": runner.block_bytes, "swap_out_s": t_out, "swap_in_s": t_in,
+            "copy_s": t_copy, "bandwidth": 2 * nbytes / (t_out + t_in),
+            "device_bandwidth": 2 * len(copy) * runner.block_bytes / t_copy if copy else None}
 
 
 def device_name(device: torch.device) -> str:

@@ -31,7 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from testbed.runs.arrow_columns import column
-from testbed.engine.metrics import PUBLICATION_COLUMNS, REQUEST_COLUMNS, ROUTE_COLUMNS, STEP_COLUMNS, Recorder
+from testbed.engine.metrics import (BASE_STEP_COLUMNS, BLOCK_STEP_COLUMNS, PUBLICATION_COLUMNS, REQUEST_COLUMNS,
+                                    ROUTE_COLUMNS, STEP_COLUMNS, Recorder)
 
 if TYPE_CHECKING:  # reading tables imports pandas; writing a run needs only pyarrow
     import pandas as pd
@@ -174,7 +175,14 @@ class Run:
         return _read_frame(self.path / "requests.parquet", columns)
 
     def steps(self, columns: list[str] | None = None) -> pd.DataFrame:
-        return _read_frame(self.path / "steps.parquet", columns)
+        """steps.parquet; the block-move columns of a run written before they existed read as 0."""
+        path = self.path / "steps.parquet"
+        have = set(pq.read_schema(path).names)
+        absent = [c for c in (columns or STEP_COLUMNS) if c in BLOCK_STEP_COLUMNS and c not in have]
+        frame = _read_frame(path, [c for c in columns if c not in absent] if columns is not None else None)
+        for c in absent:
+            frame[c] = 0
+        return frame
 
     def dp_table(self, name: str) -> pd.DataFrame | None:
         """'routes' or 'publications' of a data-parallel run; None when the run has none."""
@@ -217,7 +225,7 @@ def _records_problem(path: str | Path) -> str | None:
     """Why a run's parquet records are unusable (unreadable, truncated, lacking columns), or None.
     Reads each file's footer and schema, not its rows (a data-parallel run's tables too, when present)."""
     p = Path(path)
-    tables = [("requests.parquet", REQUEST_COLUMNS), ("steps.parquet", STEP_COLUMNS)]
+    tables = [("requests.parquet", REQUEST_COLUMNS), ("steps.parquet", BASE_STEP_COLUMNS)]  # block moves: optional
     tables += [(name, columns) for name, (_, columns, _) in _DP_TABLES.items() if (p / name).exists()]
     for name, columns in tables:
         try:

@@ -134,7 +134,7 @@ class DPEngineClient(EngineClient):
                                    "same model with the same flags on every node")
         first = rs[0]
         return P.Ready(min(x.num_gpu_blocks for x in rs), first.block_size, first.max_model_len, first.eos_token_id,
-                       first.vocab_size, self.proc.pid)
+                       first.vocab_size, self.proc.pid, min(x.num_cpu_blocks for x in rs))
 
     async def _stop_workers(self, timeout: float) -> None:
         """This node's replicas (the coordinator, stopped first, told every replica to stop)."""

@@ -148,7 +148,8 @@ class DPEngineProc:
         config = EngineConfig(**pc.engine)
         executor = factory(pc.model, config, load_format=pc.load_format, dtype=pc.dtype, device=pc.device,
                            enforce_eager=pc.enforce_eager, **pc.executor_args)
-        self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len, replica=self.rank)
+        self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len, replica=self.rank,
+                                           num_cpu_blocks=getattr(executor, "num_cpu_blocks", None))
         self.eos, self.vocab_size = executor.eos_token_id, executor.vocab_size
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
         stepper.on_scheduled = lambda so: self.outq.put((True, D.EngineOutputs(  # running during the step
@@ -157,7 +158,7 @@ class DPEngineProc:
         self.log = StepLog(pc.log_steps, f".{self.rank}", LOG_KINDS) if pc.log_steps else None
         freeze_startup_heap()
         ready = P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
-                        executor.vocab_size, os.getpid())
+                        executor.vocab_size, os.getpid(), self.core.block_manager.num_cpu_blocks)
         self.steps_done = 0
         self.outq.put((False, D.ReplicaReady(self.rank, ready, self.report())))
         last_parent_check = time.monotonic()

@@ -107,7 +107,8 @@ def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
     bm, sched, tokens = core.block_manager, core.scheduler, core.token_counts
     return P.SchedulerStats(sched.num_running, sched.num_waiting, bm.usage, sched.num_preemptions,
                             bm.prefix_queries, bm.prefix_hits, acked_seq, tokens.prompt, tokens.cached_prompt,
-                            tokens.generation)
+                            tokens.generation, sched.num_swapped, bm.cpu_usage, sched.num_swap_preemptions,
+                            sched.num_swapped_out_blocks, sched.num_swapped_in_blocks)
 
 
 def to_wire(o: EngineCoreOutput) -> P.CoreOutput:
@@ -142,7 +143,8 @@ class EngineProc:
         executor = factory(self.cfg.model, config, load_format=self.cfg.load_format, dtype=self.cfg.dtype,
                            device=self.cfg.device, enforce_eager=self.cfg.enforce_eager, **self.cfg.executor_args)
         set_engine_threads()  # this process is the engine's alone: every usable core (worker/threads.py)
-        self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len)
+        self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len,
+                                           num_cpu_blocks=getattr(executor, "num_cpu_blocks", None))
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
         stepper.on_scheduled = lambda so: self.send(P.Outputs([], self.stats(), {}))  # running during the step
         self.eos = executor.eos_token_id
@@ -150,7 +152,7 @@ class EngineProc:
         log = StepLog(self.cfg.log_steps) if self.cfg.log_steps else None
         freeze_startup_heap()  # the model, torch and compiled kernels: alive for the process's life
         self.send(P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
-                          executor.vocab_size, os.getpid()))
+                          executor.vocab_size, os.getpid(), core.block_manager.num_cpu_blocks))
         last_parent_check = time.monotonic()
         try:
             while self.running:

@@ -55,6 +55,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     eos_token_id: int | None
     vocab_size: int
     pid: int
+    num_cpu_blocks: int = 0  # the CPU swap pool (swap preemption)
 
 
 class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -86,6 +87,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generation_tokens: int = 0
+    num_swapped: int = 0  # swap preemption: requests in the CPU pool now, its usage, and cumulative counts
+    cpu_cache_usage: float = 0.0
+    num_swap_preemptions: int = 0
+    blocks_swapped_out: int = 0
+    blocks_swapped_in: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):

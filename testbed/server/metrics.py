@@ -47,6 +47,13 @@ FAMILIES: dict[str, tuple] = {
     "engine_sleep_state": ("gauge", "engine_sleep_state", "Engine sleep state; awake = 1 means the engine is awake "
                            "(this engine never sleeps).", "sleep_state"),
     "kv_cache_usage_perc": ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    "num_requests_swapped": ("gauge", "num_requests_swapped", "Number of requests swapped to CPU."),
+    "cpu_cache_usage_perc": ("gauge", "cpu_cache_usage_perc", "CPU KV-cache (swap) usage. 1 means 100 percent usage."),
+    "num_swap_preemptions": ("counter", "num_swap_preemptions",
+                             "Cumulative number of preemptions that swapped the request's KV blocks to CPU (the "
+                             "others recomputed)."),
+    "blocks_swapped_out": ("counter", "kv_blocks_swapped_out", "Cumulative number of KV blocks swapped out to CPU."),
+    "blocks_swapped_in": ("counter", "kv_blocks_swapped_in", "Cumulative number of KV blocks swapped in from CPU."),
     "prefix_cache_queries": ("counter", "prefix_cache_queries",
                              "Prefix cache queries, in terms of number of queried tokens."),
     "prefix_cache_hits": ("counter", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
@@ -145,6 +152,8 @@ class EngineMetrics:
         self.num_requests_waiting.set(s.num_waiting)
         self.waiting_by_reason["capacity"].set(s.num_waiting)
         self.kv_cache_usage_perc.set(s.kv_cache_usage)
+        self.num_requests_swapped.set(s.num_swapped)
+        self.cpu_cache_usage_perc.set(s.cpu_cache_usage)
         last = self._last
         prompt, cached = s.prompt_tokens - last.prompt_tokens, s.cached_prompt_tokens - last.cached_prompt_tokens
         generated = s.generation_tokens - last.generation_tokens
@@ -154,7 +163,10 @@ class EngineMetrics:
                                (self.prompt_tokens, prompt), (self.prompt_tokens_cached, cached),
                                (self.prompt_tokens_by_source["local_compute"], prompt - cached),
                                (self.prompt_tokens_by_source["local_cache_hit"], cached),
-                               (self.generation_tokens, generated)):
+                               (self.generation_tokens, generated),
+                               (self.num_swap_preemptions, s.num_swap_preemptions - last.num_swap_preemptions),
+                               (self.blocks_swapped_out, s.blocks_swapped_out - last.blocks_swapped_out),
+                               (self.blocks_swapped_in, s.blocks_swapped_in - last.blocks_swapped_in)):
             if grown > 0:
                 counter.inc(grown)
         if prompt + generated > 0:

@@ -89,14 +89,16 @@ class SimResult:
 def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostModel, num_gpu_blocks: int,
              max_model_len: int, vocab_size: int = 32000,
              on_progress: Callable[[float, int], None] | None = None, progress_interval_s: float = 5.0,
-             fast_forward_decodes: bool = True) -> SimResult:
+             fast_forward_decodes: bool = True, num_cpu_blocks: int | None = None) -> SimResult:
     """Replay a trace through `config.data_parallel_size` EngineCore replicas in simulated time.
 
     `fast_forward_decodes`: advance stretches of decode-only steps in one go (engine/fast_forward.py); the
-    records are the same either way (False steps through every one, for the tests that check that)."""
+    records are the same either way (False steps through every one, for the tests that check that).
+    `num_cpu_blocks`: each replica's CPU swap pool (None: the config's)."""
     env = SimEnvironment()
     dp = config.data_parallel_size
-    engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False) for r in range(dp)]
+    engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False,
+                          num_cpu_blocks=num_cpu_blocks) for r in range(dp)]
     coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks)
     executor = SimExecutor(cost_model)
     wake = [env.event() for _ in range(dp)]

@@ -49,6 +49,28 @@ def rank_shape(model: ModelSpec, tensor_parallel_size: int = 1) -> RankShape:
     return RankShape(heads_r, kv_r, model.num_hidden_layers * linear, vocab_rows, weights)
 
 
+def kv_block_bytes(model: ModelSpec, block_size: int, tensor_parallel_size: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes of one KV block (K and V of `block_size` tokens, every layer) on one tensor-parallel rank."""
+    r = rank_shape(model, tensor_parallel_size)
+    return block_size * 2 * model.num_hidden_layers * r.num_kv_heads * model.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class BlockMoveCost:
+    """Time of a step's KV block moves, which the worker makes on the step's stream before its forward: a swapped
+    block crosses the host link once (`host_bandwidth`, pinned copies), a block copied on write is read and
+    written in device memory (`device_bandwidth`). Every rank moves its own share in parallel."""
+
+    block_bytes: float
+    host_bandwidth: float
+    device_bandwidth: float
+
+    def time(self, so: SchedulerOutput) -> float:
+        swapped = len(so.blocks_to_swap_out) + len(so.blocks_to_swap_in)
+        return (swapped * self.block_bytes / self.host_bandwidth
+                + 2 * len(so.blocks_to_copy) * self.block_bytes / self.device_bandwidth)
+
+
 @dataclass(frozen=True)
 class RooflineConstants:
     """What the roofline adds to physics, recalibrated from measured profiles (testbed/sim/calibrate.py):
@@ -90,12 +112,15 @@ class RooflineCostModel:
     Parts: decoder linear layers (weights read once, 2*T*params FLOPs); LM head for the last token
     of each request only (2*B*vocab*hidden FLOPs); attention (C KV positions read per layer,
     4*P*heads*head_dim FLOPs per layer). Activations and KV writes are ignored (small next to these).
-    Rows sampled under a grammar (structured outputs) add GRAMMAR_ROW_S of host time each.
+    Rows sampled under a grammar (structured outputs) add GRAMMAR_ROW_S of host time each; KV block moves (swap
+    preemption, copy on write) add their BlockMoveCost at the preset's host link and memory bandwidth.
     """
 
     def __init__(self, model: ModelSpec, gpu: GPUSpec, tensor_parallel_size: int = 1, dtype_bytes: int = 2,
                  step_overhead_s: float | None = None, allreduce_bandwidth: float | None = None,
-                 allreduce_latency_s: float | None = None, constants: RooflineConstants = CALIBRATED) -> None:
+                 allreduce_latency_s: float | None = None, constants: RooflineConstants = CALIBRATED,
+                 block_size: int = 16) -> None:
+        """`block_size`: the engine's, for the bytes of a KV block it swaps or copies."""
         if step_overhead_s is not None:
             constants = replace(constants, step_overhead_s=step_overhead_s)
         if dtype_bytes <= 0:
@@ -119,18 +144,20 @@ class RooflineCostModel:
         self._ar_per_token = n_ar * 2 * (tp - 1) / tp * model.hidden_size * d / ar_bw
         self._fixed = constants.step_overhead_s + n_ar * ar_lat
         self._eager = constants.eager_overhead_per_layer_s * L
+        self.moves = BlockMoveCost(kv_block_bytes(model, block_size, tp, d), gpu.host_bandwidth, bw)
 
     def step_time(self, so: SchedulerOutput) -> float:
         T = so.total_num_scheduled_tokens
+        moves = self.moves.time(so) if (so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy) else 0.0
         if T <= 0:
-            return 0.0
+            return moves
         B = len(so.requests)
         device = (max(self._lin_mem, self._lin_flop * T) + max(self._head_mem, self._head_flop * B)
                   + max(self._attn_mem * so.sum_context_tokens, self._attn_flop * so.sum_attn_pairs)
                   + self._ar_per_token * T)
         if so.num_prefill_tokens and self._eager > device:
             device = self._eager
-        return device + self._fixed + GRAMMAR_ROW_S * so.num_structured_reqs
+        return device + self._fixed + GRAMMAR_ROW_S * so.num_structured_reqs + moves
 
 
 class RecordedCostModel:
@@ -179,10 +206,10 @@ def num_gpu_blocks(model: ModelSpec, gpu: GPUSpec, block_size: int, gpu_memory_u
         raise ValueError(f"block_size must be >= 1 and gpu_memory_utilization in (0, 1], "
                          f"got {block_size}, {gpu_memory_utilization}")
     r = rank_shape(model, tensor_parallel_size)
+    block_bytes = kv_block_bytes(model, block_size, tensor_parallel_size, dtype_bytes)
     reserve = activation_reserve_bytes if activation_reserve_bytes is not None else max(1 << 30, 0.05 * gpu.memory_bytes)
     budget = gpu.memory_bytes * gpu_memory_utilization
     weights = r.weight_params * dtype_bytes
-    block_bytes = block_size * 2 * model.num_hidden_layers * r.num_kv_heads * model.head_dim * dtype_bytes
     free = budget - weights - reserve
     if free < block_bytes:
         raise ValueError(f"{model.name} does not fit {gpu.name} at tp={tensor_parallel_size}: "

@@ -17,7 +17,7 @@ from typing import Callable
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.specs.presets import get_model_spec
-from testbed.sim.cost_model import num_gpu_blocks
+from testbed.sim.cost_model import kv_block_bytes, num_gpu_blocks
 from testbed.sim.factory import load_cost_model
 from testbed.specs.hardware import get_gpu_spec
 
@@ -42,6 +42,7 @@ class EmulatedExecutor:
         self.num_gpu_blocks = config.num_gpu_blocks or num_gpu_blocks(spec, gpu_spec, config.block_size,
                                                                       config.gpu_memory_utilization,
                                                                       config.tensor_parallel_size)
+        self.num_cpu_blocks = config.cpu_blocks(kv_block_bytes(spec, config.block_size, config.tensor_parallel_size))
         self.eos_token_id = None
         self.vocab_size = spec.vocab_size
         self.hidden_size = spec.hidden_size

@@ -40,7 +40,7 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
         else:
             spec = str(path)
     if spec == "roofline":
-        return RooflineCostModel(model, gpu, tensor_parallel_size=tp), "roofline"
+        return RooflineCostModel(model, gpu, tensor_parallel_size=tp, block_size=config.block_size), "roofline"
     if spec.startswith("recorded:"):
         run_dir = spec.removeprefix("recorded:")
         try:

@@ -35,11 +35,13 @@ def run_cache(run: Run) -> tuple[int, int | None]:
 
 
 def like_config(run: str | Path | Run, config: EngineConfig) -> EngineConfig:
-    """`config` with num_gpu_blocks and max_model_len taken from the run (a directory, or one already read)
+    """`config` with num_gpu_blocks, num_cpu_blocks (the swap pool) and max_model_len taken from the run (a directory, or one already read)
     where they are unset (None)."""
-    blocks, max_len = run_cache(run if isinstance(run, Run) else read_run(run))
+    run = run if isinstance(run, Run) else read_run(run)
+    blocks, max_len = run_cache(run)
+    cpu = config.num_cpu_blocks if config.num_cpu_blocks is not None else run.manifest.get("num_cpu_blocks")
     return dataclasses.replace(config, num_gpu_blocks=config.num_gpu_blocks or blocks,
-                               max_model_len=config.max_model_len or max_len)
+                               max_model_len=config.max_model_len or max_len, num_cpu_blocks=cpu)
 
 
 def _preset(value, lookup) -> str | None:

@@ -28,7 +28,8 @@ import numpy as np
 
 from testbed.engine.outputs import SchedulerOutput
 from testbed.profiling.profile_file import FORMAT, ProfileError, read_profile
-from testbed.sim.cost_model import GRAMMAR_ROW_S
+from testbed.sim.cost_model import GRAMMAR_ROW_S, BlockMoveCost
+from testbed.specs.hardware import get_gpu_spec
 from testbed.sim.step_terms import DECODE_ASYNC, DECODE_SYNC, MIXED_ASYNC, MIXED_SYNC, Scales, combine
 from testbed.sim.tables import LastLookup, Table1D, Table2D
 
@@ -64,6 +65,28 @@ def fit_nonnegative(X: list[list[float]], y: list[float]) -> list[float]:
     A, b = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
     scale = np.where(np.linalg.norm(A, axis=0) > 0, np.linalg.norm(A, axis=0), 1.0)
     return (nnls(A / scale, b) / scale).tolist()
+
+
+def block_move_cost(profile: dict) -> BlockMoveCost | None:
+    """The price of KV block moves on the profiled machine: block bytes from the profile's model, dtype, TP and
+    block size; the host link's bandwidth as `testbed profile` measured it (its `host_device` section), else the
+    GPU preset's estimate (the profile predates that measurement), and the preset's memory bandwidth for copies.
+    None when the profile does not record its model's shape."""
+    m, tp = profile["model"], int(profile["tensor_parallel_size"])
+    if not all(m.get(k) for k in ("num_key_value_heads", "num_hidden_layers", "hidden_size", "num_attention_heads")):
+        return None
+    elem = 4 if profile.get("dtype") == "float32" else 2
+    kv_heads = max(1, int(m["num_key_value_heads"]) // tp)
+    head_dim = int(m.get("head_dim") or int(m["hidden_size"]) // int(m["num_attention_heads"]))
+    block_bytes = int(profile["engine"]["block_size"]) * 2 * int(m["num_hidden_layers"]) * kv_heads * head_dim * elem
+    try:
+        gpu = get_gpu_spec(profile["gpu"])
+        host, device = gpu.host_bandwidth, gpu.mem_bandwidth
+    except ValueError:  # a machine without a preset (a CPU profile): the H100's estimates
+        gpu = get_gpu_spec("H100-SXM")
+        host, device = gpu.host_bandwidth, gpu.mem_bandwidth
+    measured = profile.get("host_device") or {}
+    return BlockMoveCost(block_bytes, measured.get("bandwidth") or host, measured.get("device_bandwidth") or device)
 
 
 class ProfiledCostModel:
@@ -147,6 +170,7 @@ class ProfiledCostModel:
         self.admit = {k: Table1D(eh["admit_tokens"], [max(0.0, v - base) for v in vals])
                       for k, vals in eh["admit_step_s"].items()}
         self.graph_max = max(b)
+        self.moves = block_move_cost(profile)
         try:  # per-component scales of a rescaled or calibrated profile (rescale.py); 1 for a measured one
             self.scales = Scales.from_dict(profile.get("scales"))
         except ValueError as e:
@@ -202,10 +226,16 @@ class ProfiledCostModel:
         return self.linear(T), attn, self.sample(sampled) if sampled else 0.0, prep, sampled
 
     def step_time(self, so: SchedulerOutput, engine: float | None = None) -> float:
-        """The step's time; `engine` overrides the engine's host term (validation against executor-only times)."""
-        if not so.requests:
-            return 0.0
-        return combine(*self.terms(so, engine), self.scales)
+        """The step's time; `engine` overrides the engine's host term (validation against executor-only times).
+        KV block moves (swap, copy on write) add their time at the profile's measured host link."""
+        t = combine(*self.terms(so, engine), self.scales) if so.requests else 0.0
+        if so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
+            if self.moves is None:
+                raise ProfileError(f"{self.name or 'profile'}: it records no model shape (num_key_value_heads, ...), "
+                                   "so the KV blocks a step swaps or copies cannot be priced; re-make it with "
+                                   "`testbed profile`")
+            t += self.moves.time(so)
+        return t
 
     def terms(self, so: SchedulerOutput, engine: float | None = None) -> tuple[int, tuple]:
         """(kind, measured terms) of a non-empty step, as step_terms.combine takes them."""

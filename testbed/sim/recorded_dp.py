@@ -97,7 +97,7 @@ def _diverged(msg: str) -> RuntimeError:
 
 
 def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: RecordedDPRun, num_gpu_blocks: int,
-                         max_model_len: int, vocab_size: int):
+                         max_model_len: int, vocab_size: int, num_cpu_blocks: int | None = None):
     """Run `trace` through DP replicas on the recorded timings (SimResult, as cluster.simulate)."""
     dp = config.data_parallel_size
     if dp != rec.num_replicas:
@@ -111,7 +111,8 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
         raise ValueError(f"{rec.path} routed {len(rec.routes)} requests, the trace has {len(trace)}"
                          + (f" (e.g. {missing[0]!r} is not in it)" if missing else "") + "; replay the same trace")
     env = simpy.Environment()
-    engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False) for r in range(dp)]
+    engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False,
+                          num_cpu_blocks=num_cpu_blocks) for r in range(dp)]
     executors = [SimExecutor(_Durations(d)) for d in rec.durations]
     coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks)
     inbox: list[list] = [[] for _ in range(dp)]   # (added, request) routed to each replica, in order

@@ -16,7 +16,7 @@ from testbed.specs.presets import ModelSpec, get_model_spec
 from testbed.runs.finish import finish_run, start_run, trace_record
 from testbed.sim.error_bands import expected_error
 from testbed.sim.cluster import simulate, trace_to_request
-from testbed.sim.cost_model import num_gpu_blocks
+from testbed.sim.cost_model import kv_block_bytes, num_gpu_blocks
 from testbed.sim.factory import load_cost_model
 from testbed.specs.hardware import get_gpu_spec
 from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
@@ -43,7 +43,7 @@ def warn_rejections(cols: dict[str, list], trace: list, config: EngineConfig, bl
     if not rejected:
         return
     first = next(tr for tr in trace if tr.id == rejected[0])
-    reason = (EngineCore(config, blocks, max_model_len).rejection_reason(trace_to_request(first, vocab_size, config.seed))
+    reason = (EngineCore(config, blocks, max_model_len, num_cpu_blocks=0).rejection_reason(trace_to_request(first, vocab_size, config.seed))
               or f"the waiting queue was full (--max-num-waiting {config.max_num_waiting})")
     warn(f"{len(rejected)} of {len(trace)} requests were rejected and not simulated (finish_reason 'rejected' in "
          f"requests.parquet); the first, {first.id!r}: {reason}")
@@ -79,6 +79,7 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     cm, cm_desc = load_cost_model(cost_model, spec, gpu_spec, config)
     blocks = config.num_gpu_blocks or num_gpu_blocks(spec, gpu_spec, config.block_size,
                                                      config.gpu_memory_utilization, tp)
+    cpu_blocks = config.cpu_blocks(kv_block_bytes(spec, config.block_size, tp))
     max_model_len = config.max_model_len or spec.max_position_embeddings
     trace = load_trace(trace_path, request_rate=request_rate, burstiness=burstiness, seed=config.seed,
                        limit=limit, fmt=trace_format)
@@ -105,9 +106,9 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
 
     t0 = time.perf_counter()
     if isinstance(cm, RecordedDPRun):  # a DP run's own timings, every decision recomputed
-        result = simulate_recorded_dp(trace, config, cm, blocks, max_model_len, spec.vocab_size)
+        result = simulate_recorded_dp(trace, config, cm, blocks, max_model_len, spec.vocab_size, cpu_blocks)
     else:
-        result = simulate(trace, config, cm, blocks, max_model_len, vocab_size=spec.vocab_size,
+        result = simulate(trace, config, cm, blocks, max_model_len, vocab_size=spec.vocab_size, num_cpu_blocks=cpu_blocks,
                           on_progress=report if (bar is not None or on_progress is not None) else None,
                           progress_interval_s=max(1.0, (trace[-1].arrival_s if trace else 1.0) / 200))
     wall = time.perf_counter() - t0
@@ -118,7 +119,8 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     warn_rejections(req_cols, trace, config, blocks, max_model_len, spec.vocab_size)
     expected = expected_error(cm, spec.name, gpu_spec.name, tp)
     manifest = {
-        "mode": "sim", "config": config.to_dict(), "num_gpu_blocks": blocks, "max_model_len": max_model_len,
+        "mode": "sim", "config": config.to_dict(), "num_gpu_blocks": blocks, "num_cpu_blocks": cpu_blocks,
+        "max_model_len": max_model_len,
         "trace": trace_record(trace_path, trace_format, len(trace), request_rate, burstiness, limit),
         "model": asdict(spec), "hardware": asdict(gpu_spec),
         "cost_model": cm_desc, "expected_error": expected,

@@ -2,7 +2,8 @@
 
 `create_executor` picks the in-process executor for tensor_parallel_size 1 and the multi-process
 one (one worker per rank over torch.distributed) otherwise. Every executor exposes the numbers the
-EngineCore needs before it starts: num_gpu_blocks, max_model_len, eos_token_id, vocab_size.
+EngineCore needs before it starts: num_gpu_blocks, num_cpu_blocks (the swap pool, `--swap-space` GiB of blocks per
+rank in swap mode), max_model_len, eos_token_id, vocab_size.
 """
 from __future__ import annotations
 
@@ -46,10 +47,18 @@ class UniprocExecutor:
         self.runner = ModelRunner(net, config, self.max_model_len, dev, dt, partial(load_tokenizer, model))
         self.runner.memory_baseline = in_use
         self.num_gpu_blocks = config.num_gpu_blocks or self.runner.profile_num_blocks()
-        self.runner.allocate_kv_cache(self.num_gpu_blocks)
+        self.num_cpu_blocks = config.cpu_blocks(self.runner.block_bytes)
+        self.runner.allocate_kv_cache(self.num_gpu_blocks, self.num_cpu_blocks)
         if dev.type == "cuda" and not enforce_eager:
             self.runner.capture_cuda_graphs()
         self.device = dev
+
+    def set_swap_space(self, num_cpu_blocks: int) -> None:
+        """A CPU swap pool of `num_cpu_blocks` for the engine reusing this executor (its old one is dropped)."""
+        if num_cpu_blocks != self.num_cpu_blocks:
+            from testbed.worker.cache_engine import CacheEngine
+            self.runner.cache_engine = CacheEngine(self.runner.kv_caches, num_cpu_blocks)
+            self.num_cpu_blocks = num_cpu_blocks
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(so)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import NO_TOKEN_LEFT, ModelRunnerOutput, SchedulerOutput
 from testbed.worker import prompt_logprobs
+from testbed.worker.cache_engine import CacheEngine
 from testbed.worker.context import reset_context, set_context
 from testbed.worker.cuda_graphs import CudaGraphs
 from testbed.worker.logits_processors import RowContext
@@ -96,7 +97,9 @@ class ModelRunner:
         self.num_gpu_blocks = 0
         self.memory_baseline = 0  # bytes on the GPU that are another tenant's (executor.memory_in_use)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cache_engine: CacheEngine | None = None  # the CPU swap pool and the block moves (allocate_kv_cache)
         self.broadcast_inputs = None  # set by the TP executor: sends each step's packed inputs to the other ranks
+        self.broadcast_block_ops = None  # set by the TP executor: sends each step's block moves to the other ranks
         self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers, used in turn
         self._dev_staging: list[torch.Tensor | None] = [None, None]  # their device twins (GPU only)
         self._staging_turn = 0
@@ -177,7 +180,8 @@ class ModelRunner:
                                "(e.g. 0.45 each for two)")
         return blocks
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """The device KV cache of `num_blocks` blocks and a CPU swap pool of `num_cpu_blocks` (swap preemption)."""
         self.num_gpu_blocks = num_blocks
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = []
@@ -185,6 +189,7 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.kv_caches.append((attn.k_cache, attn.v_cache))
+        self.cache_engine = CacheEngine(self.kv_caches, num_cpu_blocks)
         if self.device.type == "cuda" and self.kv_caches:  # every layer has the same shapes: one warm-up serves all
             from testbed.kernels.prefill_attention import warm_up_prefill_variants
             warm_up_prefill_variants(*self.kv_caches[0], attn.num_heads)
@@ -372,8 +377,14 @@ class ModelRunner:
         """Launch the step on the device and return a function that waits for it and gives its output.
         Nothing here reads the device back, so the caller can schedule and launch the next step first.
         With `record_timing` set, the output carries a StepTiming (host stamps and device events)."""
-        timer = StepTimer(self.device) if self.record_timing else None
         t0 = time.perf_counter()
+        if so.has_block_ops:  # before anything of the step: its forward reads and writes the moved blocks
+            if self.broadcast_block_ops is not None:
+                self.broadcast_block_ops(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
+            self.cache_engine.run(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
+            if not so.requests:  # a step that only swapped its preempted requests out
+                return lambda: ModelRunnerOutput([], time.perf_counter() - t0)
+        timer = StepTimer(self.device) if self.record_timing else None
         if so.finished_req_ids:
             self.sampler.forget(so.finished_req_ids)
             self.pooler.forget(so.finished_req_ids)

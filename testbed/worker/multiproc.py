@@ -45,9 +45,10 @@ from testbed.worker.tp_all_reduce import close_tp_all_reduce, init_tp_all_reduce
 
 logger = logging.getLogger(__name__)
 
-CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN, CMD_CAPTURE, CMD_LORA = 0, 1, 2, 3, 4, 5
+CMD_STEP, CMD_PROFILE, CMD_ALLOC, CMD_SHUTDOWN, CMD_CAPTURE, CMD_LORA, CMD_BLOCK_OPS = 0, 1, 2, 3, 4, 5, 6
 PHASES = {CMD_STEP: "a step", CMD_PROFILE: "memory profiling", CMD_ALLOC: "KV cache allocation",
-          CMD_CAPTURE: "CUDA graph capture", CMD_LORA: "LoRA adapter loading"}
+          CMD_CAPTURE: "CUDA graph capture", CMD_LORA: "LoRA adapter loading",
+          CMD_BLOCK_OPS: "KV block moves (swap, copy on write)"}
 REPORT_CHARS = 8000  # a failed rank's traceback is cut to its last characters: the pipe must not fill up
 DEATH_WAIT_S = 2.0  # after a failed collective: how long a dying rank gets to be reaped, so the error names it
 MAIN_GUARD_HINT = ("the script that creates the engine has no `if __name__ == \"__main__\":` guard, so each "
@@ -103,6 +104,23 @@ def encode_command(cmd: int, arg: int = 0, layout: tuple = ((), (), 0), is_decod
     return head if payload is None else np.concatenate((head, payload))
 
 
+def encode_block_ops(*moves: list[tuple[int, int]]) -> np.ndarray:
+    """A step's block moves (swap out, swap in, copy: lists of block-id pairs) as bytes: the three counts,
+    then every pair."""
+    flat = [len(m) for m in moves] + [b for m in moves for pair in m for b in pair]
+    return np.array(flat, dtype=np.int64).view(np.uint8)
+
+
+def decode_block_ops(payload) -> list[list[tuple[int, int]]]:
+    """`encode_block_ops`'s lists of pairs."""
+    a = np.frombuffer(payload, dtype=np.int64).tolist()
+    out, at = [], 3
+    for n in a[:3]:
+        out.append(list(zip(a[at:at + 2 * n:2], a[at + 1:at + 2 * n:2])))
+        at += 2 * n
+    return out
+
+
 def decode_command(msg: bytes) -> tuple[int, int, tuple, bool, memoryview]:
     """(cmd, arg, layout, is_decode, payload) of `encode_command`'s bytes."""
     head = np.frombuffer(msg, dtype=np.int64, count=HEAD)
@@ -148,7 +166,9 @@ def _worker_main(rank: int, world: int, port: int, model: str, config: EngineCon
                 n = torch.tensor([runner.profile_num_blocks()], dtype=torch.long, device=runner.device)
                 dist.all_reduce(n, op=dist.ReduceOp.MIN)
             elif cmd == CMD_ALLOC:
-                runner.allocate_kv_cache(arg)
+                runner.allocate_kv_cache(arg, int(np.frombuffer(payload, dtype=np.int64)[0]))
+            elif cmd == CMD_BLOCK_OPS:
+                runner.cache_engine.run(*decode_block_ops(payload))
             elif cmd == CMD_CAPTURE:
                 runner.capture_cuda_graphs()
             elif cmd == CMD_LORA:  # the adapters rank 0 loaded (and checked) before this step, as JSON
@@ -221,8 +241,9 @@ class MultiprocExecutor:
                 self._guard(dist.all_reduce, n, op=dist.ReduceOp.MIN)
                 self._wait_device()
                 blocks = int(n.item())
-            self._send(CMD_ALLOC, arg=blocks)
-            self.runner.allocate_kv_cache(blocks)
+            self.num_cpu_blocks = config.cpu_blocks(self.runner.block_bytes)  # the same on every rank
+            self._send(CMD_ALLOC, arg=blocks, payload=np.array([self.num_cpu_blocks], dtype=np.int64).view(np.uint8))
+            self.runner.allocate_kv_cache(blocks, self.num_cpu_blocks)
             if self.device.type == "cuda" and not enforce_eager:
                 self._capture()
         except BaseException as e:
@@ -231,6 +252,7 @@ class MultiprocExecutor:
         self.runner.broadcast_inputs = self._broadcast_inputs  # type: ignore[attr-defined]
         if self.runner.lora is not None:
             self.runner.lora.broadcast = self._broadcast_lora
+        self.runner.broadcast_block_ops = self._broadcast_block_ops  # type: ignore[attr-defined]
 
     def _capture(self) -> None:
         """Every rank captures the same CUDA graphs in lockstep, rank 0 watching the others whenever it waits
@@ -393,6 +415,10 @@ class MultiprocExecutor:
     def _broadcast_lora(self, loads: list, dropped: list[int]) -> None:
         """The adapters rank 0 just put into slots (slot, name, id, path), and those its host cache dropped."""
         self._send(CMD_LORA, payload=np.frombuffer(json.dumps([loads, dropped]).encode(), dtype=np.uint8))
+
+    def _broadcast_block_ops(self, *moves: list[tuple[int, int]]) -> None:
+        """A step's block moves for every rank, ahead of its inputs (each rank runs them before its forward)."""
+        self._send(CMD_BLOCK_OPS, payload=encode_block_ops(*moves))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(so)()
