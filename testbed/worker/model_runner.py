@@ -378,18 +378,18 @@ class ModelRunner:
         Nothing here reads the device back, so the caller can schedule and launch the next step first.
         With `record_timing` set, the output carries a StepTiming (host stamps and device events)."""
         t0 = time.perf_counter()
-        if so.has_block_ops:  # before anything of the step: its forward reads and writes the moved blocks
-            if self.broadcast_block_ops is not None:
-                self.broadcast_block_ops(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
-            self.cache_engine.run(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
-            if not so.requests:  # a step that only swapped its preempted requests out
-                return lambda: ModelRunnerOutput([], time.perf_counter() - t0)
         timer = StepTimer(self.device) if self.record_timing else None
         if so.finished_req_ids:
             self.sampler.forget(so.finished_req_ids)
             self.pooler.forget(so.finished_req_ids)
             self._processed.difference_update(so.finished_req_ids)
             self._prompt_logprobs.difference_update(so.finished_req_ids)
+        if so.has_block_ops:  # before the step's inputs: its forward reads and writes the moved blocks
+            if self.broadcast_block_ops is not None:
+                self.broadcast_block_ops(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
+            self.cache_engine.run(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
+            if not so.requests:  # a step that only swapped its preempted requests out
+                return lambda: ModelRunnerOutput([], time.perf_counter() - t0)
         if so.new_req_ids:
             self._track(so)
         if self.lora is not None and so.lora_slots is not None:
