@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from testbed.cli_args import ArgumentParser, add_engine_args, add_model_args, add_trace_args, default_run_dir, engine_config, print_result
+from testbed.cli_args import ArgumentParser, add_engine_args, add_lora_modules_arg, add_model_args, add_trace_args, default_run_dir, engine_config, print_result
 from testbed.engine.config import ConfigError
 
 
@@ -84,7 +84,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     run_dir, summary = run_replay(
         args.trace, cfg, model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         request_rate=args.request_rate, burstiness=args.burstiness, limit=args.limit, trace_format=args.trace_format,
-        slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, output=out)
+        slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, output=out, lora_modules=args.lora_modules)
     print_result(summary, run_dir, args.format, "Replay Result (real)")
     return 0
 
@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_args(p)
     add_engine_args(p, None)
     add_model_args(p)
+    add_lora_modules_arg(p)
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("profile", help="measure the step time of the real engine on this GPU: a profile for simulate")

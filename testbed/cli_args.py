@@ -95,6 +95,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         preemption_mode=args.preemption_mode, swap_space=args.swap_space, num_cpu_blocks=args.num_cpu_blocks)
 
 
+def add_lora_modules_arg(g) -> None:
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) by name, with --enable-lora: the models a server serves beside "
+                        "the base model, the folders of the adapters a replayed trace names")
+
+
 def add_trace_args(p: argparse.ArgumentParser, trace_required: bool = True) -> None:
     p.add_argument("trace", **({} if trace_required else {"nargs": "?", "default": None}),
                    help="trace file: project JSONL, Azure CSV, Mooncake JSONL or a length-only CSV; or a run "

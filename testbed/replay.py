@@ -12,6 +12,7 @@ from pathlib import Path
 
 from testbed.engine.config import EngineConfig
 from testbed.runs.finish import finish_run, start_run, trace_record
+from testbed.workload.lora import parse_lora_modules, trace_loras
 from testbed.workload.trace import load_trace, synthesize_prompt
 
 RESERVED_TOKEN_IDS = 1000  # synthetic prompts avoid the low ids where tokenizers keep special tokens
@@ -53,9 +54,11 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
                dtype: str = "auto", device: str | None = None, request_rate: float | None = None,
                burstiness: float = 1.0, limit: int | None = None, trace_format: str = "auto",
                slo_ttft: float | None = None, slo_tpot: float | None = None,
-               output: str | Path | None = None, executor=None) -> tuple[Path | None, dict]:
+               output: str | Path | None = None, executor=None, lora_modules: list[str] | None = None
+               ) -> tuple[Path | None, dict]:
     """Replay a trace through the real engine (one replica in process, or `data_parallel_size`
     replica processes behind the DP coordinator); writes the run directory when `output` is given.
+    `lora_modules`: name=path of each LoRA adapter the trace names (its `lora` field).
     `executor`: reuse one built earlier (several replays on one loaded model; see `LLM`); it is left open."""
     import gc
 
@@ -63,6 +66,8 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
     start_run(output, slo_ttft, slo_tpot)
     trace = load_trace(trace_path, request_rate=request_rate, burstiness=burstiness, seed=config.seed,
                        limit=limit, fmt=trace_format)
+    paths = {name: path for name, path, _ in parse_lora_modules(lora_modules)}
+    loras = trace_loras([tr.lora for tr in trace], config, paths)
     llm = LLM(model, load_format=load_format, dtype=dtype, device=device, skip_tokenizer_init=True,
               executor=executor, **config.to_dict())
     gc.collect()
@@ -80,7 +85,7 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
             while i < len(trace) and trace[i].arrival_s <= now:
                 tr = trace[i]
                 llm.add_request(tr.id, prompts[i], tr.sampling_params(), arrival_time=tr.arrival_s,
-                                priority=tr.priority)
+                                priority=tr.priority, lora_request=None if tr.lora is None else loras[tr.lora])
                 i += 1
             if llm.has_unfinished_requests():
                 # in process: scheduled at the admission time, what `--cost-model recorded:` replays;

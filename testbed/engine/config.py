@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
-DP_POLICIES = ("round_robin", "least_loaded", "kv_aware", "prefix_affinity")
+DP_POLICIES = ("round_robin", "least_loaded", "kv_aware", "prefix_affinity", "lora_affinity")
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
 DEFAULT_DP_ROUTING_DELAY = 7e-4  # s, arrival -> admission at a replica, measured (README: Data parallelism)
 

@@ -3,7 +3,10 @@
 Policies: `round_robin`; `least_loaded` (vLLM's score: 4 x waiting + running); `kv_aware` (lowest
 projected KV usage: used blocks plus the blocks its waiting prompts will need); `prefix_affinity`
 (the replica most likely to hold the longest prefix of the prompt, by the coordinator's own record
-of which block hashes it sent where; least-loaded breaks ties). Stats go stale between reports, so
+of which block hashes it sent where; least-loaded breaks ties); `lora_affinity` (a request with a LoRA adapter
+goes to the least-loaded replica the coordinator sent that adapter to lately, by its own record of up to
+`lora_capacity` adapters per replica, so adapters stay put instead of loading everywhere, unless that replica's
+load exceeds the least-loaded one's by more than LORA_AFFINITY_SLACK; base requests go least-loaded). Stats go stale between reports, so
 the coordinator counts each request it routed that a replica's latest report does not include yet
 as waiting there (as vLLM's front-end does), which stops a burst from piling onto one replica.
 A request counts the same whether a report shows it waiting or it is still pending, so routing does
@@ -20,10 +23,12 @@ from typing import Sequence
 from testbed.engine.config import DP_POLICIES
 from testbed.engine.core import ReplicaStats
 
+LORA_AFFINITY_SLACK = 8  # load units (4 per waiting request, 1 per running one) affinity may cost over the least loaded
+
 
 class DPCoordinator:
     def __init__(self, num_replicas: int, policy: str = "least_loaded", block_size: int = 16,
-                 affinity_capacity_blocks: int = 1 << 16) -> None:
+                 affinity_capacity_blocks: int = 1 << 16, lora_capacity: int = 1) -> None:
         if num_replicas < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {num_replicas}")
         if policy not in DP_POLICIES:
@@ -38,6 +43,8 @@ class DPCoordinator:
         self.alive = [True] * num_replicas
         self.capacity = affinity_capacity_blocks
         self.seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self.lora_capacity = lora_capacity
+        self.adapters: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]  # ids sent there
         self._next = 0
 
     @property
@@ -69,9 +76,9 @@ class DPCoordinator:
         waiting_blocks = -(-(s.num_waiting_tokens + self.pending_tokens[r]) // self.block_size)
         return (s.num_blocks - s.num_free_blocks + waiting_blocks) / s.num_blocks
 
-    def route(self, num_prompt_tokens: int, block_hashes: Sequence[int] = ()) -> int:
-        """Replica index for a new request (deterministic for a given history of calls). ValueError
-        when every replica is dead."""
+    def route(self, num_prompt_tokens: int, block_hashes: Sequence[int] = (), lora_id: int = 0) -> int:
+        """Replica index for a new request (deterministic for a given history of calls); `lora_id`: its LoRA
+        adapter's id (0: the base model). ValueError when every replica is dead."""
         live = [i for i in range(self.num_replicas) if self.alive[i]]
         if not live:
             raise ValueError("no live data-parallel replica to route to (all of them died)")
@@ -84,6 +91,8 @@ class DPCoordinator:
             r = min(live, key=lambda i: (self._load(i), i))
         elif self.policy == "kv_aware":
             r = min(live, key=lambda i: (self._kv(i), self._load(i), i))
+        elif self.policy == "lora_affinity":
+            r = self._lora_route(live, lora_id)
         else:
             r = min(live, key=lambda i: (-self._prefix_hits(i, block_hashes), self._load(i), i))
             seen = self.seen[r]
@@ -95,6 +104,22 @@ class DPCoordinator:
         self.routed[r] += 1
         self.unreported[r].append(num_prompt_tokens)
         self.pending_tokens[r] += num_prompt_tokens
+        return r
+
+    def _lora_route(self, live: list[int], lora_id: int) -> int:
+        r = min(live, key=lambda i: (self._load(i), i))
+        if not lora_id:
+            return r
+        holders = [i for i in live if lora_id in self.adapters[i]]
+        if holders:
+            best = min(holders, key=lambda i: (self._load(i), i))
+            if self._load(best) - self._load(r) <= LORA_AFFINITY_SLACK:
+                r = best
+        held = self.adapters[r]
+        held[lora_id] = None
+        held.move_to_end(lora_id)
+        while len(held) > self.lora_capacity:
+            held.popitem(last=False)
         return r
 
     def _prefix_hits(self, r: int, block_hashes: Sequence[int]) -> int:

@@ -55,7 +55,8 @@ class CoordinatorProc:
         self.frames = Frames.from_env("testbed dp coordinator")
         self.config = EngineConfig(**cfg.engine)
         n = self.config.data_parallel_size
-        self.coord = DPCoordinator(n, self.config.dp_policy, self.config.block_size)
+        self.coord = DPCoordinator(n, self.config.dp_policy, self.config.block_size,
+                                   lora_capacity=self.config.max_cpu_loras)
         self.coord.alive = [False] * n  # a replica gets requests once it is up
         self.coord.capacity = 1 << 62   # prefix-affinity memory: the smallest replica cache, once they are up
         self.dead: dict[int, str] = {}
@@ -144,7 +145,8 @@ class CoordinatorProc:
             hashes = prompt_block_hashes(msg.prompt_token_ids, self.config.block_size)
         while True:
             try:
-                r = self.coord.route(len(msg.prompt_token_ids), hashes)
+                r = self.coord.route(len(msg.prompt_token_ids), hashes,
+                                     0 if msg.lora_request is None else msg.lora_request.lora_int_id)
             except ValueError as e:
                 self._to_front(D.Unroutable(msg.request_id, str(e)))
                 return

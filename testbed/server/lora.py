@@ -7,7 +7,6 @@ new adapter to the engine's caches.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from testbed.engine.lora import LoRARequest
@@ -45,22 +44,3 @@ class LoRARegistry:
         if name not in self.adapters:
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")
         del self.adapters[name]
-
-
-def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str, str | None]]:
-    """(name, path, base model name) of each --lora-modules value: name=path, or vLLM's JSON form
-    {"name": ..., "path": ..., "base_model_name": ...}; ValueError naming the bad one."""
-    out = []
-    for v in values or []:
-        if v.lstrip().startswith("{"):
-            try:
-                d = json.loads(v)
-                out.append((d["name"], d["path"], d.get("base_model_name")))
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"--lora-modules: {v!r} must be name=path or JSON with name and path") from None
-        else:
-            name, eq, path = v.partition("=")
-            if not eq or not name or not path:
-                raise ValueError(f"--lora-modules: {v!r} must be name=path (e.g. sql-lora=/adapters/sql)")
-            out.append((name, path, None))
-    return out

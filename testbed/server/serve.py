@@ -34,7 +34,7 @@ SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout: for the error responses to g
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` (vLLM's flags) on the CLI's subparsers."""
-    from testbed.cli_args import add_engine_args
+    from testbed.cli_args import add_engine_args, add_lora_modules_arg
     p = subparsers.add_parser("serve", help="OpenAI-compatible server: API server + engine-core process",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -42,8 +42,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p, None)
     g = p.add_argument_group("server")
     g.add_argument("--served-model-name", default=None, help="name in the API (default: the model's folder name)")
-    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                   help="LoRA adapters (PEFT folders) to serve under these model names, with --enable-lora")
+    add_lora_modules_arg(g)
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or hub id (default: the model's; with --emulate of a preset, the bundled "
                         "SmolLM2 tokenizer)")
@@ -263,7 +262,8 @@ async def run_server(args: argparse.Namespace) -> int:
     from testbed.runtime.client import EngineClient
     from testbed.detokenizer import TokenTexts
     from testbed.server.metrics import ServerMetrics
-    from testbed.server.lora import LoRARegistry, parse_lora_modules
+    from testbed.server.lora import LoRARegistry
+    from testbed.workload.lora import parse_lora_modules
     from testbed.server.schemas import APIError
     from testbed.server.state import ServerState
     from testbed.worker.executor import resolve_model

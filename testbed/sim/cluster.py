@@ -28,6 +28,7 @@ from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment
 from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor
 from testbed.sim.horizon import AdmissionHorizon
+from testbed.workload.lora import trace_loras
 from testbed.workload.trace import TraceRequest, synthesize_prompt
 
 
@@ -61,11 +62,12 @@ def _sampling_params(output_tokens: int, structured_output: bool) -> SamplingPar
     return TraceRequest("", 0.0, 1, output_tokens, structured_output=structured_output).sampling_params()
 
 
-def trace_to_request(tr: TraceRequest, vocab_size: int, seed: int) -> Request:
-    """Engine request for a trace line: its output forced to the trace's length."""
+def trace_to_request(tr: TraceRequest, vocab_size: int, seed: int, loras: dict | None = None) -> Request:
+    """Engine request for a trace line: its output forced to the trace's length, its adapter from `loras`
+    (workload/lora.py's trace_loras) when it names one."""
     prompt = tr.prompt_token_ids if tr.prompt_token_ids is not None else LazyPrompt(tr, vocab_size, seed)
     return Request(tr.id, prompt, _sampling_params(tr.output_tokens, tr.structured_output), arrival_time=tr.arrival_s,
-                   priority=tr.priority)
+                   priority=tr.priority, lora_request=None if tr.lora is None else loras[tr.lora])
 
 
 @dataclass
@@ -96,10 +98,12 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
     records are the same either way (False steps through every one, for the tests that check that).
     `num_cpu_blocks`: each replica's CPU swap pool (None: the config's)."""
     env = SimEnvironment()
+    loras = trace_loras([tr.lora for tr in trace], config)
     dp = config.data_parallel_size
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False,
                           num_cpu_blocks=num_cpu_blocks) for r in range(dp)]
-    coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks)
+    coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks,
+                          lora_capacity=config.max_cpu_loras)
     executor = SimExecutor(cost_model)
     wake = [env.event() for _ in range(dp)]
     done = env.event()
@@ -156,11 +160,11 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             delay = tr.arrival_s + hop - env.now  # the coordinator sees it one hop after its arrival
             if delay > 0:
                 yield env.timeout(delay)
-            req = trace_to_request(tr, vocab_size, config.seed)
+            req = trace_to_request(tr, vocab_size, config.seed, loras)
             hashes = ()
             if need_hashes:
                 hashes = req.block_hashes = prompt_block_hashes(req.prompt_token_ids, config.block_size)
-            r = coord.route(req.num_prompt_tokens, hashes)
+            r = coord.route(req.num_prompt_tokens, hashes, 0 if req.lora_request is None else req.lora_request.lora_int_id)
             horizon.route(r)
             route = None
             if dp > 1:  # seq, request, replica, arrival, sent, routed, added (set on admission)

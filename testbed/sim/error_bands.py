@@ -63,6 +63,10 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
     from testbed.sim.profiled import ProfiledCostModel
     from testbed.sim.recorded_dp import RecordedDPRun
     bands = load_bands() if bands is None else bands
+    from testbed.sim.lora_cost import WithLoRA
+    if isinstance(cost_model, WithLoRA):  # no fidelity run covers LoRA's terms: the base model's band, said so
+        base = expected_error(cost_model.base, model, gpu, tp, bands)
+        return {"basis": f"{base['basis']}; LoRA's roofline terms are not covered by any fidelity run"}
     if isinstance(cost_model, RooflineCostModel):
         entry = bands["bands"].get(band_key("roofline", model, gpu, tp))
         if entry is None:

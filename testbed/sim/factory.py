@@ -10,6 +10,7 @@ from testbed.engine.config import EngineConfig
 from testbed.profiling.profile_file import shipped_profile, shipped_profiles
 from testbed.runs.rundir import RunDirError, read_run
 from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel
+from testbed.sim.lora_cost import LoRACost, WithLoRA
 from testbed.sim.profiled import ProfiledCostModel
 from testbed.sim.recorded_dp import RecordedDPRun
 from testbed.specs.hardware import GPUSpec
@@ -40,7 +41,8 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
         else:
             spec = str(path)
     if spec == "roofline":
-        return RooflineCostModel(model, gpu, tensor_parallel_size=tp, block_size=config.block_size), "roofline"
+        return _with_lora(RooflineCostModel(model, gpu, tensor_parallel_size=tp, block_size=config.block_size),
+                          "roofline", model, gpu, config)
     if spec.startswith("recorded:"):
         run_dir = spec.removeprefix("recorded:")
         try:
@@ -61,4 +63,14 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
     if cm.block_size != config.block_size:
         raise ValueError(f"--cost-model {spec}: profile was measured with --block-size {cm.block_size}, the run "
                          f"uses {config.block_size}; profile that block size")
-    return cm, f"profile {path.name} ({cm.gpu_name}, {cm.profile.get('created', '?')}, {cm.profile.get('git_sha') or '?'})"
+    return _with_lora(cm, f"profile {path.name} ({cm.gpu_name}, {cm.profile.get('created', '?')}, "
+                          f"{cm.profile.get('git_sha') or '?'})", model, gpu, config)
+
+
+def _with_lora(cm: CostModel, desc: str, model: ModelSpec, gpu: GPUSpec, config: EngineConfig) -> tuple[CostModel, str]:
+    """With --enable-lora, the cost model plus multi-LoRA's roofline terms (sim/lora_cost.py); a recorded timeline
+    needs none (its steps were timed with their adapters)."""
+    if not config.enable_lora:
+        return cm, desc
+    lora = LoRACost(model, gpu, config.max_lora_rank, config.tensor_parallel_size)
+    return WithLoRA(cm, lora), f"{desc} + LoRA roofline terms (rank {config.max_lora_rank})"

@@ -23,6 +23,7 @@ from testbed.engine.coordinator import DPCoordinator
 from testbed.engine.core import EngineCore
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import SchedulerOutput
+from testbed.workload.lora import trace_loras
 from testbed.sim.cluster import SimResult, trace_to_request
 from testbed.sim.executor import SimExecutor
 from testbed.workload.trace import TraceRequest
@@ -106,6 +107,7 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
     if rec.policy and config.dp_policy != rec.policy:
         raise ValueError(f"--dp-policy {config.dp_policy}, but {rec.path} routed with {rec.policy}; use {rec.policy}")
     by_id = {tr.id: tr for tr in trace}
+    loras = trace_loras([tr.lora for tr in trace], config)
     missing = [r["request_id"] for r in rec.routes if r["request_id"] not in by_id]
     if missing or len(rec.routes) != len(trace):
         raise ValueError(f"{rec.path} routed {len(rec.routes)} requests, the trace has {len(trace)}"
@@ -114,7 +116,8 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False,
                           num_cpu_blocks=num_cpu_blocks) for r in range(dp)]
     executors = [SimExecutor(_Durations(d)) for d in rec.durations]
-    coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks)
+    coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks,
+                          lora_capacity=config.max_cpu_loras)
     inbox: list[list] = [[] for _ in range(dp)]   # (added, request) routed to each replica, in order
     reports: list[list] = [[] for _ in range(dp)]  # stats each replica reported, in order
     taken = [0] * dp
@@ -156,11 +159,12 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
                 coord.update_stats(r, reports[r][taken[r]])
                 taken[r] += 1
                 continue
-            req = trace_to_request(by_id[x["request_id"]], vocab_size, config.seed)
+            req = trace_to_request(by_id[x["request_id"]], vocab_size, config.seed, loras)
             hashes = ()
             if need_hashes:
                 hashes = req.block_hashes = prompt_block_hashes(req.prompt_token_ids, config.block_size)
-            chosen = coord.route(req.num_prompt_tokens, hashes)
+            chosen = coord.route(req.num_prompt_tokens, hashes,
+                                 0 if req.lora_request is None else req.lora_request.lora_int_id)
             if chosen != r:
                 raise _diverged(f"request {req.request_id!r} (event {x['seq']}) went to replica {r}, the simulated "
                                 f"coordinator ({config.dp_policy}) picks {chosen}")

@@ -20,6 +20,7 @@ from testbed.sim.cost_model import kv_block_bytes, num_gpu_blocks
 from testbed.sim.factory import load_cost_model
 from testbed.specs.hardware import get_gpu_spec
 from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
+from testbed.workload.lora import trace_loras
 from testbed.workload.trace import load_trace
 
 
@@ -43,7 +44,9 @@ def warn_rejections(cols: dict[str, list], trace: list, config: EngineConfig, bl
     if not rejected:
         return
     first = next(tr for tr in trace if tr.id == rejected[0])
-    reason = (EngineCore(config, blocks, max_model_len, num_cpu_blocks=0).rejection_reason(trace_to_request(first, vocab_size, config.seed))
+    loras = trace_loras([tr.lora for tr in trace], config)
+    reason = (EngineCore(config, blocks, max_model_len, num_cpu_blocks=0).rejection_reason(
+              trace_to_request(first, vocab_size, config.seed, loras))
               or f"the waiting queue was full (--max-num-waiting {config.max_num_waiting})")
     warn(f"{len(rejected)} of {len(trace)} requests were rejected and not simulated (finish_reason 'rejected' in "
          f"requests.parquet); the first, {first.id!r}: {reason}")

@@ -24,7 +24,7 @@ FORMATS = ("auto", "jsonl", "azure", "mooncake", "lengths")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 LENGTHS_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 JSONL_FIELDS = ("id", "arrival_s", "input_tokens", "output_tokens", "prompt_token_ids",
-                "hash_ids", "hash_block_size", "priority", "structured_output")
+                "hash_ids", "hash_block_size", "priority", "structured_output", "lora")
 _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 
 
@@ -55,6 +55,7 @@ class TraceRequest:
     hash_block_size: int = 512
     priority: int = 0
     structured_output: bool = False  # generated under a grammar (structured outputs: any JSON)
+    lora: str | None = None  # the LoRA adapter it runs with, by name (None: the base model)
 
     def sampling_params(self) -> SamplingParams:
         """How a simulation or a replay generates it: greedy, exactly output_tokens tokens, under a JSON
@@ -234,8 +235,15 @@ def _load_jsonl(path, lines) -> list[TraceRequest]:
             _int(path, no, "output_tokens", d["output_tokens"]), ptids,
             None if hids is None else _hash_ids(path, no, hids, n_in, block), block,
             _int(path, no, "priority", d.get("priority", 0), minimum=-(2**63), maximum=2**63 - 1),
-            _bool(path, no, "structured_output", d.get("structured_output", False))))
+            _bool(path, no, "structured_output", d.get("structured_output", False)),
+            _name(path, no, "lora", d.get("lora"))))
     return reqs
+
+
+def _name(path, no: int, name: str, value) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise TraceError(path, no, f"{name} must be a non-empty string (an adapter's name) or absent, got {value!r}")
+    return value
 
 
 def _load_mooncake(path, lines) -> list[TraceRequest]:
@@ -344,6 +352,8 @@ def write_jsonl(requests: list[TraceRequest], path) -> None:
                 d["hash_ids"], d["hash_block_size"] = list(r.hash_ids), r.hash_block_size
             if r.priority:
                 d["priority"] = r.priority
+            if r.lora is not None:
+                d["lora"] = r.lora
             f.write(json.dumps(d) + "\n")
 
 

@@ -1,0 +1,131 @@
+"""LoRA in the simulator: the trace's `lora` field, the cost model's LoRA terms (compute per LoRA token, a read of
+each adapter's slot, loads into slots), fast-forwarded decode stretches that keep slot decisions exact, the DP
+coordinator's adapter-affinity routing, and decision parity with a real replay of a trace naming adapters."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from testbed.cli import main
+from testbed.engine.config import EngineConfig
+from testbed.engine.coordinator import DPCoordinator
+from testbed.engine.core import ReplicaStats
+from testbed.engine.lora import LoRALoad, LoRARequest
+from testbed.engine.outputs import SchedulerOutput
+from testbed.sim.cluster import simulate
+from testbed.sim.cost_model import RooflineCostModel
+from testbed.sim.lora_cost import LoRACost, WithLoRA
+from testbed.specs.hardware import get_gpu_spec
+from testbed.specs.presets import get_model_spec
+from testbed.workload.trace import TraceError, TraceRequest, load_trace, write_jsonl
+
+from test_parity import REQUEST_OUTCOMES, STEP_DECISIONS
+
+
+def test_trace_field_lora_round_trips_and_bad_values_name_the_line(tmp_path):
+    reqs = [TraceRequest("a", 0.0, 8, 4, lora="sql"), TraceRequest("b", 0.5, 9, 3)]
+    write_jsonl(reqs, tmp_path / "t.jsonl")
+    assert [r.lora for r in load_trace(tmp_path / "t.jsonl")] == ["sql", None]
+    (tmp_path / "bad.jsonl").write_text('{"arrival_s": 0, "input_tokens": 4, "output_tokens": 2}\n'
+                                        '{"arrival_s": 1, "input_tokens": 4, "output_tokens": 2, "lora": 7}\n')
+    with pytest.raises(TraceError, match=r"bad.jsonl:2: lora must be a non-empty string"):
+        load_trace(tmp_path / "bad.jsonl")
+
+
+def test_lora_terms_charge_adapter_tokens_and_loads_only():
+    model, gpu = get_model_spec("Llama-3.1-8B"), get_gpu_spec("H100-SXM")
+    lora = LoRACost(model, gpu, max_lora_rank=16)
+    # one adapter of rank 16 on every projection of Llama-3.1-8B in bf16: 16 x (4096+4096 + 2(4096+1024) +
+    # 2(4096+14336) + 4096+4096 + 14336+4096) x 2 bytes x 32 layers = 84 MB
+    assert lora.adapter_bytes == 32 * 16 * (8192 + 2 * 5120 + 2 * 18432 + 8192 + 18432) * 2
+    base = SchedulerOutput(total_num_scheduled_tokens=64, num_decode_tokens=64)
+    assert lora.step_time(base) == 0.0
+    with_tokens = SchedulerOutput(num_lora_tokens=64, num_loras=2)
+    one_load = SchedulerOutput(num_lora_tokens=64, num_loras=2, lora_loads=[LoRALoad(0, LoRARequest("a", 1), False)])
+    disk = SchedulerOutput(num_lora_tokens=64, num_loras=2, lora_loads=[LoRALoad(0, LoRARequest("a", 1), True)])
+    assert 0 < lora.step_time(with_tokens) < lora.step_time(one_load) < lora.step_time(disk)
+    assert lora.step_time(one_load) - lora.step_time(with_tokens) == pytest.approx(lora.adapter_bytes / gpu.host_bandwidth)
+
+
+def test_simulate_refuses_adapters_without_enable_lora_and_more_slots_serve_faster(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_jsonl([TraceRequest(f"r{i}", 0.01 * i, 64, 24, lora=None if i % 5 == 0 else f"a{i % 4}")
+                 for i in range(60)], trace)
+    flags = ["--model", "Llama-3.2-1B", "--cost-model", "roofline", "--no-progress", "--format", "json"]
+    assert main(["simulate", str(trace), *flags, "-o", str(tmp_path / "off")]) == 2
+    err = capsys.readouterr().err
+    assert "names LoRA adapter" in err and "pass --enable-lora" in err
+    done = {}
+    for n in (1, 4):
+        assert main(["simulate", str(trace), *flags, "--enable-lora", "--max-loras", str(n), "-o",
+                     str(tmp_path / f"m{n}")]) == 0
+        done[n] = json.loads(capsys.readouterr().out)
+    assert done[4]["output_throughput"] > 1.2 * done[1]["output_throughput"]  # one slot: the adapters take turns
+
+
+@st.composite
+def lora_traces(draw):
+    t, out = 0.0, []
+    for i in range(draw(st.integers(1, 20))):
+        t += draw(st.floats(0, 0.05))
+        adapter = draw(st.integers(0, 4))
+        out.append(TraceRequest(f"q{i}", t, draw(st.integers(1, 200)), draw(st.integers(1, 120)),
+                                lora=f"a{adapter}" if adapter else None))
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lora_traces(), st.integers(1, 2), st.sampled_from(["least_loaded", "lora_affinity"]), st.integers(1, 3),
+       st.integers(0, 2))
+def test_fast_forwarded_lora_runs_give_the_same_records(trace, dp, dp_policy, max_loras, extra_cpu):
+    cfg = EngineConfig(enable_lora=True, max_loras=max_loras, max_cpu_loras=max_loras + extra_cpu,
+                       data_parallel_size=dp, dp_policy=dp_policy, max_num_batched_tokens=256, max_num_seqs=8)
+    model, gpu = get_model_spec("Llama-3.2-1B"), get_gpu_spec("H100-SXM")
+    cm = WithLoRA(RooflineCostModel(model, gpu), LoRACost(model, gpu, 16))
+    runs = [simulate(trace, cfg, cm, 300, 4096, fast_forward_decodes=ff) for ff in (False, True)]
+    stepped, skipped = ((r.records.steps, r.records.itl, sorted(r.records.requests, key=repr), r.records.routes)
+                        for r in runs)
+    assert stepped == skipped
+    loads = [(e.scheduler.lora.num_loads, e.scheduler.lora.num_disk_loads) for r in runs for e in r.engines]
+    assert loads[:dp] == loads[dp:]
+
+
+def test_lora_affinity_keeps_an_adapter_on_one_replica_until_it_is_too_loaded():
+    c = DPCoordinator(2, "lora_affinity", lora_capacity=2)
+    first = c.route(10, lora_id=7)
+    assert [c.route(10, lora_id=7) for _ in range(2)] == [first] * 2  # 8 load units of slack: two more waiting
+    assert c.route(10, lora_id=7) != first  # a third would cost more than the slack: the least loaded takes it
+    c.update_stats(first, ReplicaStats(0, 0, 0.0, 1, 1, num_added=c.routed[first]))  # all of them done
+    assert c.route(10, lora_id=7) == first
+    assert c.route(10) == 0 and list(c.adapters[0]) == list(c.adapters[1]) == [7]  # base: least loaded, no record
+
+
+@pytest.mark.smollm2
+def test_simulation_replays_a_real_lora_runs_batches_exactly(tmp_path, capsys):
+    """A real replay of a trace naming two adapters (one slot, so they take turns) on a tiny model, then the
+    simulator on the recorded timeline: the same batches, the same outcomes."""
+    from llm_helpers import save_peft_adapter, save_tiny_llama
+    hf = save_tiny_llama(tmp_path / "base", 4, 2, seed=21)
+    save_peft_adapter(tmp_path / "a", hf, 8, ["q_proj", "down_proj"], seed=22)
+    save_peft_adapter(tmp_path / "b", hf, 8, ["v_proj", "up_proj"], seed=23)
+    rows = [(0.0, 30, 6, "a"), (0.0, 20, 8, "b"), (0.0, 12, 5, None), (0.02, 40, 4, "a"), (0.05, 18, 7, "b"),
+            (0.3, 25, 5, None), (0.31, 22, 6, "b")]
+    write_jsonl([TraceRequest(f"r{i}", t, n, m, lora=a) for i, (t, n, m, a) in enumerate(rows)], tmp_path / "t.jsonl")
+    flags = ["--max-model-len", "128", "--max-num-batched-tokens", "48", "--max-num-seqs", "4", "--num-gpu-blocks",
+             "40", "--enable-lora", "--max-loras", "1", "--format", "json"]
+    real, sim = tmp_path / "real", tmp_path / "sim"
+    assert main(["replay", str(tmp_path / "t.jsonl"), "--model", str(tmp_path / "base"), "--dtype", "float32",
+                 "--lora-modules", f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}", "-o", str(real), *flags]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(tmp_path / "t.jsonl"), "--model", "SmolLM2-135M", "--cost-model",
+                 f"recorded:{real}", "--no-progress", "-o", str(sim), *flags]) == 0
+    rs, ss = pd.read_parquet(real / "steps.parquet"), pd.read_parquet(sim / "steps.parquet")
+    pd.testing.assert_frame_equal(rs[STEP_DECISIONS], ss[STEP_DECISIONS])
+    rr = pd.read_parquet(real / "requests.parquet").sort_values("request_id", ignore_index=True)
+    sr = pd.read_parquet(sim / "requests.parquet").sort_values("request_id", ignore_index=True)
+    pd.testing.assert_frame_equal(rr[REQUEST_OUTCOMES], sr[REQUEST_OUTCOMES])
+    assert (rr["finish_reason"] == "length").all()
