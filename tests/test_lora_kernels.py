@@ -2,12 +2,19 @@
 defines their semantics: random slot mixes with base rows, 1-3 output slices, ranks below max_lora_rank."""
 from __future__ import annotations
 
-import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+import os
 
-from testbed.kernels.lora import lora_apply_ref, lora_plan
+os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of the Triton kernel module (jit reads it)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from testbed.kernels.lora import lora_apply_ref, lora_plan  # noqa: E402
+from testbed.kernels.lora_triton import lora_expand, lora_shrink  # noqa: E402
+
+os.environ.pop("TRITON_INTERPRET")  # other modules keep the torch paths on CPU
 
 
 @pytest.fixture(autouse=True)
@@ -19,7 +26,6 @@ def _interpret(monkeypatch):
 @given(tokens=st.integers(1, 7), slots=st.integers(1, 3), slices=st.sampled_from([[24], [16, 16], [16, 8, 8]]),
        rank=st.sampled_from([1, 8]), k=st.sampled_from([16, 136]), seed=st.integers(0, 99))
 def test_triton_kernels_match_the_torch_path(tokens, slots, slices, rank, k, seed):
-    from testbed.kernels.lora_triton import lora_expand, lora_shrink
     g = torch.Generator().manual_seed(seed)
     out = sum(slices)
     x = torch.randn(tokens, k, generator=g)
