@@ -91,3 +91,58 @@ def test_bad_adapters_are_refused_with_reasons(tmp_path):
     base = LLM(executor=llm.executor, skip_tokenizer_init=True, max_model_len=64)
     with pytest.raises(ValueError, match="LoRA is off"):
         base.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("ok", 4, str(tmp_path / "ok")))
+
+
+@torch.inference_mode()
+def test_a_padded_lora_step_equals_the_eager_one():
+    """The CUDA-graph layout with LoRA on, on the CPU: a step mixing two adapter slots and base rows, padded into
+    the graphs' static buffers (the slot index padded with -1), gives the eager step's hidden rows; a step with no
+    adapter leaves the whole index at -1, so a graph captured with LoRA serves it unchanged."""
+    import dataclasses
+    import random
+
+    from test_cuda_graphs import BS, TINY, attach_cache, make_step
+    from testbed.engine.config import EngineConfig
+    from testbed.worker.context import reset_context, set_context
+    from testbed.worker.cuda_graphs import CudaGraphs, pad_into
+    from testbed.worker.loader import build_model, init_dummy_weights
+    from testbed.worker.lora import WorkerLoRA
+    model = build_model(TINY, torch.float32, "cpu")
+    init_dummy_weights(model, 0)
+    attach_cache(model, 96)
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, block_size=BS,
+                          enable_lora=True, max_loras=2, max_lora_rank=8)
+    lora = WorkerLoRA(model, config, torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(3)
+    for modules in lora.layers:
+        for lin in modules.values():
+            lin.lora_a.normal_(0, 0.3, generator=g)
+            lin.lora_b.normal_(0, 0.3, generator=g)
+    graphs = CudaGraphs(model, config, 256, torch.device("cpu"))
+    tables = {"free": list(range(96))}
+    x = make_step(random.Random(1), tables, {}, [7, 5, 9], 64)
+    x = dataclasses.replace(x, lora_idx=torch.tensor([0] * 7 + [-1] * 5 + [1] * 9))
+    set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q, lora_idx=x.lora_idx)
+    try:
+        eager = model(x.input_ids, x.positions)
+    finally:
+        reset_context()
+    _, n = graphs.size_for(x)
+    pad_into(graphs.buf, x, n, graphs.num_seqs(n))
+    assert graphs.buf.lora_idx[:21].tolist() == x.lora_idx.tolist() and (graphs.buf.lora_idx[21:n] == -1).all()
+    graphs.buf.set_context(False, n, graphs.num_seqs(n))
+    try:
+        padded = model(graphs.buf.input_ids[:n], graphs.buf.positions[:n])
+    finally:
+        reset_context()
+    assert torch.allclose(padded[:21], eager, atol=1e-5, rtol=1e-5)
+    set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q)  # no adapter at all
+    try:
+        plain = model(x.input_ids, x.positions)
+    finally:
+        reset_context()
+    changed = (plain - eager).abs().amax(dim=1) > 1e-4
+    assert changed[:7].all() and changed[12:].all()  # the adapter rows (base rows attend over the same cache)
+    y = make_step(random.Random(2), tables, {}, [4, 3], 64)
+    pad_into(graphs.buf, y, n, graphs.num_seqs(n))
+    assert (graphs.buf.lora_idx[:n] == -1).all()
