@@ -73,7 +73,7 @@ def replay_on_one_engine(flags: list[str], trace: str, jobs: list[tuple[float, i
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     from testbed.cli_args import add_engine_args, add_model_args, engine_config
-    from testbed.replay import run_replay
+    from testbed.entrypoints.replay import run_replay
     from testbed.worker.executor import create_executor
     p = argparse.ArgumentParser()
     add_engine_args(p, None)

@@ -58,7 +58,7 @@ TARGETS = {"output_throughput": 0.02, "request_throughput": 0.02, "mean": 0.05, 
 # ---- GPU side ---------------------------------------------------------------------------------------
 def real(args: argparse.Namespace) -> None:
     from testbed.engine.config import EngineConfig
-    from testbed.replay import run_replay
+    from testbed.entrypoints.replay import run_replay
     from testbed.worker.executor import create_executor
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

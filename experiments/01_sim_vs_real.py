@@ -45,7 +45,7 @@ from testbed import experiment, sweep
 from testbed.runs.compare import compare_table, diff_column, load_runs
 from testbed.runs import plots, series
 from testbed.runs.rundir import find_runs, read_run
-from testbed.sweeps import ENGINE_KEYS
+from testbed.sim.sweeps import ENGINE_KEYS
 
 out, env = experiment.start(output_dir, seeds={"simulation": 0})
 env

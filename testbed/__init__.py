@@ -12,10 +12,10 @@ def warn(message: str) -> None:
     print(f"{os.environ.get(COMMAND_ENV) or 'testbed'}: warning: {message}", file=sys.stderr, flush=True)
 
 # vLLM's top-level names (and testbed's sweep), imported on first use (the simulator needs no torch)
-_LAZY = {"LLM": "testbed.llm", "SamplingParams": "testbed.engine.params", "PoolingParams": "testbed.engine.params",
+_LAZY = {"LLM": "testbed.entrypoints.llm", "SamplingParams": "testbed.engine.params", "PoolingParams": "testbed.engine.params",
          "RequestOutput": "testbed.outputs", "CompletionOutput": "testbed.outputs", "RequestMetrics": "testbed.outputs",
          "Logprob": "testbed.outputs", "EmbeddingOutput": "testbed.outputs", "EmbeddingRequestOutput": "testbed.outputs",
-         "LoRARequest": "testbed.engine.lora", "sweep": "testbed.sweeps"}
+         "LoRARequest": "testbed.engine.lora", "sweep": "testbed.sim.sweeps"}
 
 
 def __getattr__(name: str):

@@ -78,7 +78,7 @@ def given_dests(parser: argparse.ArgumentParser, argv: list[str], command: str) 
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from testbed.replay import run_replay
+    from testbed.entrypoints.replay import run_replay
     cfg = engine_config(args)
     out = args.output or default_run_dir("real", args.trace, args.model or "SmolLM2-135M-Instruct")
     run_dir, summary = run_replay(

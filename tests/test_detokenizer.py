@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.detokenizer import IncrementalDetokenizer
+from testbed.text.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -106,8 +106,8 @@ def test_engine_imports_no_io_module():
     assert not bad, "testbed/engine/ must stay sans-I/O:\n" + "\n".join(bad)
 
 
-# Packages a package must never import, so the arrows between them point one way: engine <- workload/specs <-
-# worker <- profiling <- sim <- runtime <- server <- cli. (The HTTP layer talks to the engine processes only through runtime/.)
+# Packages a package must never import, so the arrows between them point one way: engine <- specs <- runs, text <-
+# workload <- worker <- profiling <- sim <- runtime <- server, entrypoints <- cli. (The HTTP layer talks to the engine processes only through runtime/.)
 MODE_NEUTRAL_FORBIDS = ("testbed.sim", "testbed.runtime", "testbed.server", "testbed.worker", "testbed.dashboard",
                         "testbed.cli", "testbed.bench", "testbed.profiling")
 FORBIDDEN = {
@@ -115,14 +115,19 @@ FORBIDDEN = {
                        "testbed.cli", "testbed.workload", "testbed.specs", "testbed.profiling"),
     "testbed.workload": MODE_NEUTRAL_FORBIDS,  # traces and specs serve both modes: they import neither
     "testbed.specs": MODE_NEUTRAL_FORBIDS + ("testbed.workload", "testbed.runs"),
-    "testbed.runtime": ("testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.llm"),
+    "testbed.runtime": ("testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.entrypoints"),
+    # the two entrypoints, the HTTP server and the offline LLM/replay, share what is below them, not each other
+    "testbed.entrypoints": ("testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench"),
+    # text processing of both front-ends: on the engine's parameters alone
+    "testbed.text": ("testbed.sim", "testbed.profiling", "testbed.worker", "testbed.runtime", "testbed.server",
+                     "testbed.entrypoints", "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.runs"),
     "testbed.worker": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli", "testbed.sim",
                        "testbed.profiling"),
     # profiles are measured on the worker and read by the simulator: worker <- profiling <- sim
     "testbed.profiling": ("testbed.sim", "testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli",
                           "testbed.bench"),
     "testbed.sim": ("testbed.runtime", "testbed.server", "testbed.dashboard", "testbed.cli", "testbed.bench"),
-    "testbed.server": ("testbed.dashboard", "testbed.cli", "zmq"),
+    "testbed.server": ("testbed.dashboard", "testbed.cli", "testbed.entrypoints", "zmq"),
     # run records sit on the engine alone: both modes write them, the dashboard and the CLI read them
     "testbed.runs": ("testbed.sim", "testbed.profiling", "testbed.worker", "testbed.runtime", "testbed.server",
                      "testbed.dashboard", "testbed.cli", "testbed.bench", "testbed.workload"),
@@ -177,5 +182,12 @@ def test_the_api_boundary_checks_grammars_without_torch():
     assert "testbed.worker.grammar" not in reach
     bad = [f"{m}:{line}" for m in reach for t, line in imports(mods[m], m, set(mods)) if t == "torch"]
     assert not bad, "the grammar check imports torch: " + ", ".join(bad)
-    for front in ("testbed.server.params", "testbed.llm"):
+    for front in ("testbed.server.params", "testbed.entrypoints.llm"):
         assert "testbed.worker.grammar_compile" in graph[front] and "testbed.worker.grammar" not in graph[front]
+
+
+def test_the_package_top_level_is_a_table_of_contents():
+    """testbed/ holds packages named for what they are; besides cli.py and __init__.py at most six modules sit at
+    its top (the offline API's output classes, the CLI's shared flags, the notebooks' helpers)."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("cli.py", "__init__.py"))
+    assert len(loose) <= 6, f"{len(loose)} top-level modules in testbed/ ({', '.join(loose)}): place them in a package"

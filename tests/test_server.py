@@ -59,7 +59,7 @@ def tokenizer():
 
 
 def test_detokenizer_matches_full_decode(tokenizer):
-    from testbed.detokenizer import IncrementalDetokenizer
+    from testbed.text.detokenizer import IncrementalDetokenizer
     prompt = tokenizer("Say:").input_ids
     ids = tokenizer(" Héllo wörld 🦊🦊 naïve café — 東京 ok.\n\nDone").input_ids
     d = IncrementalDetokenizer(tokenizer, prompt)
@@ -75,7 +75,7 @@ def test_detokenizer_matches_full_decode(tokenizer):
 
 
 def test_detokenizer_stop_string_across_tokens(tokenizer):
-    from testbed.detokenizer import IncrementalDetokenizer
+    from testbed.text.detokenizer import IncrementalDetokenizer
     ids = tokenizer("Hello world, this is a test of stop strings").input_ids
     d = IncrementalDetokenizer(tokenizer, [1], stop=["world, th"])
     streamed = ""

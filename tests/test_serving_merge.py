@@ -3,7 +3,7 @@
 finishes each choice once."""
 import asyncio
 
-from testbed.detokenizer import TokenTexts
+from testbed.text.detokenizer import TokenTexts
 from testbed.engine.params import SamplingParams
 from testbed.server.metrics import ServerMetrics
 from testbed.runtime.protocol import CoreOutput

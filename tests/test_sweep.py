@@ -9,7 +9,7 @@ import pytest
 
 from testbed import sweep
 from testbed.runs.rundir import read_run
-from testbed.sweeps import SweepError, grid
+from testbed.sim.sweeps import SweepError, grid
 
 from conftest import REPO
 

@@ -7,7 +7,7 @@ import math
 import sys
 import time
 
-from testbed.llm import LLM
+from testbed.entrypoints.llm import LLM
 from testbed.engine.params import SamplingParams
 from testbed.bench.datasets import random_dataset
 n, inp, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from testbed.chat_utils import apply_chat_template
+from testbed.text.chat_utils import apply_chat_template
 from testbed.engine.params import MAX_LOGPROBS
 from testbed.server.schemas import ChatCompletionRequest, ChatMessage, bad_request
 from testbed.server.params import request_params, truncate_prompts

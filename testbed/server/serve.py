@@ -260,7 +260,7 @@ async def run_server(args: argparse.Namespace) -> int:
     from testbed.runtime import freeze_startup_heap
     from testbed.server.api import build_app
     from testbed.runtime.client import EngineClient
-    from testbed.detokenizer import TokenTexts
+    from testbed.text.detokenizer import TokenTexts
     from testbed.server.metrics import ServerMetrics
     from testbed.server.lora import LoRARegistry
     from testbed.workload.lora import parse_lora_modules

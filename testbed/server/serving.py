@@ -17,7 +17,7 @@ from testbed.engine.lora import LoRARequest
 from testbed.engine.outputs import NO_TOKEN_LEFT
 from testbed.engine.params import PoolingParams, SamplingParams, child_seed
 from testbed.runtime.client import EngineDeadError, RequestStream
-from testbed.detokenizer import IncrementalDetokenizer
+from testbed.text.detokenizer import IncrementalDetokenizer
 from testbed.server.metrics import FinishedRequest
 from testbed.server.schemas import APIError, bad_request
 from testbed.server.state import ServerState

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from testbed.engine.config import PoolerConfig
 from testbed.engine.params import InvalidParam, check_token_ids
 from testbed.runtime.client import EngineClient
-from testbed.detokenizer import TokenTexts
+from testbed.text.detokenizer import TokenTexts
 from testbed.server.lora import LoRARegistry
 from testbed.server.metrics import ServerMetrics
 from testbed.server.schemas import APIError, bad_request

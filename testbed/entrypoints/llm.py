@@ -13,7 +13,7 @@ import time
 from typing import Any, Sequence
 
 
-from testbed.detokenizer import IncrementalDetokenizer, TokenTexts
+from testbed.text.detokenizer import IncrementalDetokenizer, TokenTexts
 from testbed.engine.config import PoolerConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.lora import LoRARequest
@@ -60,7 +60,7 @@ class LLM:
         `data_parallel_size` > 1 starts the replica processes (no executor to reuse). `pooler_config` (a
         PoolerConfig or a dict of its fields) is how `embed` pools unless its PoolingParams say otherwise.
         `trust_remote_code` lets the tokenizer run code shipped with the model."""
-        from testbed.llm_args import engine_config
+        from testbed.entrypoints.llm_args import engine_config
         from testbed.worker.executor import resolve_model
         self.pooler_config = PoolerConfig.of(pooler_config)
         self.config = engine_config(engine_args)
@@ -71,7 +71,7 @@ class LLM:
         if self.config.data_parallel_size > 1:
             if executor is not None:
                 raise ValueError("executor: data-parallel replicas build their own; pass none with data_parallel_size > 1")
-            from testbed.dp_llm import DPEngine
+            from testbed.entrypoints.dp_llm import DPEngine
             self.dp = DPEngine(model, self.config, load_format, dtype, device, enforce_eager)
             model_path, ready = self.dp.model_path, self.dp.ready
             self.eos_token_id, self.vocab_size = ready.eos_token_id, ready.vocab_size
@@ -391,7 +391,7 @@ class LLM:
         """Generate replies to one conversation (a list of OpenAI messages, whose content may be a list of text
         parts) or a list of them, through the tokenizer's chat template (or `chat_template`), given
         `chat_template_kwargs` as template variables."""
-        from testbed.chat_utils import apply_chat_template
+        from testbed.text.chat_utils import apply_chat_template
         if tools is not None:
             raise ValueError("tools: tool calling is not supported by this engine; leave it out")
         if self.tokenizer is None:

@@ -62,7 +62,7 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
     `executor`: reuse one built earlier (several replays on one loaded model; see `LLM`); it is left open."""
     import gc
 
-    from testbed.llm import LLM
+    from testbed.entrypoints.llm import LLM
     start_run(output, slo_ttft, slo_tpot)
     trace = load_trace(trace_path, request_rate=request_rate, burstiness=burstiness, seed=config.seed,
                        limit=limit, fmt=trace_format)
