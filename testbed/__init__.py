@@ -13,6 +13,8 @@ def warn(message: str) -> None:
 
 # vLLM's top-level names (and testbed's sweep), imported on first use (the simulator needs no torch)
 _LAZY = {"LLM": "testbed.entrypoints.llm", "SamplingParams": "testbed.engine.params", "PoolingParams": "testbed.engine.params",
+         "BeamSearchParams": "testbed.engine.params", "BeamSearchOutput": "testbed.outputs",
+         "BeamSearchSequence": "testbed.outputs",
          "RequestOutput": "testbed.outputs", "CompletionOutput": "testbed.outputs", "RequestMetrics": "testbed.outputs",
          "Logprob": "testbed.outputs", "EmbeddingOutput": "testbed.outputs", "EmbeddingRequestOutput": "testbed.outputs",
          "LoRARequest": "testbed.engine.lora", "sweep": "testbed.sim.sweeps"}

@@ -33,6 +33,44 @@ def prompt_logprob_dicts(prompt_token_ids: Sequence[int], entries: list,
 
 
 @dataclass
+class BeamSearchSequence:
+    """One beam of a beam search (vLLM's): its tokens (the prompt's, then the generated ones), per generated token
+    the logprobs of the candidates it was chosen among, the sum of its tokens' logprobs, its text (the decoded
+    tokens, None without a tokenizer) and why it ended ("stop": EOS, "length": max_tokens)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The result of one prompt's beam search (vLLM's): its best beams, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_sequences(prompt_token_ids: Sequence[int], beams: list, num_top: int,
+                   decode: Callable[[list[int]], str] | None, token_text: Callable[[int], str] | None = None
+                   ) -> list[BeamSearchSequence]:
+    """BeamSearchSequences of the engine's finished beams ((token ids, [{token: logprob}], cum, reason), best
+    first). Each step's dict holds its `num_top` top logprobs in rank order, then the drawn token when it was not
+    among them (rank None)."""
+    text = (lambda t: None) if token_text is None else token_text
+    out = []
+    for toks, lps, cum, reason in beams:
+        dicts = [{t: Logprob(v, r if r <= num_top else None, text(t)) for r, (t, v) in enumerate(d.items(), 1)}
+                 for d in lps]
+        tokens = [*prompt_token_ids, *toks]
+        out.append(BeamSearchSequence(tokens, dicts, cum, None if decode is None else decode(tokens), reason,
+                                      None))
+    return out
+
+
+@dataclass
 class RequestMetrics:
     """When things happened to a request (vLLM's RequestMetrics), in time.time() seconds: `arrival_time`,
     `first_scheduled_time`, `first_token_time`, `last_token_time`, `finished_time` (None where it never got

@@ -106,6 +106,36 @@ def test_smollm2_continuous_batching_matches_hf_generate(smol, smol_prompts, hf_
 
 
 @pytest.mark.smollm2
+@pytest.mark.parametrize("width", [2, 4])
+def test_smollm2_beam_search_matches_transformers(smol, hf_smol, smol_prompts, width):
+    """With EOS ignored and a fixed length, the beams (best first) and their cumulative logprobs are transformers'
+    generate(num_beams=width, do_sample=False), for several prompts (one beam group each, batched together)."""
+    import copy
+    from testbed import BeamSearchParams
+    picked, new = [0, 8], 6
+    outs = smol.beam_search([{"prompt_token_ids": smol_prompts[i]} for i in picked],
+                            BeamSearchParams(beam_width=width, max_tokens=new, ignore_eos=True))
+    config = copy.deepcopy(hf_smol.generation_config)
+    config.eos_token_id, config.pad_token_id = None, 0  # ignore EOS, as the beams do
+    for i, out in zip(picked, outs):
+        ids = smol_prompts[i]
+        with torch.no_grad():
+            ref = hf_smol.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   generation_config=config, num_beams=width, num_return_sequences=width,
+                                   do_sample=False, max_new_tokens=new, length_penalty=1.0, output_scores=True,
+                                   return_dict_in_generate=True)
+        assert [s.tokens for s in out.sequences] == ref.sequences.tolist(), f"prompt {i}"
+        # transformers scores a beam by its logprob sum / generated length (length_penalty 1)
+        assert [s.cum_logprob for s in out.sequences] == pytest.approx((ref.sequences_scores * new).tolist(), abs=1e-3)
+        best = out.sequences[0]
+        assert best.text == smol.get_tokenizer().decode(best.tokens) and len(best.logprobs) == new
+        assert all(best.tokens[len(ids) + j] in best.logprobs[j] for j in range(new))
+    bm = smol.engine.block_manager
+    assert bm.num_used_blocks == 0 and not smol.engine.beam_owner
+    bm.check_invariants()
+
+
+@pytest.mark.smollm2
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_smollm2_preemption_keeps_greedy_tokens(smol_dir, smol_prompts, hf_refs, mode):
     # 9 blocks of 16 tokens: the longest request needs 6, so running several forces preemption: by recompute, or

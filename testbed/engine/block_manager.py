@@ -199,6 +199,56 @@ class BlockManager:
             h2b[h] = b
         self.req_num_registered[req.request_id] = n_full
 
+    # ---- beams: shared tables, copy on write ----------------------------------------------------
+    def fork_tables(self, parent_ids: Sequence[str], child_ids: Sequence[str], drop_ids: Sequence[str]) -> None:
+        """Give child i a block table sharing every block of parent i's (reference counts up), then release the
+        tables of `drop_ids` (the beams being replaced; ids may repeat among the three lists)."""
+        tables = [list(self.req_blocks[p]) for p in parent_ids]
+        ref_cnt = self.ref_cnt
+        for t in tables:
+            for b in t:
+                ref_cnt[b] += 1
+        for rid in drop_ids:
+            self.free(rid)
+        for rid, t in zip(child_ids, tables):
+            self.req_blocks[rid] = t
+
+    def append_beam_slots(self, seqs: Sequence[Request]) -> list[tuple[int, int]] | None:
+        """Slots for each beam's uncomputed tokens, all or nothing (None when the pool cannot cover them): a new
+        block past a table's end, or, for a block the beam shares with others (reference count > 1), a fresh
+        block it writes instead, copied from the shared one (copy on write; the last of the sharers writes in
+        place). Returns the (source, destination) copies."""
+        bs, ref_cnt = self.block_size, self.ref_cnt
+        need, sharers = 0, {}
+        for s in seqs:
+            table = self.req_blocks[s.request_id]
+            for idx in range(s.num_computed_tokens // bs, (s.num_tokens - 1) // bs + 1):
+                if idx >= len(table):
+                    need += 1
+                    continue
+                b = table[idx]
+                left = sharers.get(b, ref_cnt[b])
+                if left > 1:
+                    need += 1
+                    sharers[b] = left - 1
+        if need > len(self.free_ids) + len(self.cached):
+            return None
+        copies = []
+        for s in seqs:
+            table = self.req_blocks[s.request_id]
+            for idx in range(s.num_computed_tokens // bs, (s.num_tokens - 1) // bs + 1):
+                if idx >= len(table):
+                    b = self._take_block()
+                    ref_cnt[b] = 1
+                    table.append(b)
+                elif ref_cnt[table[idx]] > 1:
+                    src, dst = table[idx], self._take_block()
+                    ref_cnt[src] -= 1
+                    ref_cnt[dst] = 1
+                    table[idx] = dst
+                    copies.append((src, dst))
+        return copies
+
     # ---- swapping ------------------------------------------------------------------------------
     def can_swap_out(self, request_ids: Sequence[str]) -> bool:
         """Whether the CPU pool has a block for every distinct GPU block these requests hold."""

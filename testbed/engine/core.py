@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import Protocol
 
+from testbed.engine.beam_search import Beam, best_beams, step_beams
 from testbed.engine.block_manager import BlockManager
 from testbed.engine.config import EngineConfig
 from testbed.engine.metrics import Recorder
@@ -87,6 +88,8 @@ class EngineCore:
         self.num_added = 0  # add_request calls, rejections included (ReplicaStats.num_added)
         self.token_counts = TokenCounts()
         self.num_pooling = 0  # live pooling requests: while 0, steps skip the pooling pass
+        self.beam_owner: dict[str, Request] = {}  # live beam sequences' ids -> their beam-search group
+        self.num_beam_groups = 0  # live beam searches: while 0, updates look for no beam rows
         self._last_update = float("-inf")
 
     # ---- admission -----------------------------------------------------------------------------
@@ -112,6 +115,19 @@ class EngineCore:
             return (f"with chunked prefill off, the prompt plus outputs recomputed after a preemption ({longest} "
                     f"tokens) must fit one step's --max-num-batched-tokens ({mnbt}); raise it, lower max_tokens "
                     f"or enable chunked prefill")
+        bp = req.beam_params
+        if bp is not None:
+            if self.config.async_scheduling:
+                return ("beam search chooses each step's beams before the next step is scheduled, which "
+                        "--async-scheduling does not wait for; drop --async-scheduling")
+            if bp.beam_width > self.config.max_num_seqs:
+                return (f"beam_width {bp.beam_width} exceeds --max-num-seqs ({self.config.max_num_seqs}), which "
+                        "counts every beam; lower the width or raise --max-num-seqs")
+            # its prompt, then each beam's own blocks past it and the block it may copy on write
+            worst = bm.blocks_needed(n) + bp.beam_width * (bm.blocks_needed(total - n) + 1)
+            if worst > bm.num_blocks:
+                return (f"a beam search of width {bp.beam_width} may need {worst} KV blocks but the cache has "
+                        f"{bm.num_blocks}; lower beam_width or max_tokens, or raise --num-gpu-blocks")
         if req.lora_request is not None and not self.config.enable_lora:
             return (f"asks for LoRA adapter {req.lora_request.lora_name!r} but LoRA is off; start the engine with "
                     "--enable-lora (LLM(enable_lora=True))")
@@ -133,6 +149,7 @@ class EngineCore:
             req.finish_time = now
             self.records.record_request(req)
             return EngineCoreOutput(req.request_id, [], True, "rejected", reason, timing=times(req))
+        self.num_beam_groups += req.beam_params is not None
         if req.pooling_params is not None:
             self.num_pooling += 1
         elif req.sampling_params.max_tokens is None:
@@ -158,6 +175,11 @@ class EngineCore:
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         if req.pooling_params is not None:
             self.num_pooling -= 1
+        if req.beam_params is not None:
+            self.num_beam_groups -= 1
+        for s in req.beams or ():
+            self.beam_owner.pop(s.request_id, None)
+            s.status = status
         if req.first_scheduled_time is None:
             self.num_waiting_tokens -= req.num_prompt_tokens
         if status == RequestStatus.FINISHED_ERROR:  # its failed step may have left its blocks half written
@@ -202,8 +224,12 @@ class EngineCore:
         if so.has_pooling:
             any_finished = self._finish_pooled(so, out, now, outputs)
         sampled = 0
+        beam_rows: dict[str, list] | None = {} if self.num_beam_groups else None
         for req, tok, lp in zip(so.requests, out.sampled_token_ids, lps if lps is not None else repeat(None)):
             if tok < 0 or req.status >= finished_min:
+                continue
+            if beam_rows is not None and (req.group is not None or req.beam_params is not None):
+                beam_rows.setdefault((req.group or req).request_id, []).append((req, tok, lp))
                 continue
             req.num_pending -= 1
             req.append_output(tok)
@@ -229,10 +255,15 @@ class EngineCore:
             elif stream or plp is not None:
                 outputs.append(EngineCoreOutput(req.request_id, [tok], False, None, None, req.num_cached_tokens,
                                              None if lp is None else [lp], plp))
+        for rows in (beam_rows or {}).values():
+            sampled += len(rows)
+            any_finished |= self._beam_step(rows, now, outputs)
         counts.generation += sampled
         if out.errors:
             for rid, reason in out.errors.items():
-                req = self.requests.get(rid)
+                req = self.requests.get(rid) or self.beam_owner.get(rid)
+                if req is not None and req.finished:
+                    continue
                 if req is not None:
                     req.stop_reason = reason
                     self._finish(req, RequestStatus.FINISHED_ERROR, now)
@@ -250,6 +281,64 @@ class EngineCore:
             len(so.preempted_req_ids), swapped, so.num_swapped_out, len(so.blocks_to_swap_out),
             len(so.blocks_to_swap_in), len(so.blocks_to_copy)))
         return outputs
+
+    def _beam_step(self, rows: list, now: float, outputs: list[EngineCoreOutput]) -> bool:
+        """Apply one step of a beam group (`rows`: its beams' (sequence, drawn token, logprobs), or its own prompt
+        row): choose the next beams (engine/beam_search.py), give each its parent's blocks by reference, and end
+        the group with its best beams after max_tokens steps; whether it ended."""
+        first = rows[0][0]
+        group = first.group or first
+        bp = group.beam_params
+        if any(lp is None for _, _, lp in rows):
+            raise RuntimeError(f"beam search {group.request_id!r}: the executor returned no logprobs for its beams")
+        if group.beams is None:  # its prompt's row: the first step of its beams
+            group.num_pending -= 1
+            parents, parent_ids = [Beam([], [], 0.0)], [group.request_id]
+        else:
+            parents, parent_ids = [s.beam for s, _, _ in rows], [s.request_id for s, _, _ in rows]
+        running, done = step_beams(parents, [(tok, lp) for _, tok, lp in rows], bp.beam_width,
+                                   group.num_prompt_tokens, group.eos_token_id, bp.ignore_eos, bp.length_penalty)
+        group.beams_done.extend(done)
+        slots = group.beams if group.beams is not None else []
+        while len(slots) < len(running):
+            s = Request(f"{group.request_id}#beam{len(slots)}", group.prompt_token_ids, group.sampling_params,
+                        group.arrival_time, group.priority, group.eos_token_id, lora_request=group.lora_request)
+            s.group, s.status, s.replica, s.block_hashes = group, RequestStatus.RUNNING, group.replica, group.block_hashes
+            s.num_cached_tokens, s.first_scheduled_time = group.num_cached_tokens, group.first_scheduled_time
+            self.beam_owner[s.request_id] = group
+            slots.append(s)
+        gone = slots[len(running):]
+        for s in gone:
+            self.beam_owner.pop(s.request_id, None)
+            self.scheduler.finished_req_ids.append(s.request_id)
+        slots = slots[:len(running)]
+        self.block_manager.fork_tables([parent_ids[p] for p, _ in running], [s.request_id for s in slots],
+                                       [*parent_ids, *(s.request_id for s in gone)])
+        for s, (_, beam) in zip(slots, running):
+            s.beam, s.output_token_ids = beam, list(beam.token_ids)
+            s.num_tokens = s.num_computed_tokens = group.num_prompt_tokens + len(beam.token_ids)
+            s.num_computed_tokens -= 1  # its newest token is computed next step
+        group.beams = slots
+        best = running[0][1] if running else max(done, key=lambda b: b.cum_logprob)
+        group.output_token_ids = list(best.token_ids)
+        group.num_tokens = group.num_prompt_tokens + len(best.token_ids)
+        if group.first_token_time is None:
+            group.first_token_time = now
+            self.token_counts.prompt += group.num_prompt_tokens
+            self.token_counts.cached_prompt += max(group.num_cached_tokens, 0)
+        else:
+            self.records.itl.append(now - group.last_token_time)
+        group.last_token_time = now
+        if running and group.num_tokens < group.length_limit:
+            return False
+        final = best_beams([*group.beams_done, *(b for _, b in running)], bp.beam_width, group.num_prompt_tokens,
+                           group.eos_token_id, bp.length_penalty)
+        status = RequestStatus.FINISHED_STOPPED if final[0].finish_reason == "stop" else RequestStatus.FINISHED_LENGTH
+        self._finish(group, status, now)
+        outputs.append(EngineCoreOutput(group.request_id, [], True, status.finish_reason, None, group.num_cached_tokens,
+                                        timing=times(group), beams=[(b.token_ids, b.logprobs, b.cum_logprob,
+                                                                     b.finish_reason) for b in final]))
+        return True
 
     def _finish_pooled(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float,
                        outputs: list[EngineCoreOutput]) -> bool:

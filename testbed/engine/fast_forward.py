@@ -11,7 +11,7 @@ request's last token ends it through the core's own `_finish`, as `update`'s sto
 stretch goes on with the others while nobody can be admitted. Requests are brought up to date (counters,
 output tokens, last token time) when they finish and when the stretch ends.
 
-Preconditions (0 steps are taken otherwise): no step in flight, no pooling request, no swapped-out request, every running request
+Preconditions (0 steps are taken otherwise): no step in flight, no pooling request, no beam search, no swapped-out request, every running request
 decodes (one token to compute, nothing pending, no stop tokens, its prompt done), the whole batch fits the
 token budget, and the waiting queue is empty or cannot be admitted from (`max_num_seqs` reached or no token
 budget left). A stretch stops before the step whose block allocations the free pool cannot cover (stepping
@@ -60,7 +60,7 @@ def decode_batch(core: EngineCore) -> tuple[list[int], list[int], list[list[int]
     sched = core.scheduler
     running = sched.running
     b = len(running)
-    if not b or core.num_pooling or sched.swapped or b > sched.max_num_batched_tokens or _admits(core, b):
+    if not b or core.num_pooling or core.num_beam_groups or sched.swapped or b > sched.max_num_batched_tokens or _admits(core, b):
         return None
     req_blocks = core.block_manager.req_blocks
     computed, last, tables = [], [], []

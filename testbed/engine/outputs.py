@@ -119,6 +119,9 @@ class EngineCoreOutput:
     prompt_logprobs: list | None = None  # with the first token: logprobs of prompt tokens 1.. (SamplingParams.prompt_logprobs)
     pooling_output: list[float] | None = None  # a pooling request's pooled hidden states (finished with it)
     timing: tuple | None = None  # finished: (first scheduled, first token, last token, finished), the core's times
+    # a finished beam search: its best beams, best first, as (generated token ids, per token {token id: logprob}
+    # of the candidates it was chosen among, cumulative logprob, finish reason)
+    beams: list[tuple[list[int], list[dict[int, float]], float, str]] | None = None
 
 
 def check_stop(req: Request, token: int) -> RequestStatus | None:

@@ -396,6 +396,43 @@ def truncate_prompt(ids: Sequence[int], truncate_prompt_tokens: int | None, max_
     return ids[-k:]
 
 
+@dataclass
+class BeamSearchParams:
+    """A beam search, with vLLM's names (vLLM V1's `LLM.beam_search` and the OpenAI server's `use_beam_search`):
+    `beam_width` beams, each step extended by the top 2 x beam_width tokens of every beam (and a token drawn at
+    `temperature` when it is above 0), of which the best `beam_width` by cumulative logprob / length **
+    `length_penalty` go on; a beam that draws EOS (unless `ignore_eos`) is complete. After `max_tokens` steps the
+    best `beam_width` of the complete and running beams are the result. 2 x beam_width is bounded by MAX_LOGPROBS
+    (the candidates are a step's top logprobs), so beam_width is at most 10."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not _int_in(self.beam_width, 1, MAX_LOGPROBS // 2):
+            raise InvalidParam("beam_width", f"must be an integer in [1, {MAX_LOGPROBS // 2}] (each step reads the top "
+                                             f"2 x beam_width logprobs, at most {MAX_LOGPROBS}), got {self.beam_width!r}")
+        if not _int_in(self.max_tokens, 1, INT64_MAX):
+            raise InvalidParam("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParam(name, f"must be a boolean, got {getattr(self, name)!r}")
+        t = self.temperature
+        if not (_number(t) and 0 <= t < math.inf):
+            raise InvalidParam("temperature", f"must be a finite number >= 0, got {t!r}")
+        if not (_number(self.length_penalty) and math.isfinite(self.length_penalty)):
+            raise InvalidParam("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+
+    def sampling_params(self) -> SamplingParams:
+        """What each beam's row samples with: one token per step, the top 2 x beam_width logprobs with it."""
+        return SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, temperature=self.temperature,
+                              logprobs=2 * self.beam_width)
+
+
 POOLING_TYPES = ("LAST", "MEAN")
 
 

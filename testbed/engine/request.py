@@ -60,7 +60,7 @@ class Request:
         "status", "stop_reason", "num_preemptions", "block_hashes", "first_scheduled_time",
         "first_token_time", "last_token_time", "finish_time", "replica", "max_tokens", "logprobs",
         "num_tokens", "length_limit", "token_stops", "num_pending", "prompt_logprobs", "structured",
-        "pooling_params", "lora_request",
+        "pooling_params", "lora_request", "beam_params", "beams", "beams_done", "beam", "group",
     )
 
     def __init__(
@@ -73,7 +73,10 @@ class Request:
         eos_token_id: int | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request=None,
+        beam_params=None,
     ) -> None:
+        """`beam_params` (engine.params.BeamSearchParams): a beam search; `sampling_params` are then its beams'
+        (BeamSearchParams.sampling_params)."""
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: the prompt is empty; give at least one token")
         if (sampling_params is None) == (pooling_params is None):
@@ -83,6 +86,13 @@ class Request:
         # its unset fields take the defaults (LAST, normalised) unless the caller resolved them from a pooler config
         self.pooling_params = None if pooling_params is None else pooling_params.resolve()
         self.lora_request = lora_request  # engine.lora.LoRARequest or None (the base model)
+        # beam search (engine/beam_search.py): the group's parameters, its running beams (sequences of their own,
+        # made once its prompt is computed) and its complete ones; a beam's state and its group
+        self.beam_params = beam_params
+        self.beams: list[Request] | None = None
+        self.beams_done: list = []
+        self.beam = None
+        self.group: Request | None = None
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.num_prompt_tokens = len(prompt_token_ids)

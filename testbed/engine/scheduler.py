@@ -83,6 +83,7 @@ class Scheduler:
         self.num_swapped_out_blocks = 0  # cumulative KV blocks copied to the CPU pool
         self.num_swapped_in_blocks = 0   # and back
         self.num_swap_preemptions = 0    # preemptions that swapped (the others recomputed)
+        self.beam_extra = 0  # sequences of the running beam groups beyond one each (max_num_seqs counts every beam)
         self.finished_req_ids: list[str] = []
         self.num_preemptions = 0
         self.num_structured = 0  # live requests carrying a grammar: while 0, steps do not count them
@@ -112,8 +113,15 @@ class Scheduler:
         return (lr is not None and lr.lora_int_id not in self.running_loras
                 and len(self.running_loras) >= self.config.max_loras)
 
+    def _seats(self, req: Request) -> bool:
+        """Whether `req` (beam_width sequences for a beam search) fits max_num_seqs next to the running ones."""
+        width = req.beam_params.beam_width if req.beam_params is not None else 1
+        return len(self.running) + self.beam_extra + width <= self.max_num_seqs
+
     def _admit(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
+        if req.beam_params is not None:
+            self.beam_extra += req.beam_params.beam_width - 1
         if req.lora_request is not None:
             self._lora_change(req, 1)
         if self.fcfs:
@@ -128,12 +136,16 @@ class Scheduler:
         victim = self.running.pop()
         if victim.lora_request is not None:
             self._lora_change(victim, -1)
+        if victim.beam_params is not None:
+            self.beam_extra -= victim.beam_params.beam_width - 1
+        # a beam group is one unit: its beams' blocks (shared ones once) or its prompt's, while it computes that
+        ids = [s.request_id for s in victim.beams] if victim.beams is not None else [victim.request_id]
         victim.num_preemptions += 1
         self.num_preemptions += 1
         so.preempted_req_ids.append(victim.request_id)
         bm = self.block_manager
-        if self.swap and bm.can_swap_out((victim.request_id,)):
-            pairs = bm.swap_out((victim.request_id,))
+        if self.swap and bm.can_swap_out(ids):
+            pairs = bm.swap_out(ids)
             so.blocks_to_swap_out.extend(pairs)
             so.num_swapped_out += 1
             self.num_swapped_out_blocks += len(pairs)
@@ -141,11 +153,41 @@ class Scheduler:
             victim.status = RequestStatus.SWAPPED
             self.swapped.appendleft(victim)
             return victim
-        bm.free(victim.request_id)
+        for rid in ids:
+            bm.free(rid)
+        if victim.beams is not None:  # a beam search recomputes from its prompt: its beams start again
+            self.finished_req_ids.extend(ids)
+            victim.beams, victim.beams_done = None, []
+            del victim.output_token_ids[:]
+            victim.num_tokens = victim.num_prompt_tokens
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         self.waiting.push(victim, front=True)
         return victim
+
+    def _schedule_beams(self, so: SchedulerOutput, group: Request, budget: int) -> int | None:
+        """Schedule every beam of a beam group past its prompt (one token each), with the copies its shared
+        blocks need, preempting from the back of the queue until they fit; the tokens it takes, or None when it
+        cannot run this step (the budget is short, or it was the victim itself)."""
+        seqs = group.beams
+        n = sum(s.num_tokens - s.num_computed_tokens for s in seqs)
+        if n > budget:
+            return None
+        bm = self.block_manager
+        while (copies := bm.append_beam_slots(seqs)) is None:
+            if self._preempt_last(so) is group:
+                return None
+        so.blocks_to_copy.extend(copies)
+        for s in seqs:  # each computes its newest token: a decode
+            c = s.num_computed_tokens
+            so.requests.append(s); so.num_new_tokens.append(1); so.num_computed_before.append(c)
+            so.block_ids.append(bm.req_blocks[s.request_id])
+            s.num_computed_tokens = c + 1
+            so.num_decode_tokens += 1
+            so.sum_context_tokens += c + 1
+            so.sum_attn_pairs += c + 1
+            so.max_context_tokens = max(so.max_context_tokens, c + 1)
+        return n
 
     def _swap_in(self, so: SchedulerOutput, budget: int) -> bool:
         """Bring the head of the swapped queue back to the end of the running queue if its blocks and the slots
@@ -162,10 +204,16 @@ class Scheduler:
                 return False
             n = budget
         bm = self.block_manager
-        rid = (req.request_id,)
-        have = bm.swap_in_blocks(rid)
-        if have + max(0, bm.blocks_needed(req.num_computed_tokens + n) - have) > bm.num_free_blocks:
-            return False
+        if req.beams is not None:  # a beam group: every beam, each may need a block (new or copied on write)
+            rid = tuple(s.request_id for s in req.beams)
+            n = len(rid)
+            if n > budget or bm.swap_in_blocks(rid) + n > bm.num_free_blocks:
+                return False
+        else:
+            rid = (req.request_id,)
+            have = bm.swap_in_blocks(rid)
+            if have + max(0, bm.blocks_needed(req.num_computed_tokens + n) - have) > bm.num_free_blocks:
+                return False
         pairs = bm.swap_in(rid)
         so.blocks_to_swap_in.extend(pairs)
         self.num_swapped_in_blocks += len(pairs)
@@ -192,6 +240,13 @@ class Scheduler:
         while True:  # the running queue, then each request swapped back in (to its end) in turn
             while i < len(running) and budget > 0:
                 req = running[i]
+                if req.beams is not None:  # a beam group past its prompt: all its beams or none
+                    used = self._schedule_beams(so, req, budget)
+                    if used is None:
+                        break
+                    budget -= used
+                    i += 1
+                    continue
                 computed = req.num_computed_tokens
                 known = req.num_tokens + req.num_pending
                 n = known - computed
@@ -233,7 +288,7 @@ class Scheduler:
                 pairs += n * computed + n * (n + 1) // 2
                 req.num_computed_tokens = computed + n
             if (i < len(running) or budget <= 0 or not self.swapped or so.preempted_req_ids or stalled
-                    or len(running) >= self.max_num_seqs or not self._swap_in(so, budget)):
+                    or not self._seats(self.swapped[0]) or not self._swap_in(so, budget)):
                 break
             running = self.running
 
@@ -242,6 +297,8 @@ class Scheduler:
             skipped: list[Request] = []  # waiting requests passed over for their adapter (LoRA)
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting.peek()
+                if not self._seats(req):
+                    break
                 if req.num_pending:
                     break  # preempted with a token in flight: resumes once that token has landed
                 if self.lora is not None and self._lora_blocked(req):
@@ -277,10 +334,10 @@ class Scheduler:
 
         so.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         so.num_prefill_tokens = prefill
-        so.num_decode_tokens = decode
-        so.sum_context_tokens = ctx
-        so.sum_attn_pairs = pairs
-        so.max_context_tokens = maxc
+        so.num_decode_tokens += decode  # beam rows are counted in as they are scheduled
+        so.sum_context_tokens += ctx
+        so.sum_attn_pairs += pairs
+        so.max_context_tokens = max(so.max_context_tokens, maxc)
         if self.lora is not None:
             self._assign_slots(so)
         if self.num_structured:
@@ -302,10 +359,15 @@ class Scheduler:
             self._lora_change(req, -1)
         elif req.status == RequestStatus.SWAPPED:
             self.swapped.remove(req)
+        if req.status == RequestStatus.RUNNING and req.beam_params is not None:
+            self.beam_extra -= req.beam_params.beam_width - 1
         req.status = status
         self.num_structured -= req.structured
         self.block_manager.free(req.request_id)
         self.finished_req_ids.append(req.request_id)
+        for s in req.beams or ():
+            self.block_manager.free(s.request_id)
+            self.finished_req_ids.append(s.request_id)
 
     def drop_finished(self) -> None:
         self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]

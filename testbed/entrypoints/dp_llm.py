@@ -65,12 +65,13 @@ class DPEngine:
         self.t0 = time.time()
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sp: SamplingParams | PoolingParams,
-                    arrival_time: float, priority: int = 0, lora_request=None) -> None:
+                    arrival_time: float, priority: int = 0, lora_request=None, beam_params=None) -> None:
         """Send one request (resolved PoolingParams: an embedding) to the coordinator; a rejection comes back
         from `step` as a finished output."""
         sent = time.time()
         ids, arrival = [int(t) for t in prompt_token_ids], self.t0 + arrival_time
-        params = {"pooling_params" if isinstance(sp, PoolingParams) else "sampling_params": sp}
+        params = {"pooling_params" if isinstance(sp, PoolingParams) else "sampling_params": sp,
+                  "beam_params": beam_params}
         self.client.add(request_id, ids, arrival, stream=self.stream, priority=priority, lora_request=lora_request,
                         **params)
         self.sent[request_id] = sent
@@ -100,7 +101,8 @@ class DPEngine:
         except EngineDeadError as e:
             raise RuntimeError(str(e)) from None
         return [EngineCoreOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
-                              o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output, o.timing) for o in outs]
+                              o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output, o.timing,
+                              o.beams) for o in outs]
 
     def shutdown(self) -> None:
         """Stop the coordinator and the replicas (their logs are complete afterwards)."""

@@ -18,11 +18,11 @@ from testbed.engine.config import PoolerConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.lora import LoRARequest
 from testbed.engine.outputs import EngineCoreOutput
-from testbed.engine.params import (InvalidParam, PoolingParams, SamplingParams, check_priority, check_token_ids,
-                                   child_seed, truncate_prompt)
+from testbed.engine.params import (BeamSearchParams, InvalidParam, PoolingParams, SamplingParams, check_priority,
+                                   check_token_ids, child_seed, truncate_prompt)
 from testbed.engine.request import Request
-from testbed.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics,
-                             RequestOutput, logprob_dict, prompt_logprob_dicts)
+from testbed.outputs import (BeamSearchOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                             RequestMetrics, RequestOutput, beam_sequences, logprob_dict, prompt_logprob_dicts)
 from testbed.engine.stepper import EngineStepper
 
 
@@ -156,7 +156,8 @@ class LLM:
         else:
             self.engine.abort(request_id, self.now())
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | PoolingParams,
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams | PoolingParams | BeamSearchParams,
                     arrival_time: float | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> EngineCoreOutput | None:
         """Queue one request (PoolingParams: an embedding of the prompt, pooled as this LLM's pooler config says
@@ -169,6 +170,9 @@ class LLM:
         vocab = self.vocab_size
         if lora_request is not None:
             self._check_lora(request_id, lora_request)
+        beam = None
+        if isinstance(params, BeamSearchParams):  # its beams sample with these
+            beam, params = params, params.sampling_params()
         pooling = isinstance(params, PoolingParams)
         try:
             if pooling:
@@ -191,11 +195,12 @@ class LLM:
                              if e.param == "prompt" else f"request {request_id!r}: {e}") from None
         if self.dp is not None:  # a rejection comes back from step() as a finished output
             return self.dp.add_request(request_id, prompt_token_ids, params,
-                                       self.now() if arrival_time is None else arrival_time, priority, lora_request)
+                                       self.now() if arrival_time is None else arrival_time, priority, lora_request,
+                                       beam)
         req = Request(request_id, prompt_token_ids, None if pooling else params,
                       self.now() if arrival_time is None else arrival_time, priority=priority,
                       eos_token_id=self.eos_token_id, pooling_params=params if pooling else None,
-                      lora_request=lora_request)
+                      lora_request=lora_request, beam_params=beam)
         return self.engine.add_request(req, self.now())
 
     def _check_lora(self, request_id: str, lora: LoRARequest) -> None:
@@ -261,6 +266,49 @@ class LLM:
             self._abort_all(seqs)
             raise
         return results
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request: LoRARequest | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search, one BeamSearchOutput per prompt (a string, a token-id list, or a dict with
+        "prompt" or "prompt_token_ids", as vLLM's TextPrompt / TokensPrompt), in input order, its sequences best
+        first. Each prompt is one beam group in the engine: its beams share their prompt's blocks and copy a
+        shared block on write (engine/beam_search.py)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids_of: dict[str, list[int]] = {}
+        results: dict[str, list] = {}
+        try:
+            for prompt in prompts:
+                _, ids = self._tokenize(prompt)
+                rid = str(self._next_id)
+                self._next_id += 1
+                ids_of[rid] = ids
+                rejected = self.add_request(rid, ids, params, lora_request=lora_request)
+                if rejected is not None:
+                    raise ValueError(f"prompt {len(ids_of) - 1}: {rejected.stop_reason}")
+            bar = progress_bar(use_tqdm, len(ids_of), "Beam search")
+            while len(results) < len(ids_of):
+                for o in self.step():
+                    if o.request_id not in ids_of or not o.finished:
+                        continue
+                    if o.beams is None:
+                        raise RuntimeError(f"beam search of prompt {list(ids_of).index(o.request_id)} ended with "
+                                           f"{o.finish_reason}: {o.stop_reason}")
+                    results[o.request_id] = o.beams
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.close()
+        except BaseException:
+            self._abort_all([rid for rid in ids_of if rid not in results])
+            raise
+        tok = self.tokenizer
+        decode = (lambda t: tok.decode(t)) if tok is not None else None
+        text = (lambda t: tok.decode([t])) if tok is not None else None
+        return [BeamSearchOutput(beam_sequences(ids_of[rid], results[rid], 2 * params.beam_width, decode, text))
+                for rid in ids_of]
 
     def _truncate(self, ids: list[int], params: SamplingParams | PoolingParams, index: int) -> list[int]:
         """The prompt as `params.truncate_prompt_tokens` keeps it (ValueError naming prompt `index`)."""

@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from testbed.engine.lora import LoRARequest
-from testbed.engine.params import PoolingParams, SamplingParams
+from testbed.engine.params import BeamSearchParams, PoolingParams, SamplingParams
 from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames, deployment_secret
 from testbed.runtime.engine_proc import EngineProcConfig
@@ -220,7 +220,7 @@ class EngineClient:
     def add(self, request_id: str, prompt_token_ids: list[int], arrival_time: float,
             stream: RequestStream | None = None, *, sampling_params: SamplingParams | None = None,
             pooling_params: PoolingParams | None = None, priority: int = 0,
-            lora_request: LoRARequest | None = None) -> RequestStream:
+            lora_request: LoRARequest | None = None, beam_params: BeamSearchParams | None = None) -> RequestStream:
         """Send one request (validated parameters: generation or, resolved, pooling; the LoRA adapter it runs
         with) to the core; its outputs arrive on `stream` (several requests may share one, e.g. the n choices of
         one HTTP request), a new one if None."""
@@ -230,7 +230,8 @@ class EngineClient:
             raise EngineDeadError(str(self.refusal), self.refusal.code)
         # encode first: a request that cannot be sent must leave no stream and no sequence number behind
         data = self.frames.encode(P.AddRequest(self.sent_seq + 1, request_id, prompt_token_ids, arrival_time,
-                                               sampling_params, pooling_params, priority, lora_request))
+                                               sampling_params, pooling_params, priority, lora_request,
+                                               beam_params))
         if not self._send_data(data):
             raise EngineDeadError(f"engine core is dead: {self.dead_reason}")
         self.sent_seq += 1

@@ -82,7 +82,7 @@ def add_to_core(core: EngineCore, m: P.AddRequest, eos: int | None, vocab_size: 
         sp = None if m.sampling_params is None else m.sampling_params.verify(vocab_size)
         check_token_ids(m.prompt_token_ids, vocab_size)
         req = Request(m.request_id, m.prompt_token_ids, sp, m.arrival_time, m.priority, eos, m.pooling_params,
-                      lora_request=m.lora_request)
+                      lora_request=m.lora_request, beam_params=m.beam_params)
         return core.add_request(req, now)
     except (ValueError, TypeError) as e:
         return EngineCoreOutput(m.request_id, [], True, "rejected", str(e))
@@ -113,7 +113,7 @@ def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
 
 def to_wire(o: EngineCoreOutput) -> P.CoreOutput:
     return P.CoreOutput(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason,
-                        o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output, o.timing)
+                        o.num_cached_tokens, o.new_logprobs, o.prompt_logprobs, o.pooling_output, o.timing, o.beams)
 
 
 class EngineProc:

@@ -12,7 +12,7 @@ from typing import Union
 import msgspec
 
 from testbed.engine.lora import LoRARequest
-from testbed.engine.params import PoolingParams, SamplingParams
+from testbed.engine.params import BeamSearchParams, PoolingParams, SamplingParams
 
 # (logprob of the chosen token, its rank, [(token id, logprob), ...] top-N), as ModelRunnerOutput carries them
 TokenLogprob = tuple[float, int, list[tuple[int, float]]]
@@ -36,6 +36,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     pooling_params: PoolingParams | None = None
     priority: int = 0
     lora_request: LoRARequest | None = None
+    beam_params: BeamSearchParams | None = None  # a beam search (sampling_params are then its beams')
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
@@ -71,6 +72,8 @@ class CoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first token: prompt tokens 1..
     pooling_output: list[float] | None = None
     timing: tuple[float | None, float | None, float | None, float] | None = None  # set when finished
+    # a finished beam search's best beams: (token ids, per token {token id: logprob}, cumulative logprob, reason)
+    beams: list[tuple[list[int], list[dict[int, float]], float, str]] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
