@@ -7,7 +7,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 DP_POLICIES = ("round_robin", "least_loaded", "kv_aware", "prefix_affinity", "lora_affinity")
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank values
-DEFAULT_DP_ROUTING_DELAY = 7e-4  # s, arrival -> admission at a replica, measured (README: Data parallelism)
+DEFAULT_DP_ROUTING_DELAY = 7e-4  # s, arrival -> admission at a replica, measured (docs/data-parallel.md)
 
 
 class ConfigError(ValueError):
@@ -28,7 +28,7 @@ class EngineConfig:
     stats publications of a replica to the DP coordinator (0 = after every step that changed its
     queues; real and sim). `dp_routing_delay` is the simulator's time from a request's arrival to its
     admission by the replica (API server -> coordinator -> replica; the default was measured, see
-    the README); half of it passes before the coordinator decides, and a stats publication takes
+    docs/data-parallel.md); half of it passes before the coordinator decides, and a stats publication takes
     the other half (one hop) to reach the coordinator.
 
     Preemption (vLLM V0's flags): `preemption_mode` "recompute" frees a preempted request's blocks and recomputes

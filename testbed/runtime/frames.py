@@ -10,7 +10,7 @@ Invariant: `decode` never raises, so no frame from the network can end a process
 
 What this does not do: encrypt (the traffic is readable by anyone on the path) or stop a replay of a
 captured frame; multi-node deployments keep --data-parallel-rpc-port and the API server's output port
-on a private network (README "Data parallelism").
+on a private network (docs/data-parallel.md).
 """
 from __future__ import annotations
 

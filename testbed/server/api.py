@@ -147,7 +147,7 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {R.PROMETHEUS_TEXT: {"schema": {"type": "string"}}},
-                              "description": "Prometheus text exposition (README: Metrics)"}})
+                              "description": "Prometheus text exposition (docs/metrics.md)"}})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

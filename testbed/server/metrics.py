@@ -10,7 +10,7 @@ for requests that failed before any replica took them); cache_config_info carrie
 - latency and per-request histograms are observed here, in the API server, as outputs reach it (as vLLM's
   front-end does): TTFT and E2E from the request's arrival, ITL between outputs, queue time from arrival to the
   engine's first scheduling, prefill / decode / inference time from that scheduling to the first / last token.
-The README's Metrics section lists the families and those of vLLM's that are not exposed (and why).
+docs/metrics.md lists the families and those of vLLM's that are not exposed (and why).
 """
 from __future__ import annotations
 

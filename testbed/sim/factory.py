@@ -36,7 +36,7 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
         if path is None:
             warn(f"no profile ships for {model.name} on {gpu.name} at TP={tp} (shipped: "
                  f"{', '.join(shipped_profiles()) or 'none'}); using the roofline model, whose errors are much larger "
-                 "(README: Cost models); measure one with `testbed profile`")
+                 "(docs/cost-models.md); measure one with `testbed profile`")
             spec = "roofline"
         else:
             spec = str(path)
