@@ -129,3 +129,6 @@ def test_simulation_replays_a_real_lora_runs_batches_exactly(tmp_path, capsys):
     sr = pd.read_parquet(sim / "requests.parquet").sort_values("request_id", ignore_index=True)
     pd.testing.assert_frame_equal(rr[REQUEST_OUTCOMES], sr[REQUEST_OUTCOMES])
     assert (rr["finish_reason"] == "length").all()
+    assert rr["lora"].fillna("-").tolist() == sr["lora"].fillna("-").tolist() == ["a", "b", "-", "a", "b", "-", "b"]
+    as_trace = {r.id: r.lora for r in load_trace(real)}  # a run read as a trace keeps each request's adapter
+    assert [as_trace[f"r{i}"] for i in range(7)] == ["a", "b", None, "a", "b", None, "b"]

@@ -42,18 +42,22 @@ class Recorder:
     itl: list[float] = field(default_factory=list)
     routes: list[tuple] = field(default_factory=list)        # ROUTE_COLUMNS rows (DP runs)
     publications: list[tuple] = field(default_factory=list)  # PUBLICATION_COLUMNS rows (DP runs)
+    loras: dict[str, str] = field(default_factory=dict)  # request id -> its LoRA adapter's name (LoRA runs only)
 
     def record_request(self, req: Request) -> None:
         self.requests.append((
             req.request_id, req.replica, req.priority, req.arrival_time, req.first_scheduled_time,
             req.first_token_time, req.finish_time, req.num_prompt_tokens, len(req.output_token_ids),
             max(req.num_cached_tokens, 0), req.num_preemptions, req.status.finish_reason))
+        if req.lora_request is not None:
+            self.loras[req.request_id] = req.lora_request.lora_name
 
     def extend(self, other: "Recorder") -> None:
         self.requests.extend(other.requests)
         self.steps.extend(other.steps)
         self.itl.extend(other.itl)
         self.routes.extend(other.routes)
+        self.loras.update(other.loras)
         self.publications.extend(other.publications)
 
     def request_columns(self) -> dict[str, list]:

@@ -1,7 +1,7 @@
 """Run directories: the one on-disk schema both modes write and the dashboard reads.
 
 <dir>/manifest.json  mode, config, trace, model, hardware, git sha, versions, seed, wall time
-<dir>/requests.parquet  one row per request (REQUEST_COLUMNS)
+<dir>/requests.parquet  one row per request (REQUEST_COLUMNS, and `lora`, the adapter's name, in runs with LoRA)
 <dir>/steps.parquet     one row per engine step (STEP_COLUMNS)
 <dir>/summary.json      headline metrics (testbed.engine.metrics.summarize); deterministic for a seed
 Data-parallel runs add the coordinator's record (what `--cost-model recorded:` replays):
@@ -119,8 +119,10 @@ def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: d
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         req_cols, step_cols = columns or (records.request_columns(), records.step_columns())
-        pq.write_table(pa.table({c: column(req_cols[c], _REQ_TYPES[c]) for c in REQUEST_COLUMNS}),
-                       tmp / "requests.parquet")
+        table = {c: column(req_cols[c], _REQ_TYPES[c]) for c in REQUEST_COLUMNS}
+        if records.loras:  # a run with LoRA adapters: each request's adapter by name (null: the base model)
+            table["lora"] = pa.array([records.loras.get(r) for r in req_cols["request_id"]], pa.string())
+        pq.write_table(pa.table(table), tmp / "requests.parquet")
         pq.write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c]) for c in STEP_COLUMNS}),
                        tmp / "steps.parquet")
         for name, (attr, columns, floats) in _DP_TABLES.items():
@@ -188,6 +190,10 @@ class Run:
         """'routes' or 'publications' of a data-parallel run; None when the run has none."""
         path = self.path / f"{name}.parquet"
         return _read_frame(path) if path.is_file() else None
+
+    def request_column_names(self) -> list[str]:
+        """The columns requests.parquet holds (`lora` only in runs with LoRA adapters)."""
+        return pq.ParquetFile(self.path / "requests.parquet").schema_arrow.names
 
     def request_column(self, name: str) -> list:
         """One column of requests.parquet as a list (read with pyarrow alone, no pandas)."""

@@ -326,8 +326,10 @@ def _load_run(path: Path) -> list[TraceRequest]:
     the run's reason was (a data-parallel run routed it first); one that failed or was aborted before its first
     token has no output length to reproduce and is left out."""
     from testbed.runs.rundir import RunDirError, read_run
-    req = read_run(path).requests(columns=["request_id", "arrival", "input_tokens", "output_tokens", "priority",
-                                           "finish_reason"])
+    run = read_run(path)
+    lora = ["lora"] if "lora" in run.request_column_names() else []  # runs with LoRA adapters have it
+    req = run.requests(columns=["request_id", "arrival", "input_tokens", "output_tokens", "priority",
+                                "finish_reason", *lora])
     rejected = req["finish_reason"] == "rejected"
     req = req[((req["output_tokens"] >= 1) | rejected) & (req["input_tokens"] >= 1)].copy()
     req.loc[rejected, "output_tokens"] = REJECTED_OUTPUT_TOKENS
@@ -337,7 +339,13 @@ def _load_run(path: Path) -> list[TraceRequest]:
     if not len(req):
         raise RunDirError(f"{path}: no request of this run produced output, so there is no workload to reproduce")
     return [TraceRequest(str(r.request_id), float(r.arrival), int(r.input_tokens), int(r.output_tokens),
-                         priority=int(r.priority)) for r in req.itertuples(index=False)]
+                         priority=int(r.priority), lora=_adapter(getattr(r, "lora", None)))
+            for r in req.itertuples(index=False)]
+
+
+def _adapter(name) -> str | None:
+    """A run's `lora` cell: the adapter's name, or None (a null cell, NaN in pandas)."""
+    return name if isinstance(name, str) else None
 
 
 def write_jsonl(requests: list[TraceRequest], path) -> None:
