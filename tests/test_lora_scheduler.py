@@ -61,7 +61,7 @@ def test_adapter_over_the_limit_waits_and_later_ones_pass():
     for r in (a, b, base):
         engine.add_request(r, 0.0)
     so = engine.schedule(0.0)
-    assert [r.request_id for r in so.requests] == ["a", "base"]
+    assert [r.request_id for r in so.requests] == ["a", "base"] and engine.scheduler.num_lora_deferred == 1
     assert so.lora_slots == [0, -1] and so.num_loras == 1 and so.num_lora_tokens == 8
     assert [(ld.slot, ld.lora.lora_int_id, ld.from_disk) for ld in so.lora_loads] == [(0, 1, True)]
 

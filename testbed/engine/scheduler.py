@@ -89,6 +89,7 @@ class Scheduler:
         self.num_structured = 0  # live requests carrying a grammar: while 0, steps do not count them
         self.lora = AdapterSlots(config.max_loras, config.max_cpu_loras) if config.enable_lora else None
         self.running_loras: dict[int, int] = {}  # adapter id -> running requests that use it
+        self.num_lora_deferred = 0  # waiting requests the last step passed over for their adapter
 
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -331,6 +332,7 @@ class Scheduler:
                 req.num_computed_tokens = hit + n
             for req in reversed(skipped):  # back where they were, ahead of everyone not yet considered
                 waiting.push(req, front=True)
+            self.num_lora_deferred = len(skipped)
 
         so.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         so.num_prefill_tokens = prefill

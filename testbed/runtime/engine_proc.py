@@ -108,7 +108,8 @@ def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
     return P.SchedulerStats(sched.num_running, sched.num_waiting, bm.usage, sched.num_preemptions,
                             bm.prefix_queries, bm.prefix_hits, acked_seq, tokens.prompt, tokens.cached_prompt,
                             tokens.generation, sched.num_swapped, bm.cpu_usage, sched.num_swap_preemptions,
-                            sched.num_swapped_out_blocks, sched.num_swapped_in_blocks)
+                            sched.num_swapped_out_blocks, sched.num_swapped_in_blocks,
+                            min(sched.num_lora_deferred, sched.num_waiting))
 
 
 def to_wire(o: EngineCoreOutput) -> P.CoreOutput:

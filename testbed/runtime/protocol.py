@@ -95,6 +95,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_swap_preemptions: int = 0
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
+    num_deferred: int = 0  # waiting requests the last step passed over for their LoRA adapter (max_loras)
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):

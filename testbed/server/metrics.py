@@ -22,7 +22,7 @@ from testbed.runtime.protocol import SchedulerStats
 
 PREFIXES = ("vllm", "testbed")
 FINISH_REASONS = ("stop", "length", "abort", "error")
-WAITING_REASONS = ("capacity", "deferred")  # deferred: LoRA budget, KV transfer (none here)
+WAITING_REASONS = ("capacity", "deferred")  # deferred: passed over for the LoRA budget (max_loras)
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 UNROUTED = "unrouted"
@@ -43,7 +43,8 @@ FAMILIES: dict[str, tuple] = {
     "num_requests_waiting": ("gauge", "num_requests_waiting", "Number of requests waiting to be processed."),
     "waiting_by_reason": ("gauge", "num_requests_waiting_by_reason",
                           "Number of waiting requests by reason: 'capacity' = waiting for scheduling capacity; "
-                          "'deferred' = deferred by transient constraints (none in this engine).", "reason"),
+                          "'deferred' = deferred by transient constraints (here: a LoRA adapter over --max-loras).",
+                          "reason"),
     "engine_sleep_state": ("gauge", "engine_sleep_state", "Engine sleep state; awake = 1 means the engine is awake "
                            "(this engine never sleeps).", "sleep_state"),
     "kv_cache_usage_perc": ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
@@ -150,7 +151,8 @@ class EngineMetrics:
         are observed in iteration_tokens_total)."""
         self.num_requests_running.set(s.num_running)
         self.num_requests_waiting.set(s.num_waiting)
-        self.waiting_by_reason["capacity"].set(s.num_waiting)
+        self.waiting_by_reason["capacity"].set(s.num_waiting - s.num_deferred)
+        self.waiting_by_reason["deferred"].set(s.num_deferred)
         self.kv_cache_usage_perc.set(s.kv_cache_usage)
         self.num_requests_swapped.set(s.num_swapped)
         self.cpu_cache_usage_perc.set(s.cpu_cache_usage)
