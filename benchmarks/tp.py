@@ -112,20 +112,25 @@ def _fit(rows: list[dict], key: str) -> dict:
     return {"latency_s": float(max(lat, 0.0)), "bandwidth": float(1.0 / slope)}
 
 
-def allreduce_bench(hidden: int) -> dict:
+def on_two_ranks(worker, *args):
+    """What `worker(rank, port, *args, queue)` puts on the queue, run on 2 spawned ranks (one GPU each)."""
     port = _free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_ar_worker, args=(r, port, hidden, q)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, port, *args, q)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        res = q.get(timeout=300)
+        return q.get(timeout=300)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def allreduce_bench(hidden: int) -> dict:
+    res = on_two_ranks(_ar_worker, hidden)
     for key in ("nccl_eager_us", "one_shot_graph_us", "two_shot_graph_us"):
         if all(key in r for r in res["rows"]):
             res[f"fit_{key.removesuffix('_us')}"] = _fit(res["rows"], key)

@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
                         "model folder, .gguf file, hub id in the local cache, or a preset with --load-format dummy "
                         "(default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs each replica's model is split over")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages each replica's layers are split into (each on --tensor-parallel-size GPUs; "
+                        "up to this many batches in flight)")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine replicas behind the DP coordinator")
     g.add_argument("--dp-policy", choices=DP_POLICIES, default="least_loaded", help="DP routing policy")
     g.add_argument("--dp-stats-interval", type=float, default=0.0, metavar="SECONDS",
@@ -87,7 +90,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
-        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         dp_policy=args.dp_policy, dp_stats_interval=args.dp_stats_interval, dp_routing_delay=args.dp_routing_delay,
         max_num_waiting=args.max_num_waiting, async_scheduling=args.async_scheduling,
         seed=args.seed, cuda_graph_sizes=args.cuda_graph_sizes, enable_lora=args.enable_lora,

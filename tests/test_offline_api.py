@@ -66,7 +66,7 @@ def test_hub_id_resolves_through_the_local_cache(llm, hub_cache, monkeypatch, tm
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"quantization": "awq"}, "weights load unquantized"),
-    ({"pipeline_parallel_size": 2}, "no pipeline parallelism"),
+    ({"pipeline_parallel_size": 2, "async_scheduling": True}, "already keeps several batches in flight"),
     ({"enable_lora": True, "max_lora_rank": 7}, "--max-lora-rank: must be one of"),
     ({"speculative_config": {"method": "ngram"}}, "no speculative decoding"),
     ({"kv_cache_dtype": "fp8"}, "model's dtype"),

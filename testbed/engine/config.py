@@ -36,6 +36,12 @@ class EngineConfig:
     the request runs again, recomputing only when that pool is full. `num_cpu_blocks` None sizes the pool from
     `swap_space` and the model's block bytes (the executor in real mode, the model spec in simulation).
 
+    Pipeline parallelism (`pipeline_parallel_size` > 1, vLLM's name): the model's layers are split into that
+    many contiguous stages (worker/pipeline.py), each on its own workers, and the engine keeps up to that many
+    batches in flight (vLLM V1's batch queue, engine/stepper.py): a batch is scheduled while earlier ones are
+    still in the pipeline, and no request is in two in-flight batches. It replaces `async_scheduling`, which
+    it excludes. The simulator models the same schedule (sim/pipeline.py).
+
     `cuda_graph_sizes` (vLLM's name): the token counts of the steps real mode captures as CUDA graphs on a
     GPU (decode batches up to max_num_seqs, mixed and prefill steps up to max_num_batched_tokens; None:
     the defaults of testbed/worker/cuda_graphs.py). The simulator ignores it.
@@ -55,6 +61,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     dp_policy: str = "least_loaded"
     dp_stats_interval: float = 0.0
@@ -80,7 +87,7 @@ class EngineConfig:
                 raise ConfigError(f"--{flag.replace('_', '-')}: {msg}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                     "data_parallel_size"):
+                     "pipeline_parallel_size", "data_parallel_size"):
             v = getattr(self, name)
             need(isinstance(v, int) and v >= 1, name, f"must be a positive integer, got {v!r}")
         need(self.block_size & (self.block_size - 1) == 0 and self.block_size <= 256, "block_size",
@@ -94,6 +101,9 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
              f"({self.max_num_batched_tokens}) must be >= --max-num-seqs ({self.max_num_seqs}) so every running "
              "sequence can decode in one step; raise it or lower --max-num-seqs")
+        need(not (self.async_scheduling and self.pipeline_parallel_size > 1), "async_scheduling",
+             f"cannot be combined with --pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism "
+             "already keeps several batches in flight (its batch queue); drop --async-scheduling")
         need(self.policy in SCHEDULING_POLICIES, "policy", f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         need(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
              f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
@@ -128,6 +138,12 @@ class EngineConfig:
             need(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                  f"({self.max_num_batched_tokens}) must be >= --max-model-len ({self.max_model_len}) when chunked "
                  "prefill is off, or a long prompt could never be scheduled")
+
+    @property
+    def max_in_flight(self) -> int:
+        """The most batches the engine keeps in flight: one per pipeline stage (vLLM V1's batch queue), two with
+        async scheduling (the one running and the one scheduled next), else one."""
+        return self.pipeline_parallel_size if self.pipeline_parallel_size > 1 else 1 + self.async_scheduling
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,7 +13,7 @@ from typing import Protocol
 from testbed.engine.beam_search import Beam, best_beams, step_beams
 from testbed.engine.block_manager import BlockManager
 from testbed.engine.config import EngineConfig
-from testbed.engine.metrics import Recorder
+from testbed.engine.metrics import PIPELINE_STEP_COLUMNS, Recorder
 from testbed.engine.outputs import ModelRunnerOutput, EngineCoreOutput, SchedulerOutput, check_stop
 from testbed.engine.request import Request, RequestStatus
 from testbed.engine.scheduler import Scheduler
@@ -91,6 +91,11 @@ class EngineCore:
         self.beam_owner: dict[str, Request] = {}  # live beam sequences' ids -> their beam-search group
         self.num_beam_groups = 0  # live beam searches: while 0, updates look for no beam rows
         self._last_update = float("-inf")
+        # pipeline parallelism: batches scheduled and not yet updated, and batches scheduled so far
+        self.pipelined = config.pipeline_parallel_size > 1
+        self.num_in_flight = self.num_launched = 0
+        if self.pipelined:
+            self.records.step_extra = PIPELINE_STEP_COLUMNS
 
     # ---- admission -----------------------------------------------------------------------------
     def rejection_reason(self, req: Request) -> str | None:
@@ -199,6 +204,10 @@ class EngineCore:
                 self.num_waiting_tokens -= req.num_prompt_tokens
         so.step_state = (now, self.block_manager.num_used_blocks, self.scheduler.num_waiting,
                          self.scheduler.num_running, len(self.scheduler.swapped))
+        if self.pipelined and not so.is_empty:  # the step record's microbatch and in-flight count
+            self.num_in_flight += 1
+            so.step_state += (self.num_launched % self.config.pipeline_parallel_size, self.num_in_flight)
+            self.num_launched += 1
         so.has_pooling = self.num_pooling > 0
         return so
 
@@ -206,7 +215,8 @@ class EngineCore:
         """Apply sampled tokens, run stop checks, finish requests, record the step.
 
         Steps are updated in the order they were scheduled; with async scheduling the next step may
-        already be scheduled (on placeholders) when this one is updated. A token of a request that
+        already be scheduled (on placeholders) when this one is updated, with pipeline parallelism up to
+        pipeline_parallel_size - 1 later batches (of other requests). A token of a request that
         finished meanwhile is dropped; one of a request preempted meanwhile is kept (it was sampled
         from the full context)."""
         outputs: list[EngineCoreOutput] = []
@@ -272,6 +282,9 @@ class EngineCore:
                                                  timing=times(req)))
         if any_finished:
             self.scheduler.drop_finished()
+        if self.pipelined:  # a batch's record spans its whole way through the pipeline, from its scheduling
+            self._update_pipelined(so, now)
+            return outputs
         start, used, waiting, running_n, swapped = so.step_state
         start = max(start, self._last_update)  # overlapped steps: this one ran after the previous one ended
         self._last_update = now
@@ -339,6 +352,20 @@ class EngineCore:
                                         timing=times(group), beams=[(b.token_ids, b.logprobs, b.cum_logprob,
                                                                      b.finish_reason) for b in final]))
         return True
+
+    def _update_pipelined(self, so: SchedulerOutput, now: float) -> None:
+        """A pipeline-parallel batch left the pipeline: its requests may be scheduled again, and its record
+        (start = when it was scheduled, so batches in flight together overlap) ends with its microbatch and
+        the in-flight count at its launch."""
+        for req in so.requests:
+            req.in_flight = False
+        self.num_in_flight -= 1
+        start, used, waiting, running_n, swapped, microbatch, in_flight = so.step_state
+        self.records.steps.append((
+            self.replica, start, now - start, len(so.requests), so.num_prefill_tokens, so.num_decode_tokens,
+            so.sum_context_tokens, so.sum_attn_pairs, used, self.block_manager.num_blocks, waiting, running_n,
+            len(so.preempted_req_ids), swapped, so.num_swapped_out, len(so.blocks_to_swap_out),
+            len(so.blocks_to_swap_in), len(so.blocks_to_copy), microbatch, in_flight))
 
     def _finish_pooled(self, so: SchedulerOutput, out: ModelRunnerOutput, now: float,
                        outputs: list[EngineCoreOutput]) -> bool:

@@ -25,6 +25,9 @@ BASE_STEP_COLUMNS = ("replica", "start", "duration", "num_reqs", "num_prefill_to
 # the CPU pool, back in, and within the GPU. Run directories written before these existed lack them (read as 0).
 BLOCK_STEP_COLUMNS = ("num_swapped", "num_swapped_out", "blocks_swapped_out", "blocks_swapped_in", "blocks_copied")
 STEP_COLUMNS = BASE_STEP_COLUMNS + BLOCK_STEP_COLUMNS
+# Pipeline-parallel runs only (after STEP_COLUMNS): the batch-queue slot a step took (its sequence number modulo
+# pipeline_parallel_size, vLLM's virtual engine) and the batches in flight once it was launched, itself included.
+PIPELINE_STEP_COLUMNS = ("microbatch", "num_in_flight")
 # Data-parallel runs only: the coordinator's decisions and the stats they used. `seq` numbers the
 # coordinator's events (routes and stats receipts share it), so the two tables replay its order.
 ROUTE_COLUMNS = ("seq", "request_id", "replica", "arrival", "sent", "routed", "added")
@@ -38,11 +41,12 @@ class Recorder:
     """Column store of a run's records; appends only, so recording stays O(1) per event."""
 
     requests: list[tuple] = field(default_factory=list)  # rows in REQUEST_COLUMNS order
-    steps: list[tuple] = field(default_factory=list)     # rows in STEP_COLUMNS order
+    steps: list[tuple] = field(default_factory=list)     # rows in STEP_COLUMNS (+ step_extra) order
     itl: list[float] = field(default_factory=list)
     routes: list[tuple] = field(default_factory=list)        # ROUTE_COLUMNS rows (DP runs)
     publications: list[tuple] = field(default_factory=list)  # PUBLICATION_COLUMNS rows (DP runs)
     loras: dict[str, str] = field(default_factory=dict)  # request id -> its LoRA adapter's name (LoRA runs only)
+    step_extra: tuple[str, ...] = ()  # columns after STEP_COLUMNS in every step row (PIPELINE_STEP_COLUMNS)
 
     def record_request(self, req: Request) -> None:
         self.requests.append((
@@ -53,6 +57,7 @@ class Recorder:
             self.loras[req.request_id] = req.lora_request.lora_name
 
     def extend(self, other: "Recorder") -> None:
+        self.step_extra = self.step_extra or other.step_extra
         self.requests.extend(other.requests)
         self.steps.extend(other.steps)
         self.itl.extend(other.itl)
@@ -65,10 +70,11 @@ class Recorder:
 
     def step_columns(self) -> dict[str, np.ndarray]:
         """Step columns as numpy arrays (float64 for times, int64 otherwise)."""
-        n, width = len(self.steps), len(STEP_COLUMNS)
+        names = STEP_COLUMNS + self.step_extra
+        n, width = len(self.steps), len(names)
         arr = np.fromiter(chain.from_iterable(self.steps), dtype=np.float64, count=n * width).reshape(n, width)
         return {c: (arr[:, i] if c in ("start", "duration") else arr[:, i].astype(np.int64))
-                for i, c in enumerate(STEP_COLUMNS)}
+                for i, c in enumerate(names)}
 
 
 def _columns(rows: list[tuple], names: tuple[str, ...]) -> dict[str, list]:

@@ -60,7 +60,7 @@ class Request:
         "status", "stop_reason", "num_preemptions", "block_hashes", "first_scheduled_time",
         "first_token_time", "last_token_time", "finish_time", "replica", "max_tokens", "logprobs",
         "num_tokens", "length_limit", "token_stops", "num_pending", "prompt_logprobs", "structured",
-        "pooling_params", "lora_request", "beam_params", "beams", "beams_done", "beam", "group",
+        "pooling_params", "lora_request", "beam_params", "beams", "beams_done", "beam", "group", "in_flight",
     )
 
     def __init__(
@@ -125,6 +125,7 @@ class Request:
             self.max_tokens = sampling_params.max_tokens if sampling_params.max_tokens is not None else 1 << 62
         self.num_tokens = self.num_prompt_tokens  # prompt + output; kept in step with output_token_ids
         self.num_pending = 0  # sampled tokens (or a pooled output) in flight: scheduled, not yet applied
+        self.in_flight = False  # in a batch still in the pipeline (pipeline parallelism's batch queue only)
         self.length_limit = self.num_prompt_tokens + self.max_tokens  # the core caps it at max_model_len
         self.token_stops = not pooling and bool((eos_token_id is not None and not sampling_params.ignore_eos)
                                                 or sampling_params.stop_token_ids)

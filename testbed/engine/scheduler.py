@@ -10,7 +10,9 @@ its progress reset, back to the front of the waiting queue), or, with `--preempt
 the CPU pool cannot take them). Swapped requests come back (their blocks copied in) before any waiting
 request is admitted, as vLLM V0 does; no swapped or waiting request is admitted in a step that preempted. With a step in flight (async scheduling), a request that its in-flight token
 ends is not scheduled again, and while one such request holds blocks a shortage stops the running
-pass instead of preempting (those blocks come back next step). Invariants: the step's tokens <= max_num_batched_tokens; running requests <=
+pass instead of preempting (those blocks come back next step). With pipeline parallelism's batch queue
+(several batches in flight), a request in a batch still in the pipeline (`in_flight`) is not scheduled again
+until that batch is updated: it is never in two in-flight batches. Invariants: the step's tokens <= max_num_batched_tokens; running requests <=
 max_num_seqs; a scheduled request always has blocks for all its computed + scheduled tokens.
 With LoRA on, the running requests hold at most `max_loras` distinct adapters (vLLM's rule, kept over the
 whole running set so every step holds it too): a waiting request whose adapter would be one too many is
@@ -90,6 +92,7 @@ class Scheduler:
         self.lora = AdapterSlots(config.max_loras, config.max_cpu_loras) if config.enable_lora else None
         self.running_loras: dict[int, int] = {}  # adapter id -> running requests that use it
         self.num_lora_deferred = 0  # waiting requests the last step passed over for their adapter
+        self.batch_queue = config.pipeline_parallel_size > 1  # mark scheduled requests in flight until updated
 
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -195,8 +198,8 @@ class Scheduler:
         of its next tokens fit (the running pass then schedules it); whether it did. It lands at the end: every
         running request outranks it (it was the last when preempted, and nobody is admitted while it waits)."""
         req = self.swapped[0]
-        if req.num_pending:
-            return False  # swapped with a token in flight: resumes once that token has landed
+        if req.num_pending or req.in_flight:
+            return False  # swapped with a token (or a chunk) in flight: resumes once it has landed
         if self.lora is not None and self._lora_blocked(req):
             return False  # its adapter would exceed max_loras: it waits for a running one to end
         n = req.num_tokens - req.num_computed_tokens
@@ -241,6 +244,10 @@ class Scheduler:
         while True:  # the running queue, then each request swapped back in (to its end) in turn
             while i < len(running) and budget > 0:
                 req = running[i]
+                if req.in_flight or (req.beams is not None and any(b.in_flight for b in req.beams)):
+                    ending = ending or req.num_tokens + req.num_pending >= req.length_limit
+                    i += 1  # its batch is still in the pipeline: not in two in-flight batches
+                    continue
                 if req.beams is not None:  # a beam group past its prompt: all its beams or none
                     used = self._schedule_beams(so, req, budget)
                     if used is None:
@@ -300,8 +307,8 @@ class Scheduler:
                 req = waiting.peek()
                 if not self._seats(req):
                     break
-                if req.num_pending:
-                    break  # preempted with a token in flight: resumes once that token has landed
+                if req.num_pending or req.in_flight:
+                    break  # preempted with a token (or a chunk) in flight: resumes once it has landed
                 if self.lora is not None and self._lora_blocked(req):
                     skipped.append(waiting.pop())
                     continue
@@ -334,6 +341,9 @@ class Scheduler:
                 waiting.push(req, front=True)
             self.num_lora_deferred = len(skipped)
 
+        if self.batch_queue:
+            for req in reqs:
+                req.in_flight = True  # until EngineCore.update applies this batch
         so.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         so.num_prefill_tokens = prefill
         so.num_decode_tokens += decode  # beam rows are counted in as they are scheduled

@@ -4,8 +4,17 @@ With async scheduling (vLLM's `--async-scheduling`) one step stays in flight: st
 prepared and launched on the device before step N's sampled tokens are read back and applied, so
 the host work of scheduling, input building and output handling hides behind the GPU. The core sees
 the same calls in a fixed order (schedule N+1, then update N); a decode of N+1 computes on the token
-N sampled through a placeholder the model runner fills on the device. Invariant: steps are updated
-in the order they were scheduled, each exactly once, and never more than one step is in flight.
+N sampled through a placeholder the model runner fills on the device.
+
+With pipeline parallelism (`pipeline_parallel_size` N > 1) it is vLLM V1's batch queue: a scheduled batch is
+launched into the pipeline and, while fewer than N are in flight, the next one is scheduled at once (of
+requests in no in-flight batch: the scheduler skips those); when N are in flight, or nothing more is
+schedulable, the oldest is read back and updated. So the stages work on different batches at once. Unlike
+vLLM, the oldest batch is not updated early when it happens to be done already: the call order depends on
+the schedule alone, which the simulator reproduces exactly (sim/cluster.py).
+
+Invariant: steps are updated in the order they were scheduled, each exactly once, and never more than
+`config.max_in_flight` are in flight.
 
 A step whose execution raises does not stop the engine: its requests run again one at a time, and
 those that fail on their own end with finish_reason "error" (one request's bad data cannot take the
@@ -13,6 +22,7 @@ others down). Only an ExecutorFailure (a dead tensor-parallel rank, a device err
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 from testbed.engine.core import EngineCore
@@ -42,47 +52,75 @@ class EngineStepper:
         self.executor = executor
         self.clock = clock
         self.async_scheduling = async_scheduling
-        self.in_flight: tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]] | None = None
+        self.max_in_flight = core.config.pipeline_parallel_size if core.pipelined else 1 + async_scheduling
+        if self.max_in_flight > 1 and not hasattr(executor, "execute_async"):
+            raise ValueError("--pipeline-parallel-size needs an executor that launches a batch without waiting for it")
+        # launched steps, oldest first: (SchedulerOutput, a function that waits for its ModelRunnerOutput)
+        self.queue: deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = deque()
+        self.last_updated: SchedulerOutput | None = None  # the step the last `step` call updated, if any
         # called with a step that admits new requests, after scheduling and before executing it: a server
         # reports them running while their (maybe long) first step runs
         self.on_scheduled: Callable[[SchedulerOutput], None] | None = None
 
+    @property
+    def in_flight(self) -> tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]] | None:
+        """The oldest step in flight, if any."""
+        return self.queue[0] if self.queue else None
+
     def has_work(self) -> bool:
         """Requests live in the core or a step still to be read back."""
-        return self.in_flight is not None or self.core.has_unfinished_requests()
+        return bool(self.queue) or self.core.has_unfinished_requests()
 
     def step(self, now: float | None = None) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
-        """One schedule at `now` (default: the clock) and the update of one step at the clock; the
-        SchedulerOutput returned is the one scheduled now (empty when nothing was schedulable)."""
+        """One schedule at `now` (default: the clock) and the update of at most one step at the clock: the
+        oldest in flight, once max_in_flight are (async scheduling: 2, the one launched now and the one
+        before; pipeline parallelism: N) or nothing was schedulable. The SchedulerOutput returned is the one
+        scheduled now (empty when nothing was schedulable)."""
         core = self.core
+        self.last_updated = None
         so = core.schedule(self.clock() if now is None else now)
         if self.on_scheduled is not None and so.new_req_ids:
             self.on_scheduled(so)
-        if not self.async_scheduling:
+        if self.max_in_flight == 1:
             if so.is_empty:
                 return so, []
             out = self._execute(so)
+            self.last_updated = so
             return so, core.update(so, out, self.clock())
-        launched = None
         if not so.is_empty:
             try:
-                launched = (so, self.executor.execute_async(so))
+                self.queue.append((so, self.executor.execute_async(so)))
             except Exception as e:  # noqa: BLE001 - sorted out by _isolate
                 if is_fatal(e):
                     raise
-                outputs = self.drain()  # the step before first: this one's placeholders are its tokens
+                outputs = self.drain()  # the steps before first: this one's placeholders are their tokens
+                self.last_updated = so
                 return so, outputs + core.update(so, self._isolate(so, e), self.clock())
-        outputs = self.drain()
-        self.in_flight = launched
-        return so, outputs
+            if len(self.queue) < self.max_in_flight:
+                return so, []  # room in flight: schedule the next step before reading this one back
+        return so, self._update_oldest() if self.queue else []
+
+    def _update_oldest(self) -> list[EngineCoreOutput]:
+        prev, result = self.queue.popleft()
+        self.last_updated = prev
+        return self.core.update(prev, result(), self.clock())
 
     def drain(self) -> list[EngineCoreOutput]:
-        """Read back and apply the step in flight, if any (before an abort-all or shutdown)."""
-        if self.in_flight is None:
-            return []
-        prev, result = self.in_flight
-        self.in_flight = None
-        return self.core.update(prev, result(), self.clock())
+        """Read back and apply every step in flight, oldest first (before an abort-all or shutdown)."""
+        outputs: list[EngineCoreOutput] = []
+        while self.queue:
+            outputs += self._update_oldest()
+        return outputs
+
+    def discard(self) -> None:
+        """Wait for every step in flight and drop its results (its requests are being aborted): the workers
+        finish each launched step, so the next one starts from a quiet pipeline."""
+        while self.queue:
+            try:
+                self.queue.popleft()[1]()
+            except Exception as e:  # noqa: BLE001 - a result nobody reads; a broken executor still fails
+                if is_fatal(e):
+                    raise
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         try:

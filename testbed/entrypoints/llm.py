@@ -88,11 +88,14 @@ class LLM:
                     raise ValueError(f"executor was built without room for max_loras={self.config.max_loras} adapters "
                                      f"of rank {self.config.max_lora_rank} (it has {slots} slots); build it with "
                                      "enable_lora=True and at least these max_loras and max_lora_rank")
-                if (runner.block_size, runner.config.tensor_parallel_size) != (self.config.block_size,
-                                                                               self.config.tensor_parallel_size):
-                    raise ValueError(f"executor was built for block_size {runner.block_size} and tensor_parallel_size "
-                                     f"{runner.config.tensor_parallel_size}; these engine arguments ask for "
-                                     f"{self.config.block_size} and {self.config.tensor_parallel_size}")
+                built, asked = (runner.block_size, runner.config.tensor_parallel_size,
+                                runner.config.pipeline_parallel_size), (self.config.block_size,
+                                                                        self.config.tensor_parallel_size,
+                                                                        self.config.pipeline_parallel_size)
+                if built != asked:
+                    raise ValueError("executor was built for block_size {}, tensor_parallel_size {} and "
+                                     "pipeline_parallel_size {}; these engine arguments ask for {}, {} and {}"
+                                     .format(*built, *asked))
                 if hasattr(executor, "set_swap_space"):  # the CPU pool these engine arguments ask for
                     executor.set_swap_space(self.config.cpu_blocks(runner.block_bytes))
             self.executor = executor
@@ -351,7 +354,7 @@ class LLM:
             for rid in request_ids:
                 self.dp.abort(rid)
         else:
-            self.stepper.in_flight = None  # its tokens are not wanted; the aborts below free its blocks
+            self.stepper.discard()  # their tokens are not wanted; the aborts below free their blocks
             for rid in list(self.engine.requests):
                 self.engine.abort(rid, self.now())
 

@@ -16,8 +16,6 @@ RENAMED = {"scheduling_policy": "policy", "num_gpu_blocks_override": "num_gpu_bl
 FIXED: dict[str, tuple[tuple, str]] = {
     "quantization": ((None,), "weights load unquantized (safetensors, or GGUF dequantized)"),
     "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
-    "pipeline_parallel_size": ((1,), "there is no pipeline parallelism: use tensor_parallel_size or "
-                                     "data_parallel_size"),
     "speculative_config": ((None,), "there is no speculative decoding"),
     "cpu_offload_gb": ((0, None), "weights are not offloaded to the CPU"),
     "tokenizer_mode": (("auto", "hf"), "the Hugging Face tokenizer of the model is used"),

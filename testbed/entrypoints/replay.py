@@ -14,6 +14,7 @@ from testbed.engine.config import EngineConfig
 from testbed.runs.finish import finish_run, start_run, trace_record
 from testbed.workload.lora import parse_lora_modules, trace_loras
 from testbed.workload.trace import load_trace, synthesize_prompt
+from testbed.specs.partition import pipeline_manifest
 
 RESERVED_TOKEN_IDS = 1000  # synthetic prompts avoid the low ids where tokenizers keep special tokens
 
@@ -111,5 +112,6 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
         "trace": trace_record(trace_path, trace_format, len(trace), request_rate, burstiness, limit),
         "model": facts["model"], "hardware": hardware_info(facts["device"]), "dtype": facts["dtype"],
         "seed": config.seed, "wall_time_s": wall,
+        **pipeline_manifest(int(facts["model"]["num_hidden_layers"] or 0), config.pipeline_parallel_size),
     }
     return finish_run(llm.records(), output, manifest, slo_ttft, slo_tpot, prefix)

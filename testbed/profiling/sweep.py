@@ -288,8 +288,14 @@ def gpu_preset_name(name: str) -> str:
 def build_profile(model: str | None, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
                   device: str | None = None, enforce_eager: bool = False, quick: bool = False,
                   progress: bool = True, reps: int | None = None) -> dict:
-    """Build the executor a serving run would use for these flags, sweep it, and return the profile."""
+    """Build the executor a serving run would use for these flags, sweep it, and return the profile. A profile is
+    of one pipeline stage's GPUs running every layer (--pipeline-parallel-size 1): the simulator cuts its per-layer
+    time into stages (sim/pipeline.py)."""
     from testbed.worker.executor import create_executor
+    if config.pipeline_parallel_size > 1:
+        raise ValueError(f"--pipeline-parallel-size {config.pipeline_parallel_size}: profile with 1 (and the "
+                         "--tensor-parallel-size of one stage); `testbed simulate -pp N` splits that profile's "
+                         "per-layer time into N stages and adds the activations' transfers between them")
     t0 = time.perf_counter()
     executor = create_executor(model, config, load_format, dtype, device, enforce_eager)
     try:

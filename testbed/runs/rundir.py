@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from testbed.runs.arrow_columns import column
-from testbed.engine.metrics import (BASE_STEP_COLUMNS, BLOCK_STEP_COLUMNS, PUBLICATION_COLUMNS, REQUEST_COLUMNS,
-                                    ROUTE_COLUMNS, STEP_COLUMNS, Recorder)
+from testbed.engine.metrics import (BASE_STEP_COLUMNS, BLOCK_STEP_COLUMNS, PIPELINE_STEP_COLUMNS, PUBLICATION_COLUMNS,
+                                    REQUEST_COLUMNS, ROUTE_COLUMNS, STEP_COLUMNS, Recorder)
 
 if TYPE_CHECKING:  # reading tables imports pandas; writing a run needs only pyarrow
     import pandas as pd
@@ -42,7 +42,8 @@ _REQ_TYPES = {"request_id": pa.string(), "replica": pa.int32(), "priority": pa.i
               "first_scheduled": pa.float64(), "first_token": pa.float64(), "finish": pa.float64(),
               "input_tokens": pa.int64(), "output_tokens": pa.int64(), "cached_tokens": pa.int64(),
               "preemptions": pa.int32(), "finish_reason": pa.string()}
-_STEP_TYPES = {c: (pa.float64() if c in ("start", "duration") else pa.int64()) for c in STEP_COLUMNS}
+_STEP_TYPES = {c: (pa.float64() if c in ("start", "duration") else pa.int64())
+               for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS}
 _DP_TABLES = {  # file -> (Recorder attribute, columns, float columns)
     "routes.parquet": ("routes", ROUTE_COLUMNS, ("arrival", "sent", "routed", "added")),
     "publications.parquet": ("publications", PUBLICATION_COLUMNS, ("sampled", "received", "kv_usage")),
@@ -123,7 +124,8 @@ def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: d
         if records.loras:  # a run with LoRA adapters: each request's adapter by name (null: the base model)
             table["lora"] = pa.array([records.loras.get(r) for r in req_cols["request_id"]], pa.string())
         pq.write_table(pa.table(table), tmp / "requests.parquet")
-        pq.write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c]) for c in STEP_COLUMNS}),
+        pq.write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c])  # a pipeline-parallel run's columns too
+                                 for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS if c in step_cols}),
                        tmp / "steps.parquet")
         for name, (attr, columns, floats) in _DP_TABLES.items():
             rows = getattr(records, attr)

@@ -94,7 +94,7 @@ class DPEngineClient(EngineClient):
         self.proc = subprocess.Popen([sys.executable, "-m", "testbed.runtime.dp_coordinator",
                                       msgspec.json.encode(ccfg).decode()], start_new_session=True)
         self.inp.connect(front_addr)
-        tp = self.config.tensor_parallel_size
+        tp = self.config.tensor_parallel_size * self.config.pipeline_parallel_size  # GPUs per replica
         try:
             if t.backend == "ray":
                 from testbed.runtime.dp_ray import RayReplicas

@@ -172,12 +172,11 @@ class DPEngineProc:
                 scheduled: dict[str, float] = {}
                 stepped = False
                 if stepper.has_work():
-                    prev = stepper.in_flight[0] if stepper.in_flight is not None else None
                     start = time.time()
                     so, step_outputs = stepper.step(start)
                     outputs.extend(step_outputs)
                     scheduled = first_scheduled(core, so, start)
-                    updated = prev if config.async_scheduling else (None if so.is_empty else so)
+                    updated = stepper.last_updated
                     stepped = not so.is_empty or bool(step_outputs)
                     if updated is not None:
                         self.steps_done += 1

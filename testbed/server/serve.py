@@ -191,7 +191,7 @@ def run_headless_node(args: argparse.Namespace) -> int:
     model = resolve_model(args.model_tag or args.model, args.load_format, args.revision, args.download_dir)
     addr = f"tcp://{topo.address}:{topo.rpc_port}"
     return run_headless(args.data_parallel_start_rank, topo.size_local, addr, engine_proc_config(args, cfg, model),
-                        cfg.tensor_parallel_size, args.device, _log)
+                        cfg.tensor_parallel_size * cfg.pipeline_parallel_size, args.device, _log)
 
 
 def json_flag(value: str | None, flag: str, example: str):

@@ -9,10 +9,14 @@ hop (half of `dp_routing_delay`) after its arrival and its replica one hop later
 their stats by the same StatsPublisher rule as real replicas, and a report reaches the coordinator
 one hop after it was sampled. Routes and reports are recorded (routes / publications tables).
 (`--cost-model recorded:RUN_DIR` of a DP run replays that run's own timings instead: recorded_dp.py.)
+
+With pipeline parallelism a replica runs real mode's batch queue (engine/stepper.py) over a PipelineCostModel or
+RecordedPipeline (sim/pipeline.py): up to P batches in flight, each through the stages in turn.
 """
 from __future__ import annotations
 
 import functools
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -24,11 +28,13 @@ from testbed.engine.fast_forward import fast_forward
 from testbed.engine.metrics import Recorder
 from testbed.engine.params import SamplingParams
 from testbed.engine.request import Request
+from testbed.engine.outputs import ModelRunnerOutput
 from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment
 from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor
 from testbed.sim.horizon import AdmissionHorizon
 from testbed.workload.lora import trace_loras
+from testbed.sim.pipeline import PipelineCostModel
 from testbed.workload.trace import TraceRequest, synthesize_prompt
 
 
@@ -173,6 +179,48 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 state["seq"] += 1
             after_hop(admit, r, req, route)
 
+    def after_update(r: int, so, finished, busy: bool) -> None:
+        """Count an updated step; a DP replica reports its stats when the publisher says so."""
+        steps_done[r] += 1
+        if dp > 1 and publishers[r].after_update(
+                env.now, bool(finished or so.new_req_ids or so.preempted_req_ids),
+                idle=not engines[r].requests and not busy):
+            publish(r)
+
+    def pipelined_replica(r: int):
+        """The replica's batch queue (pipeline parallelism), call for call as EngineStepper makes it: schedule
+        and launch while fewer than P batches are in flight, else (or when nothing is schedulable) wait for the
+        oldest and update it. A recorded timeline schedules each batch when the real run did, and updates the
+        oldest first when the real run updated it before that."""
+        eng, pp = engines[r], config.pipeline_parallel_size
+        recorded = not isinstance(cost_model, PipelineCostModel)
+        queue: deque = deque()  # (SchedulerOutput, ModelRunnerOutput, end time), oldest first
+        while True:
+            if not eng.requests and not queue:
+                state["idle"].add(r)
+                finish_if_done()
+                wake[r] = env.event()
+                yield wake[r]
+                state["idle"].discard(r)
+            if len(queue) < pp:
+                t = cost_model.next_launch(env.now, bool(queue))
+                if not (recorded and queue and queue[0][2] <= t):
+                    if t > env.now:
+                        yield env.timeout(t - env.now)
+                    so = eng.schedule(env.now)
+                    if not so.is_empty:
+                        out = ModelRunnerOutput(executor.sampled(so), 0.0)
+                        queue.append((so, out, cost_model.launch(so, env.now)))
+                        if len(queue) < pp:
+                            continue
+                    elif not queue:
+                        raise RuntimeError(f"replica {r}: nothing schedulable with {len(eng.requests)} requests "
+                                           "live (scheduler bug: every admitted request must fit the cache)")
+            step_so, step_out, end = queue.popleft()
+            if end > env.now:
+                yield env.timeout(end - env.now)
+            after_update(r, step_so, eng.update(step_so, step_out, env.now), bool(queue))
+
     def replica(r: int):
         """The replica's step loop. With async scheduling it keeps one step in flight like the real
         EngineStepper: step N+1 is scheduled when step N starts, starts on the device when N ends,
@@ -212,12 +260,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             if in_flight is not None:
                 step_so, step_out, end = in_flight
                 yield env.timeout(end - env.now)
-                finished = eng.update(step_so, step_out, env.now)
-                steps_done[r] += 1
-                if dp > 1 and publishers[r].after_update(
-                        env.now, bool(finished or step_so.new_req_ids or step_so.preempted_req_ids),
-                        idle=not eng.requests and launched is None):
-                    publish(r)
+                after_update(r, step_so, eng.update(step_so, step_out, env.now), launched is not None)
             in_flight = launched
 
     def step_end(so, start: float) -> float:
@@ -235,7 +278,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
             publish(r, transit=False)
     env.process(arrivals())
     for r in range(dp):
-        env.process(replica(r))
+        env.process(pipelined_replica(r) if config.pipeline_parallel_size > 1 else replica(r))
     if on_progress is not None:
         env.process(progress())
     if trace:

@@ -159,6 +159,21 @@ class RooflineCostModel:
             device = self._eager
         return device + self._fixed + GRAMMAR_ROW_S * so.num_structured_reqs + moves
 
+    def pipeline_split(self, so: SchedulerOutput) -> tuple[float, float, float]:
+        """(host, decoder layers, LM head) of step_time(so), which they sum to: what a pipeline stage's share
+        is cut from (sim/pipeline.py). The layers' part is linear layers, attention and all-reduces (or the host
+        time to issue the layers of an eager step, when that is longer); the host part is the fixed overhead
+        and grammar rows."""
+        T = so.total_num_scheduled_tokens
+        if T <= 0:
+            return 0.0, 0.0, 0.0
+        head = max(self._head_mem, self._head_flop * len(so.requests))
+        layers = (max(self._lin_mem, self._lin_flop * T) + self._ar_per_token * T
+                  + max(self._attn_mem * so.sum_context_tokens, self._attn_flop * so.sum_attn_pairs))
+        if so.num_prefill_tokens and self._eager > layers + head:
+            layers = self._eager - head
+        return self._fixed + GRAMMAR_ROW_S * so.num_structured_reqs, layers, head
+
 
 class RecordedCostModel:
     """Decision parity: replays the step timeline a real run recorded (its steps.parquet).
@@ -199,17 +214,40 @@ class RecordedCostModel:
 
 
 def num_gpu_blocks(model: ModelSpec, gpu: GPUSpec, block_size: int, gpu_memory_utilization: float = 0.9,
-                   tensor_parallel_size: int = 1, dtype_bytes: int = 2, activation_reserve_bytes: int | None = None) -> int:
+                   tensor_parallel_size: int = 1, dtype_bytes: int = 2, activation_reserve_bytes: int | None = None,
+                   pipeline_parallel_size: int = 1) -> int:
     """KV blocks per rank: (memory * utilization - weights per rank - activation reserve) / block bytes per rank.
-    Default reserve: max(1 GiB, 5% of memory). ValueError when not even one block fits."""
+    Default reserve: max(1 GiB, 5% of memory). ValueError when not even one block fits. With pipeline stages each
+    rank holds its stage's layers (and the embedding or the LM head) and their KV cache; the engine gets the
+    fewest blocks any stage has room for, as real mode sizes it (the block ids are shared by all stages)."""
+    if pipeline_parallel_size > 1:
+        from testbed.specs.partition import pp_partition
+        return min(_stage_blocks(model, gpu, block_size, gpu_memory_utilization, tensor_parallel_size, dtype_bytes,
+                                 activation_reserve_bytes, layers, s == 0, s == pipeline_parallel_size - 1)
+                   for s, layers in enumerate(pp_partition(model.num_hidden_layers, pipeline_parallel_size)))
+    return _stage_blocks(model, gpu, block_size, gpu_memory_utilization, tensor_parallel_size, dtype_bytes,
+                         activation_reserve_bytes, model.num_hidden_layers, True, True)
+
+
+def _stage_blocks(model: ModelSpec, gpu: GPUSpec, block_size: int, gpu_memory_utilization: float,
+                  tensor_parallel_size: int, dtype_bytes: int, activation_reserve_bytes: int | None, layers: int,
+                  first: bool, last: bool) -> int:
+    """num_gpu_blocks of one rank holding `layers` decoder layers, the embedding if `first`, the LM head (and
+    final norm) if `last`."""
     if block_size < 1 or not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"block_size must be >= 1 and gpu_memory_utilization in (0, 1], "
                          f"got {block_size}, {gpu_memory_utilization}")
     r = rank_shape(model, tensor_parallel_size)
-    block_bytes = kv_block_bytes(model, block_size, tensor_parallel_size, dtype_bytes)
     reserve = activation_reserve_bytes if activation_reserve_bytes is not None else max(1 << 30, 0.05 * gpu.memory_bytes)
     budget = gpu.memory_bytes * gpu_memory_utilization
-    weights = r.weight_params * dtype_bytes
+    L = model.num_hidden_layers
+    if layers == L:
+        weights = r.weight_params * dtype_bytes
+    else:  # a pipeline stage: its share of the layers, and the vocabulary tables it holds
+        tables = (first + last) if not (first and last and model.tie_word_embeddings) else 1
+        weights = ((r.weight_params - r.lm_head_params * (1 if model.tie_word_embeddings else 2)) * layers / L
+                   + r.lm_head_params * tables) * dtype_bytes
+    block_bytes = block_size * 2 * layers * r.num_kv_heads * model.head_dim * dtype_bytes
     free = budget - weights - reserve
     if free < block_bytes:
         raise ValueError(f"{model.name} does not fit {gpu.name} at tp={tensor_parallel_size}: "

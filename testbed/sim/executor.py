@@ -17,5 +17,9 @@ class SimExecutor:
         self.cost_model = cost_model
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        sampled = [SIM_TOKEN_ID if r.num_computed_tokens >= r.num_tokens else -1 for r in so.requests]
-        return ModelRunnerOutput(sampled, self.cost_model.step_time(so))
+        return ModelRunnerOutput(self.sampled(so), self.cost_model.step_time(so))
+
+    @staticmethod
+    def sampled(so: SchedulerOutput) -> list[int]:
+        """The step's tokens: one for each request that caught up with its tokens, -1 for the others."""
+        return [SIM_TOKEN_ID if r.num_computed_tokens >= r.num_tokens else -1 for r in so.requests]

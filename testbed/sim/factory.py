@@ -11,6 +11,7 @@ from testbed.profiling.profile_file import shipped_profile, shipped_profiles
 from testbed.runs.rundir import RunDirError, read_run
 from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel
 from testbed.sim.lora_cost import LoRACost, WithLoRA
+from testbed.sim.pipeline import PipelineCostModel, RecordedPipeline
 from testbed.sim.profiled import ProfiledCostModel
 from testbed.sim.recorded_dp import RecordedDPRun
 from testbed.specs.hardware import GPUSpec
@@ -29,7 +30,24 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
 
     'auto' (default): the profile shipped for (model, GPU, TP), else the roofline with a warning on stderr;
     'roofline'; 'recorded:RUN_DIR' (replay a real run's step timeline: decision parity); or the path of a
-    profile written by `testbed profile`."""
+    profile written by `testbed profile`. With --pipeline-parallel-size N > 1 the profile or roofline (of one
+    stage's TP) is cut into N stages plus their activation transfers (sim/pipeline.py), and a recorded run must
+    be a pipeline-parallel run of the same N."""
+    pp = config.pipeline_parallel_size
+    cm, desc = _load_stage_cost_model(spec, model, gpu, config)
+    if pp == 1 or isinstance(cm, RecordedPipeline):
+        return cm, desc
+    if not isinstance(cm, (RooflineCostModel, ProfiledCostModel)):
+        raise ValueError(f"--cost-model {spec}: a recorded run without pipeline parallelism cannot time a "
+                         f"--pipeline-parallel-size {pp} simulation; replay a run made with it, or use a profile or "
+                         "the roofline")
+    pipe = PipelineCostModel(cm, model, gpu, pp)
+    return pipe, (f"{desc}, {pp} pipeline stages ({'/'.join(map(str, pipe.parts))} layers), activations at "
+                  f"{pipe.p2p_latency_s * 1e6:.2f} us + bytes / {pipe.p2p_bandwidth / 1e9:.1f} GB/s")
+
+
+def _load_stage_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineConfig) -> tuple[CostModel, str]:
+    """load_cost_model's model of one pipeline stage's TP group running every layer (or a recorded timeline)."""
     tp = config.tensor_parallel_size
     if spec == "auto":
         path = shipped_profile(model.name, gpu.name, tp)
@@ -46,11 +64,17 @@ def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineCon
     if spec.startswith("recorded:"):
         run_dir = spec.removeprefix("recorded:")
         try:
-            read_run(run_dir)
+            run = read_run(run_dir)
         except RunDirError as e:
             raise ValueError(f"--cost-model {spec}: not a readable run directory: {e}") from None
         if RecordedDPRun.is_dp_run(run_dir):  # per-replica timelines and the coordinator's record
             return RecordedDPRun.from_run_dir(run_dir), spec
+        recorded_pp = int(run.manifest.get("config", {}).get("pipeline_parallel_size", 1))
+        if recorded_pp != config.pipeline_parallel_size:
+            raise ValueError(f"--cost-model {spec}: that run used --pipeline-parallel-size {recorded_pp}, this "
+                             f"simulation {config.pipeline_parallel_size}; replay it with the same")
+        if recorded_pp > 1:
+            return RecordedPipeline.from_run_dir(run_dir, recorded_pp), spec
         return RecordedCostModel.from_run_dir(run_dir), spec
     path = Path(spec)
     if not path.is_file():

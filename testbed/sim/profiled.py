@@ -257,6 +257,30 @@ class ProfiledCostModel:
         return (MIXED_ASYNC if overlap else MIXED_SYNC), (eng, prep, grammar, self.eager_launch, lin, attn, samp,
                                                            out, self.sync_gap)
 
+    def pipeline_split(self, so: SchedulerOutput) -> tuple[float, float, float]:
+        """(host, decoder layers, LM head) of step_time(so), which they sum to (sync steps: pipeline parallelism
+        excludes async scheduling): what a pipeline stage's share is cut from (sim/pipeline.py). Host: the
+        engine, input preparation, readback; LM head: the measured LM head + sampler of the step's sampled rows
+        (in a decode step, of its batch); layers: the rest of the device time (the forward's linear layers and
+        attention, or the host time to launch an eager step's layers when that is longer)."""
+        if not so.requests:
+            return 0.0, 0.0, 0.0
+        kind, t = self.terms(so)
+        s = self.scales
+        if kind == DECODE_SYNC:
+            eng, wall, runner_host, tail, grammar = t
+            host, device = s.host * (eng + runner_host + grammar), s.decode * (wall - runner_host + tail)
+            head = min(device, s.decode * self.sample(len(so.requests)))
+        elif kind == MIXED_SYNC:
+            eng, prep, grammar, launch, lin, attn, samp, out, gap = t
+            host = s.host * (eng + prep + grammar + out + gap)
+            device = max(s.host * launch, s.gemm * lin + s.attention * attn + s.gemm * samp)
+            head = min(device, s.gemm * samp)
+        else:
+            raise ValueError("pipeline parallelism runs without async scheduling: build the profile's cost model "
+                             "with async_scheduling=False")
+        return host, device - head, head
+
     def explain(self, so: SchedulerOutput) -> dict[str, float | str]:
         """The terms of one step's predicted time (seconds), and which dominates."""
         B = len(so.requests)

@@ -19,6 +19,8 @@ from testbed.sim.cluster import simulate, trace_to_request
 from testbed.sim.cost_model import kv_block_bytes, num_gpu_blocks
 from testbed.sim.factory import load_cost_model
 from testbed.specs.hardware import get_gpu_spec
+from testbed.sim.pipeline import PipelineCostModel
+from testbed.specs.partition import pipeline_manifest
 from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
 from testbed.workload.lora import trace_loras
 from testbed.workload.trace import load_trace
@@ -81,7 +83,8 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     tp = config.tensor_parallel_size
     cm, cm_desc = load_cost_model(cost_model, spec, gpu_spec, config)
     blocks = config.num_gpu_blocks or num_gpu_blocks(spec, gpu_spec, config.block_size,
-                                                     config.gpu_memory_utilization, tp)
+                                                     config.gpu_memory_utilization, tp,
+                                                     pipeline_parallel_size=config.pipeline_parallel_size)
     cpu_blocks = config.cpu_blocks(kv_block_bytes(spec, config.block_size, tp))
     max_model_len = config.max_model_len or spec.max_position_embeddings
     trace = load_trace(trace_path, request_rate=request_rate, burstiness=burstiness, seed=config.seed,
@@ -120,13 +123,15 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     rec = result.records
     req_cols, step_cols = rec.request_columns(), rec.step_columns()
     warn_rejections(req_cols, trace, config, blocks, max_model_len, spec.vocab_size)
-    expected = expected_error(cm, spec.name, gpu_spec.name, tp)
+    expected = expected_error(cm, spec.name, gpu_spec.name, tp) if not isinstance(cm, PipelineCostModel) else {
+        "basis": "unknown: no fidelity runs with pipeline parallelism yet (benchmarks/pp.py measures them)"}
     manifest = {
         "mode": "sim", "config": config.to_dict(), "num_gpu_blocks": blocks, "num_cpu_blocks": cpu_blocks,
         "max_model_len": max_model_len,
         "trace": trace_record(trace_path, trace_format, len(trace), request_rate, burstiness, limit),
         "model": asdict(spec), "hardware": asdict(gpu_spec),
         "cost_model": cm_desc, "expected_error": expected,
+        **pipeline_manifest(spec.num_hidden_layers, config.pipeline_parallel_size),
         "seed": config.seed, "wall_time_s": wall, "simulated_time_s": result.sim_time,
         "speedup": result.sim_time / wall if wall > 0 else None,
     }

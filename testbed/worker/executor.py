@@ -1,9 +1,9 @@
 """Real-mode executors: build the model and its KV cache, then run SchedulerOutputs on it.
 
-`create_executor` picks the in-process executor for tensor_parallel_size 1 and the multi-process
-one (one worker per rank over torch.distributed) otherwise. Every executor exposes the numbers the
-EngineCore needs before it starts: num_gpu_blocks, num_cpu_blocks (the swap pool, `--swap-space` GiB of blocks per
-rank in swap mode), max_model_len, eos_token_id, vocab_size.
+`create_executor` picks the in-process executor for one rank (tensor_parallel_size x pipeline_parallel_size
+1) and the multi-process one (one worker per rank over torch.distributed) otherwise. Every executor exposes the
+numbers the EngineCore needs before it starts: num_gpu_blocks, num_cpu_blocks (the swap pool, `--swap-space` GiB
+of blocks per rank in swap mode), max_model_len, eos_token_id, vocab_size.
 """
 from __future__ import annotations
 
@@ -75,9 +75,10 @@ def create_executor(model: str | None, engine_config: EngineConfig, load_format:
                     dtype: str = "auto", device: str | None = None, enforce_eager: bool = False):
     """The executor for these flags (model None = the bundled SmolLM2). On a GPU every step up to the
     largest capture size replays a CUDA graph (worker/cuda_graphs.py) unless enforce_eager, on every
-    tensor-parallel rank too (captured in lockstep, the symmetric-memory all-reduces inside the graphs)."""
+    tensor-parallel rank too (captured in lockstep, the symmetric-memory all-reduces inside the graphs); pipeline
+    stages run eager."""
     model = resolve_model(model, load_format)
-    if engine_config.tensor_parallel_size > 1:
+    if engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size > 1:
         from testbed.worker.multiproc import MultiprocExecutor
         return MultiprocExecutor(model, engine_config, load_format, dtype, device, enforce_eager)
     return UniprocExecutor(model, engine_config, load_format, dtype, device, enforce_eager)

@@ -21,6 +21,7 @@ from testbed.kernels import silu_and_mul
 from testbed.kernels.lora import lora_apply, lora_plan
 from testbed.kernels.reference import rope_ref
 from testbed.worker.context import get_context
+from testbed.worker.pipeline import get_parallel_state
 from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce
 
 _TP_OVERRIDE: tuple[int, int] | None = None
@@ -41,9 +42,13 @@ def tp_override(rank: int, size: int) -> Iterator[None]:
 
 
 def get_tp() -> tuple[int, int]:
-    """(tp_rank, tp_size): the override, else the torch.distributed world (one TP group), else (0, 1)."""
+    """(tp_rank, tp_size): the override, else this process's place in its pipeline stage's tensor-parallel
+    group, else the torch.distributed world (one TP group), else (0, 1)."""
     if _TP_OVERRIDE is not None:
         return _TP_OVERRIDE
+    state = get_parallel_state()
+    if state is not None:
+        return state.tp_rank, state.tp_size
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -350,10 +355,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         if not _collectives(self.tp_size):
             return logits[..., : self.vocab_end - self.vocab_start]
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        state = get_parallel_state()
+        group = state.tp_group if state is not None else None  # the last stage's ranks: global 0 is their first
         if self.gather_to_all:
-            dist.all_gather(parts, logits)
+            dist.all_gather(parts, logits, group=group)
         else:
-            dist.gather(logits, parts if self.tp_rank == 0 else None, dst=0)
+            dist.gather(logits, parts if self.tp_rank == 0 else None, dst=0, group=group)
             if self.tp_rank != 0:
                 return None
         return torch.cat(parts, dim=-1)[..., : self.num_embeddings]

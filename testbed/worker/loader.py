@@ -1,13 +1,15 @@
 """Build a `LlamaForCausalLM` and fill its weights from safetensors, a GGUF file, or random (dummy) values.
 
 Every path feeds FULL checkpoint tensors by HF name into the parameters' `weight_loader`s, which
-keep this rank's shard, so loading works at any tensor-parallel size. Invariant after `load_model`:
+keep this rank's shard, so loading works at any tensor-parallel size; a pipeline stage takes the tensors of its
+own layers only (LlamaForCausalLM.checkpoint_target). Invariant after `load_model`:
 every parameter (and every packed shard) was written exactly from the checkpoint, or all were random.
 """
 from __future__ import annotations
 
 import json
 import logging
+import zlib
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -115,10 +117,12 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
         for name, tensor in tensors:
             if "rotary_emb.inv_freq" in name or (model.config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            target, shard = name, None
+            target, shard = model.checkpoint_target(name), None
+            if target is None:  # another pipeline stage's
+                continue
             for ckpt_part, (packed, shard_id) in model.packed_modules_mapping.items():
-                if f".{ckpt_part}." in name:
-                    target, shard = name.replace(f".{ckpt_part}.", f".{packed}."), shard_id
+                if f".{ckpt_part}." in target:
+                    target, shard = target.replace(f".{ckpt_part}.", f".{packed}."), shard_id
                     break
             param = params.get(target)
             if param is None:
@@ -136,16 +140,17 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Deterministic random weights generated on the parameters' device: norms 1, the rest N(0, std)."""
-    generators: dict[torch.device, torch.Generator] = {}
+    """Deterministic random weights generated on the parameters' device: norms 1, the rest N(0, std), each
+    parameter from a generator seeded by `seed` and its name, so a pipeline stage's layers get the values the
+    same layers have in the whole model (a tied LM head is named after the embedding it shares)."""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.fill_(1.0)
                 continue
-            g = generators.get(param.device)
-            if g is None:
-                g = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            key = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
+            g = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
             param.normal_(0.0, std, generator=g)
 
 

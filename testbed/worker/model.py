@@ -3,6 +3,10 @@
 Module and parameter names match Hugging Face (`model.layers.N.self_attn.o_proj.weight`, ...)
 except the packed `qkv_proj` and `gate_up_proj`; `packed_modules_mapping` tells the loader
 which checkpoint tensors go into which packed shard, so HF checkpoints load by name.
+
+A pipeline stage (worker/pipeline.py) builds only its own layers (specs/partition.py), under their global
+indices (the others are parameterless MissingLayers), the embedding on the first stage, the final norm and the
+LM head on the last; `checkpoint_target` maps a checkpoint tensor's name to this stage's parameter or None.
 """
 from __future__ import annotations
 
@@ -13,9 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from testbed.specs.partition import get_pp_indices
 from testbed.kernels import (paged_attention_batched, paged_decode_attention, paged_prefill_attention,
                              rope_store_batched, rope_store_kvcache, step_plan, use_triton)
 from testbed.worker.context import get_context
+from testbed.worker.pipeline import pipeline_stage
 from testbed.worker.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                    RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, apply_rope)
 
@@ -169,23 +175,45 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no parameters, never run."""
+
+    def forward(self, *args):
+        raise RuntimeError("a decoder layer of another pipeline stage was called")
+
+
 class LlamaModel(nn.Module):
+    """The decoder, or the layers [start_layer, end_layer) of one pipeline stage of it."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.pp_rank, self.pp_size = pipeline_stage()
+        self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
+        self.start_layer, self.end_layer = get_pp_indices(cfg.num_hidden_layers, self.pp_rank, self.pp_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary_emb) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary_emb) if self.start_layer <= i < self.end_layer
+                                    else MissingLayer() for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Final hidden states on the last stage; elsewhere (hidden, residual) for the next stage, which passes
+        them in as `intermediate`."""
+        if self.is_first:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = intermediate
+        for layer in self.layers[self.start_layer:self.end_layer]:
             h, residual = layer(positions, h, residual)
+        if not self.is_last:
+            return h, residual
         return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder; `forward` runs one flat step described by the attention context."""
+    """The whole decoder (or one pipeline stage of it); `forward` runs one flat step described by the
+    attention context."""
 
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -194,13 +222,30 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config if isinstance(config, ModelConfig) else ModelConfig(config)
         self.model = LlamaModel(self.config)
-        self.lm_head = ParallelLMHead(self.config.vocab_size, self.config.hidden_size)
-        if self.config.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(self.config.vocab_size, self.config.hidden_size) if self.model.is_last else None
+        if self.config.tie_word_embeddings and self.model.is_first and self.model.is_last:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """input_ids [T], positions [T] -> final hidden states [T, hidden] (a stage before the last: its
+        (hidden, residual) for the next stage, which passes them as `intermediate`)."""
+        return self.model(input_ids, positions, intermediate)
+
+    def checkpoint_target(self, name: str) -> str | None:
+        """This stage's parameter name for checkpoint tensor `name`, or None when another stage holds it. A
+        last stage without the embedding but with tied embeddings loads its LM head from the embedding's tensor."""
+        m = self.model
+        if name.startswith("model.layers."):
+            return name if m.start_layer <= int(name.split(".", 3)[2]) < m.end_layer else None
+        if name.startswith("model.embed_tokens."):
+            if m.is_first:
+                return name
+            return name.replace("model.embed_tokens.", "lm_head.") if m.is_last and self.config.tie_word_embeddings \
+                else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if m.is_last else None
+        return name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Rows of hidden [n, hidden] -> logits [n, vocab] in the model's dtype (None on TP ranks other
@@ -208,5 +253,5 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        """The per-layer attention modules, in layer order, whose k_cache/v_cache the runner sets."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """The per-layer attention modules of this stage, in layer order, whose k_cache/v_cache the runner sets."""
+        return [layer.self_attn.attn for layer in self.model.layers[self.model.start_layer:self.model.end_layer]]

@@ -10,6 +10,11 @@ Requests whose logits need processing (SamplingParams.needs_processing) or that 
 are tracked from their first step to their end, so a step without any takes the fast path with no
 per-row checks. Processing rows with bad words or a grammar need every token sampled before: under async
 scheduling the previous step's token is then read back from the device first (a sync only such steps pay).
+
+Pipeline parallelism (worker/pipeline.py): a stage runs its layers on the activations the previous stage sent
+and sends its own to the next one. The executor's runner holds the last stage, so its `execute_async` posts the
+receive of the step's activations and defers its layers, LM head and sampling to the function it returns: the
+engine launches the next batches into the pipeline (the first stages work on them) before it reads this one back.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from testbed.worker.context import reset_context, set_context
 from testbed.worker.cuda_graphs import CudaGraphs
 from testbed.worker.logits_processors import RowContext
 from testbed.worker.model import LlamaForCausalLM
+from testbed.worker.pipeline import PendingActivations, StageLink, get_parallel_state
 from testbed.worker.pooler import Pooler
 from testbed.worker.sampler import Sampler
 from testbed.engine.stepper import ExecutorFailure
@@ -100,9 +106,17 @@ class ModelRunner:
         self.cache_engine: CacheEngine | None = None  # the CPU swap pool and the block moves (allocate_kv_cache)
         self.broadcast_inputs = None  # set by the TP executor: sends each step's packed inputs to the other ranks
         self.broadcast_block_ops = None  # set by the TP executor: sends each step's block moves to the other ranks
-        self._staging: list[torch.Tensor | None] = [None, None]  # pinned host buffers, used in turn
-        self._dev_staging: list[torch.Tensor | None] = [None, None]  # their device twins (GPU only)
+        # pinned host buffers, used in turn: one per step that may be in flight, and one more (a deferred pipeline
+        # stage reads its step's inputs when the engine reads the step back, up to pipeline_parallel_size later)
+        n = max(2, config.pipeline_parallel_size + 1)
+        self._staging: list[torch.Tensor | None] = [None] * n
+        self._dev_staging: list[torch.Tensor | None] = [None] * n  # their device twins (GPU only)
         self._staging_turn = 0
+        state = get_parallel_state()
+        self.stage: StageLink | None = None  # this rank's links to the neighbouring pipeline stages
+        if state is not None and state.pp_size > 1:
+            self.stage = StageLink(state, model.config.hidden_size, dtype, device, depth=config.pipeline_parallel_size)
+        self.is_last_stage = state is None or state.is_last
         self._prev_tokens: torch.Tensor | None = None  # the last launched step's sampled tokens (device)
         self._prev_rows: dict[str, int] = {}  # request id -> its row in _prev_tokens
         self.record_timing = False  # attach a StepTiming to every output (testbed profile)
@@ -116,7 +130,7 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """Bytes of K and V for one block across all layers of this rank."""
+        """Bytes of K and V for one block across all layers of this rank (its pipeline stage's)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
@@ -137,8 +151,9 @@ class ModelRunner:
         last = torch.tensor([e - 1 for e in ends], device=self.device)
         set_context(False, cu_seqlens_q=cu)
         try:
-            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions)
-            logits = self.model.compute_logits(hidden[last].repeat(max(1, cfg.max_num_seqs // seqs), 1))
+            hidden = self._stage_forward(torch.zeros(n, dtype=torch.long, device=self.device), positions)
+            logits = None if hidden is None else self.model.compute_logits(
+                hidden[last].repeat(max(1, cfg.max_num_seqs // seqs), 1))
         finally:
             reset_context()
         if logits is not None:  # rank 0 (None elsewhere): the sampler's float32 copy counts toward the peak
@@ -269,7 +284,7 @@ class ModelRunner:
         """The next of two pinned host buffers, at least nbytes, as a uint8 array. A buffer is reused two
         steps later, when its copy and every reader of the step's views (the step's kernels) have long
         finished (each step's results are read back before the step after next)."""
-        self._staging_turn ^= 1
+        self._staging_turn = (self._staging_turn + 1) % len(self._staging)
         buf = self._staging[self._staging_turn]
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(max(nbytes, 1 << 16) * 2, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -335,6 +350,8 @@ class ModelRunner:
         steps up to the largest capture size); `forward` replays them from then on. Every tensor-parallel
         rank captures the same graphs, in the same order, their all-reduces inside (worker/tp_all_reduce.py);
         `sync` waits for the device (torch.cuda.synchronize by default)."""
+        if self.stage is not None:
+            raise RuntimeError("pipeline-parallel stages run eager: their steps receive and send activations")
         self.graphs = CudaGraphs(self.model, self.config, self.max_model_len, self.device)
         tp = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.graphs.capture(self.device, sync, "thread_local" if tp else "global")
@@ -344,14 +361,32 @@ class ModelRunner:
         """The decode batch sizes captured (none without graphs)."""
         return self.graphs.decode_sizes if self.graphs is not None else []
 
+    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       pending: PendingActivations | None = None) -> torch.Tensor | None:
+        """The model (this pipeline stage's layers) under the context set by the caller: a later stage first takes
+        the previous stage's activations (`pending`, posted earlier, else received now), a stage before the last
+        sends its own to the next one and returns None."""
+        if self.stage is None:
+            return self.model(input_ids, positions)
+        state = self.stage.state
+        intermediate = None
+        if not state.is_first:
+            intermediate = (pending if pending is not None else self.stage.post_recv(input_ids.numel())).wait()
+        out = self.model(input_ids, positions, intermediate)
+        if state.is_last:
+            return out
+        self.stage.send(*out)
+        return None
+
     @torch.inference_mode()
-    def forward(self, x: StepInputs) -> torch.Tensor:
-        """The decoder over the step's tokens (a captured graph when one fits): hidden states [T, hidden]."""
+    def forward(self, x: StepInputs, pending: PendingActivations | None = None) -> torch.Tensor | None:
+        """The decoder over the step's tokens (a captured graph when one fits): hidden states [T, hidden]; None on
+        a pipeline stage before the last (its activations went to the next stage)."""
         hidden = self.graphs.replay(x) if self.graphs is not None and not self.eager_steps else None
         if hidden is None:
             set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q, lora_idx=x.lora_idx)
             try:
-                hidden = self.model(x.input_ids, x.positions)
+                hidden = self._stage_forward(x.input_ids, x.positions, pending)
             finally:
                 reset_context()
         return hidden
@@ -366,9 +401,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, x: StepInputs) -> None:
-        """Forward pass and the LM head (a tensor-parallel rank other than 0: its share of the collectives)."""
-        for _ in self.logit_slices(self.forward(x), x.sample_idx):
-            pass
+        """Forward pass and, on the last pipeline stage, the LM head (a rank other than 0: its share of the
+        collectives and sends)."""
+        hidden = self.forward(x)
+        if hidden is not None:
+            for _ in self.logit_slices(hidden, x.sample_idx):
+                pass
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_async(so)()
@@ -399,8 +437,17 @@ class ModelRunner:
         x = self.prepare(so, rows, plp.flat if plp is not None else ())  # sent to the other TP ranks too
         if timer is not None:
             timer.prepared(t0)
+        if self.stage is not None:  # the last stage: its part runs once the earlier stages are done with the step
+            pending = self.stage.post_recv(x.input_ids.numel())
+            return lambda: self._launch(so, x, rows, plp, timer, t0, pending)()
+        return self._launch(so, x, rows, plp, timer, t0)
+
+    def _launch(self, so: SchedulerOutput, x: StepInputs, rows: list[int], plp, timer: StepTimer | None, t0: float,
+                pending: PendingActivations | None = None) -> Callable[[], ModelRunnerOutput]:
+        """Run the prepared step x on the device (after the previous stage's activations, `pending`) and sample;
+        returns the function that waits for the result."""
         try:
-            hidden = self.forward(x)
+            hidden = self.forward(x, pending)
             if timer is not None:
                 timer.mark()
             logits, prompt_parts = self._logits(hidden, x.sample_idx, len(rows), plp)

@@ -1,4 +1,10 @@
-"""Tensor parallelism: one worker process per rank over torch.distributed (NCCL on GPUs, gloo on CPU).
+"""Tensor and pipeline parallelism: one worker process per rank over torch.distributed (NCCL on GPUs, gloo on CPU).
+
+With pipeline_parallel_size P > 1 there are P x tensor_parallel_size ranks, P stages of TP ranks
+(worker/pipeline.py): rank 0 holds the last stage (LM head, sampling), the first stage's ranks are workers, and
+activations go from stage to stage by point-to-point sends. Every rank still gets every step's command; a stage
+runs its layers on what the previous stage sent. Pipeline stages run eager (no CUDA graphs: a captured step
+would hold its send and receive); each stage's TP all-reduces use NCCL then.
 
 Rank 0 lives in the executor's process and drives the others: per step it writes one command with the
 step's packed inputs (token ids, positions, slots, block tables, lengths) into a ring in shared host
@@ -38,6 +44,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.lora import LoRARequest
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.worker.model_runner import ModelRunner
+from testbed.worker.pipeline import init_parallel_state, reset_parallel_state
 from testbed.worker.shm_broadcast import ShmBroadcast
 from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, resolve_dtype
 from testbed.engine.stepper import ExecutorFailure
@@ -67,7 +74,7 @@ def _timeout() -> datetime.timedelta:
 
 def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, load_format: str, dtype: str,
            device_type: str) -> ModelRunner:
-    """Join the process group as `rank` and load this rank's shard of the model."""
+    """Join the process group as `rank` and load this rank's shard of its pipeline stage's part of the model."""
     from testbed.worker.loader import load_model, load_tokenizer
     if device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -83,6 +90,7 @@ def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, l
         # would then wait on differently named store keys until the timeout. Reset it.
         dist.distributed_c10d._world.group_count = 0
         raise
+    init_parallel_state(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     dt = resolve_dtype(dtype, device)
     in_use = memory_in_use(device)
     net, hf_config = load_model(model, load_format, dt, device, seed=config.seed)
@@ -179,10 +187,23 @@ def _worker_main(rank: int, world: int, port: int, model: str, config: EngineCon
                     runner.lora.host.pop(aid, None)
             else:
                 break
+        if runner.stage is not None:
+            runner.stage.flush()
     except BaseException:
         _report_and_exit(report, rank, phase)
     close_tp_all_reduce()
     dist.destroy_process_group()
+
+
+def check_pipeline(model: str, config: EngineConfig, load_format: str) -> None:
+    """A clear error before any process starts when the model cannot be split into the pipeline's stages."""
+    if config.pipeline_parallel_size == 1:
+        return
+    from testbed.specs.partition import pp_partition
+    from testbed.worker.loader import model_config
+    layers = model_config(model, load_format).get("num_hidden_layers")
+    if layers is not None:  # a GGUF file's config comes with its weights: checked when the model is built
+        pp_partition(int(layers), config.pipeline_parallel_size)
 
 
 def _free_port() -> int:
@@ -192,7 +213,7 @@ def _free_port() -> int:
 
 
 class MultiprocExecutor:
-    """tensor_parallel_size > 1: rank 0 here, ranks 1.. in spawned worker processes."""
+    """tensor_parallel_size x pipeline_parallel_size > 1: rank 0 here, ranks 1.. in spawned worker processes."""
 
     def __init__(self, model: str, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
                  device: str | None = None, enforce_eager: bool = False) -> None:
@@ -202,10 +223,13 @@ class MultiprocExecutor:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed process group already exists in this process; "
                                "one tensor-parallel engine per process")
-        self.world = world = config.tensor_parallel_size
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.world = world = tp * pp
         dev = resolve_device(device)
         if dev.type == "cuda" and torch.cuda.device_count() < world:
-            raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs, found {torch.cuda.device_count()}")
+            what = f"--tensor-parallel-size {tp}" + (f" x --pipeline-parallel-size {pp}" if pp > 1 else "")
+            raise ValueError(f"{what} needs {world} GPUs, found {torch.cuda.device_count()}")
+        check_pipeline(model, config, load_format)
         self.model_path = model
         port = _free_port()
         ctx = mp.get_context("spawn")
@@ -213,7 +237,8 @@ class MultiprocExecutor:
         pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]
         self._report_conns: dict[int, Connection] = {r: recv for r, (recv, _) in enumerate(pipes, 1)}
         self._reports: dict[int, tuple[str, str, str]] = {}  # rank -> (phase, exception type, traceback) it sent
-        self._commands = ShmBroadcast.create(world - 1)
+        # a pipeline keeps up to pp steps in flight, whose commands a stage's ranks may not have read yet
+        self._commands = ShmBroadcast.create(world - 1, num_slots=8 * pp)
         self.procs = [ctx.Process(target=_worker_main, name=f"testbed-tp-rank{r}", daemon=True,
                                   args=(r, world, port, model, config, load_format, dtype, dev.type, started, send,
                                         self._commands.spec))
@@ -244,7 +269,11 @@ class MultiprocExecutor:
             self.num_cpu_blocks = config.cpu_blocks(self.runner.block_bytes)  # the same on every rank
             self._send(CMD_ALLOC, arg=blocks, payload=np.array([self.num_cpu_blocks], dtype=np.int64).view(np.uint8))
             self.runner.allocate_kv_cache(blocks, self.num_cpu_blocks)
-            if self.device.type == "cuda" and not enforce_eager:
+            if self.device.type == "cuda" and not enforce_eager and pp > 1:
+                logger.warning("pipeline parallelism (--pipeline-parallel-size %d): every step runs eager on every "
+                               "stage, without CUDA graphs (a captured step cannot hold its activations' send and "
+                               "receive)", pp)
+            elif self.device.type == "cuda" and not enforce_eager:
                 self._capture()
         except BaseException as e:
             self._startup_failed(e)
@@ -456,6 +485,10 @@ class MultiprocExecutor:
             conn.close()
         self._report_conns.clear()
         close_tp_all_reduce()
+        runner = getattr(self, "runner", None)
+        if runner is not None and runner.stage is not None and self._failure is None:
+            runner.stage.flush()
+        reset_parallel_state()
         if dist.is_initialized():
             dist.destroy_process_group()
         atexit.unregister(self.shutdown)  # the registration holds this executor (and its GPU memory) alive

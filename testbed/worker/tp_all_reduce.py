@@ -20,6 +20,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from testbed.worker.pipeline import get_parallel_state
+
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV = "TESTBED_TP_ALL_REDUCE"  # auto (symmetric memory where available) | nccl
@@ -85,6 +87,10 @@ def init_tp_all_reduce(max_tokens: int, hidden_size: int, dtype: torch.dtype, de
     _symmetric = None
     if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() < 2:
         return False
+    state = get_parallel_state()
+    if state is not None and state.pp_size > 1:  # every rank knows: none takes part in the collective below
+        logger.info("pipeline parallelism: each stage's tensor-parallel all-reduces use NCCL (its steps run eager)")
+        return False
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in ("auto", "nccl"):
         raise ValueError(f"{BACKEND_ENV}={choice!r}: expected 'auto' or 'nccl'")
@@ -111,7 +117,8 @@ def all_reduce(x: torch.Tensor, first: bool = False) -> torch.Tensor:
     all-reduce of a forward (see SymmetricAllReduce)."""
     if _symmetric is not None and _symmetric.fits(x):
         return _symmetric(x, first)
-    dist.all_reduce(x)
+    state = get_parallel_state()
+    dist.all_reduce(x, group=state.tp_group if state is not None else None)
     return x
 
 

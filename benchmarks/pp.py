@@ -1,0 +1,210 @@
+"""Pipeline-parallel benchmark (needs 2 GPUs of one host): PP=2 against TP=2 against DP=2, real and simulated.
+
+  python benchmarks/pp.py --model Llama-3.1-8B --out pp_results/ [--rate 6 --limit 400] [--parity-only]
+
+1. Parity: greedy tokens and logprobs of 8 prompts at PP=2 against PP=1 (dummy bf16 weights: each parameter is
+   seeded by its name, so both engines hold the same model); the tokens must agree and the logprobs to bf16 rounding.
+2. Send/recv microbenchmark (2 ranks, NCCL, bf16): one stage-to-stage message of a step's activations
+   ([2, tokens, hidden]) over the token counts a step has, timed and fitted as time = latency + bytes / bandwidth:
+   the numbers the simulator's transfer term takes (sim/pipeline.py: p2p_latency_s, p2p_bandwidth).
+3. Engine cases (dummy weights, max_model_len 4096), each in a process of its own so its GPU memory is gone
+   before the next one profiles: pp2 (2 stages, eager), tp2 (2 ranks, CUDA graphs), dp2 (2 replicas, CUDA graphs).
+   Per case: the median decode step at batch 64 (512-token prompts; with PP, one batch's way through both stages)
+   except DP, and offline output tok/s on benchmarks/e2e.py's 256-request workload.
+4. Serving: `testbed replay` of the Azure conversation trace at one rate (`--rate`, `--limit` requests) for each
+   layout, then `testbed simulate` of the same requests with the shipped profile (or the roofline where none
+   ships), and the simulator's error on throughput and TTFT/TPOT mean and p50 (what RESULTS reports).
+Everything lands under --out (results.json, the run directories, logs).
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from e2e import workload  # benchmarks/e2e.py: the same 256-request workload
+from tp import _fit, decode_step_ms, on_two_ranks  # benchmarks/tp.py: the same fit, decode-step measure, 2 ranks
+from testbed import LLM, SamplingParams
+from testbed.specs.presets import get_model_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
+LAYOUTS = {"pp2": ["-pp", "2"], "tp2": ["-tp", "2"], "dp2": ["-dp", "2"]}
+
+
+def _p2p_worker(rank: int, port: int, hidden: int, q) -> None:
+    faulthandler.dump_traceback_later(240, exit=True)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rows = []
+    for n in TOKENS:
+        buf = torch.randn(2, n, hidden, dtype=torch.bfloat16, device="cuda")
+        for _ in range(5):
+            dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+        torch.cuda.synchronize()
+        dist.barrier()
+        reps = 50
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+        end.record()
+        torch.cuda.synchronize()
+        if rank == 1:  # the receiver's view: until the message is there
+            rows.append({"tokens": n, "bytes": buf.numel() * 2, "send_recv_us": start.elapsed_time(end) / reps * 1e3})
+    if rank == 1:
+        q.put(rows)
+    dist.destroy_process_group()
+
+
+def p2p_bench(hidden: int) -> dict:
+    rows = on_two_ranks(_p2p_worker, hidden)
+    return {"rows": rows, "fit": _fit(rows, "send_recv_us")}
+
+
+def greedy(llm: LLM, vocab: int) -> list[dict]:
+    prompts = [[(7 * i + 3 * j) % (vocab - 10) + 5 for j in range(64 + 16 * i)] for i in range(8)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1))
+    return [{"tokens": list(o.outputs[0].token_ids),
+             "logprobs": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+            for o in outs]
+
+
+def parity_case(model: str, pp: int) -> list[dict]:
+    llm = LLM(model, load_format="dummy", pipeline_parallel_size=pp, max_num_seqs=64, max_model_len=4096,
+              gpu_memory_utilization=0.85)
+    try:
+        return greedy(llm, get_model_spec(model).vocab_size)
+    finally:
+        llm.shutdown()
+
+
+def engine_case(model: str, layout: str, n_requests: int) -> dict:
+    kw = {"pp2": dict(pipeline_parallel_size=2), "tp2": dict(tensor_parallel_size=2),
+          "dp2": dict(data_parallel_size=2)}[layout]
+    t0 = time.perf_counter()
+    llm = LLM(model, load_format="dummy", max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096,
+              gpu_memory_utilization=0.85, **kw)
+    res = {"layout": layout, "load_s": time.perf_counter() - t0}
+    try:
+        if layout != "dp2":
+            res["num_gpu_blocks"] = llm.executor.num_gpu_blocks
+            res["decode_ms_b64"] = decode_step_ms(llm, 64)
+        prompts, outs = workload(n_requests, get_model_spec(model).vocab_size)
+        t = time.perf_counter()
+        r = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs])
+        dt = time.perf_counter() - t
+        res["throughput_output_tok_s"] = sum(len(x.outputs[0].token_ids) for x in r) / dt
+    finally:
+        llm.shutdown()
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def _child(fn, args, conn) -> None:
+    faulthandler.dump_traceback_later(590, exit=True)
+    conn.send(fn(*args))
+
+
+def in_child(fn, *args, timeout: float = 600):
+    """fn(*args) in a fresh spawned process (its GPU memory is gone when it ends), with a wall-clock bound."""
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(fn, args, send))
+    proc.start()
+    send.close()
+    try:
+        if not recv.poll(timeout):
+            raise TimeoutError(f"{fn.__name__}{args} did not finish in {timeout:g} s")
+        return recv.recv()
+    finally:
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def testbed(args: list[str], log: Path, timeout: float = 900) -> dict:
+    cmd = [sys.executable, "-c", "import sys; from testbed.cli import main; sys.exit(main())", *args, "--format", "json"]
+    with open(log, "w") as err:
+        out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"exit code {out.returncode}: {' '.join(args)}\n{log.read_text()[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def serving(model: str, gpu: str, rate: float, limit: int, out: Path) -> dict:
+    trace = str(ROOT / "traces" / "azure_conv_10min.jsonl")
+    common = ["--request-rate", str(rate), "--limit", str(limit), "--max-model-len", "4096"]
+    res = {}
+    for layout, flags in LAYOUTS.items():
+        real_dir, sim_dir = out / f"real-{layout}", out / f"sim-{layout}"
+        real = testbed(["replay", trace, "--model", model, "--load-format", "dummy", *flags, *common,
+                        "-o", str(real_dir)], out / f"real-{layout}.log")
+        sim = testbed(["simulate", trace, "--model", model, "--gpu", gpu, *flags, *common, "--num-gpu-blocks",
+                       str(json.loads((real_dir / "manifest.json").read_text())["num_gpu_blocks"]),
+                       "--no-progress", "-o", str(sim_dir)], out / f"sim-{layout}.log")
+        row = {"cost_model": sim["cost_model"]}
+        for key, q in (("output_throughput", None), ("ttft_s", "mean"), ("ttft_s", "p50"), ("tpot_s", "mean"),
+                       ("tpot_s", "p50")):
+            r, s = (x[key] if q is None else x[key][q] for x in (real, sim))
+            name = key if q is None else f"{key}_{q}"
+            row[name] = {"real": r, "sim": s, "error": None if not r else (s - r) / r}
+        res[layout] = row
+        print(layout, json.dumps(row), flush=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="Llama-3.1-8B")
+    ap.add_argument("--gpu", default=None, help="the simulator's GPU preset (default: from the device name)")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--rate", type=float, default=6.0, help="requests/s of the serving runs")
+    ap.add_argument("--limit", type=int, default=400, help="requests of the serving runs")
+    ap.add_argument("--parity-only", action="store_true")
+    ap.add_argument("--out", default="pp_results")
+    args = ap.parse_args()
+    if torch.cuda.device_count() < 2:
+        print("benchmarks/pp.py needs 2 GPUs", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from testbed.specs.hardware import get_gpu_spec
+    spec = get_model_spec(args.model)
+    gpu = args.gpu or get_gpu_spec(torch.cuda.get_device_name().removeprefix("NVIDIA ")).name
+    res: dict = {"gpu": torch.cuda.get_device_name(), "model": spec.name, "date": time.strftime("%Y-%m-%d"),
+                 "torch": torch.__version__}
+    one, two = in_child(parity_case, args.model, 1), in_child(parity_case, args.model, 2)
+    res["parity"] = {"tokens_equal": [a["tokens"] == b["tokens"] for a, b in zip(one, two)],
+                     "max_logprob_diff": max(float(np.max(np.abs(np.subtract(a["logprobs"], b["logprobs"]))))
+                                             for a, b in zip(one, two) if a["tokens"] == b["tokens"]) if any(
+                         a["tokens"] == b["tokens"] for a, b in zip(one, two)) else None}
+    print(json.dumps(res["parity"]), flush=True)
+    if not args.parity_only:
+        res["p2p"] = p2p_bench(spec.hidden_size)
+        print(json.dumps(res["p2p"]["fit"]), flush=True)
+        res["cases"] = {}
+        for layout in LAYOUTS:
+            try:
+                res["cases"][layout] = in_child(engine_case, args.model, layout, args.num_requests)
+            except (RuntimeError, TimeoutError, EOFError) as e:
+                res["cases"][layout] = {"error": str(e)}
+        res["serving"] = serving(args.model, gpu, args.rate, args.limit, out)
+    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {out / 'results.json'}")
+    return 0 if all(res["parity"]["tokens_equal"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
