@@ -248,7 +248,7 @@ def test_stages_split_the_step_and_queue_behind_each_other(rows, decode, pp):
     """The host, layers and LM head parts sum to the one-stage step time; a lone batch takes host + every stage +
     P-1 transfers; P identical batches launched together finish one bottleneck resource's time apart."""
     from testbed.sim.pipeline import PipelineCostModel
-    from testbed.profiling.synthetic import StepFactory
+    from testbed.profiling.synthetic_steps import StepFactory
     model, gpu, bases = _cost_models()
     so = StepFactory(1 << 20, 16, model.vocab_size).step([(c + 1, 1, True) if decode else (c, n, False)
                                                           for c, n in rows])

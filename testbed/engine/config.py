@@ -101,6 +101,9 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens",
              f"({self.max_num_batched_tokens}) must be >= --max-num-seqs ({self.max_num_seqs}) so every running "
              "sequence can decode in one step; raise it or lower --max-num-seqs")
+        need(not (self.enable_lora and self.pipeline_parallel_size > 1), "enable_lora",
+             f"LoRA adapters are not split across pipeline stages yet; drop --enable-lora or use "
+             f"--pipeline-parallel-size 1 (--tensor-parallel-size splits adapters)")
         need(not (self.async_scheduling and self.pipeline_parallel_size > 1), "async_scheduling",
              f"cannot be combined with --pipeline-parallel-size {self.pipeline_parallel_size}: pipeline parallelism "
              "already keeps several batches in flight (its batch queue); drop --async-scheduling")
