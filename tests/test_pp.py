@@ -303,3 +303,24 @@ def test_a_pipeline_script_without_a_main_guard_fails_at_once_with_an_explanatio
     assert bad.returncode != 0 and "tokens" not in bad.stdout
     assert "worker was asked to build an engine while starting up" in bad.stderr
     assert "worker died during startup: rank 1" in bad.stderr and 'if __name__ == "__main__":' in bad.stderr
+
+
+def test_each_data_parallel_replica_has_stages_of_its_own():
+    """DP=2 x PP=2: two equal requests arriving together, one per replica, are served in the same time (shared
+    stages would queue one behind the other)."""
+    from testbed.engine.config import EngineConfig
+    from testbed.sim.cluster import simulate
+    from testbed.sim.cost_model import RooflineCostModel
+    from testbed.sim.pipeline import PipelineCostModel
+    from testbed.specs.hardware import get_gpu_spec
+    from testbed.specs.presets import get_model_spec
+    from testbed.workload.trace import TraceRequest
+    model, gpu = get_model_spec("Llama-3.1-8B"), get_gpu_spec("H100-SXM")
+    config = EngineConfig(data_parallel_size=2, pipeline_parallel_size=2, dp_policy="round_robin")
+    cm = PipelineCostModel(RooflineCostModel(model, gpu), model, gpu, 2)
+    trace = [TraceRequest(f"r{i}", 0.0, 300, 20) for i in range(2)]
+    res = simulate(trace, config, cm, 1000, 4096, model.vocab_size)
+    cols = res.records.request_columns()
+    assert sorted(cols["replica"]) == [0, 1]
+    assert cols["first_token"][0] == pytest.approx(cols["first_token"][1], rel=1e-9)
+    assert cols["finish"][0] == pytest.approx(cols["finish"][1], rel=1e-9)

@@ -194,6 +194,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         oldest first when the real run updated it before that."""
         eng, pp = engines[r], config.pipeline_parallel_size
         recorded = not isinstance(cost_model, PipelineCostModel)
+        stages = cost_model.for_replica()  # this replica's stages: busy with its batches only
         queue: deque = deque()  # (SchedulerOutput, ModelRunnerOutput, end time), oldest first
         while True:
             if not eng.requests and not queue:
@@ -203,14 +204,14 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 yield wake[r]
                 state["idle"].discard(r)
             if len(queue) < pp:
-                t = cost_model.next_launch(env.now, bool(queue))
+                t = stages.next_launch(env.now, bool(queue))
                 if not (recorded and queue and queue[0][2] <= t):
                     if t > env.now:
                         yield env.timeout(t - env.now)
                     so = eng.schedule(env.now)
                     if not so.is_empty:
                         out = ModelRunnerOutput(executor.sampled(so), 0.0)
-                        queue.append((so, out, cost_model.launch(so, env.now)))
+                        queue.append((so, out, stages.launch(so, env.now)))
                         if len(queue) < pp:
                             continue
                     elif not queue:

@@ -31,6 +31,7 @@ itself, and `p2p_bandwidth` / `p2p_latency_s` take its numbers.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 from testbed.engine.outputs import SchedulerOutput
@@ -59,6 +60,12 @@ class PipelineCostModel:
         self._bytes_per_token = 2 * model.hidden_size * dtype_bytes
         self.free = [0.0] * (pipeline_parallel_size + 1)  # host, then each stage: when it is done with its last batch
         self.async_scheduling = False
+
+    def for_replica(self) -> "PipelineCostModel":
+        """The same model over stages of their own (each data-parallel replica has its GPUs)."""
+        twin = copy.copy(self)
+        twin.free = [0.0] * (self.pp + 1)
+        return twin
 
     def transfer_time(self, so: SchedulerOutput) -> float:
         """One stage-to-stage send of the step's activations."""
@@ -139,3 +146,6 @@ class RecordedPipeline:
 
     def step_time(self, so: SchedulerOutput) -> float:
         return 0.0  # unused: launch gives the end
+
+    def for_replica(self) -> "RecordedPipeline":
+        return self  # one replica's timeline
