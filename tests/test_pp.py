@@ -188,7 +188,7 @@ def test_smollm2_uneven_pp4_matches_hf_and_the_simulator_replays_its_batches(tmp
     from test_parity import FLAGS, REQUEST_OUTCOMES, STEP_DECISIONS, write_trace
     from testbed.cli import main
     from testbed.cli_args import ArgumentParser, add_engine_args, engine_config
-    from testbed.replay import run_replay
+    from testbed.entrypoints.replay import run_replay
     from testbed.worker.smollm2 import default_model_dir
     folder = str(default_model_dir())
     # the engine of test_parity's replay: a cache of 9 blocks of 16 tokens, so requests are preempted
