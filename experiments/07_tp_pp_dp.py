@@ -82,7 +82,7 @@ fitting = fits[fits["fits"]]
 
 # %%
 trace = experiment.trace_path(full, "traces/azure_conv_10min.jsonl", "azure_llm_2023_conv.csv")
-limit, rates = (None, [1, 2, 4, 6, 8, 12, 16, 24, 32]) if full else (200, [1, 2, 4, 8])
+limit, rates = (None, [1, 2, 4, 6, 8, 12, 16, 24, 32]) if full else (150, [1, 4, 8])
 common = dict(model=model, gpu=gpu, cost_model="roofline", seed=seed, slo_ttft=slo_ttft_s, slo_tpot=slo_tpot_s,
               limit=limit)
 configs = [{**common, "name": f"dp{r.dp}-pp{r.pp}-tp{r.tp}-rate{rate}", "data_parallel_size": r.dp,
