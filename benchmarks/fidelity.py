@@ -73,6 +73,8 @@ def real(args: argparse.Namespace) -> None:
                                 reps=args.reps)
         Path(args.profile_out).write_text(json.dumps(prof, indent=1) + "\n")
         print(f"[fidelity] profile in {prof['sweep_wall_s']:.0f} s -> {args.profile_out}", flush=True)
+    if args.quick_base:
+        quick_rescale_here(executor, base, args.quick_base, args.quick_out or str(out / "quick_profile.json"))
     names = [c.name for c in CASES] if args.cases in (None, "all") else [] if args.cases == "none" else args.cases.split(",")
     sat: dict[str, float] = {}
     for case in (c for c in CASES if c.name in names):
@@ -92,9 +94,41 @@ def real(args: argparse.Namespace) -> None:
         print(f"[fidelity] {case.name}: rate {rate:.2f}/s, {s['num_finished']} done ({s['num_rejected']} rejected) in "
               f"{time.perf_counter() - t:.0f} s, {s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_s']['p50']} s, "
               f"TPOT p50 {s['tpot_s']['p50']} s, batch {s['mean_batch_size']:.1f}", flush=True)
+        if case.name in (args.eager_cases or "").split(","):  # the same arrivals with every step eager: before/after
+            executor.runner.eager_steps = True
+            try:
+                t = time.perf_counter()
+                _, e = run_replay(str(TRACES / case.trace), cfg, model=args.model, load_format="dummy",
+                                  request_rate=rate, limit=min(case.limit, args.limit or case.limit),
+                                  output=out / f"{case.name}-eager", executor=executor)
+            finally:
+                executor.runner.eager_steps = False
+            manifest = out / f"{case.name}-eager" / "manifest.json"
+            m = json.loads(manifest.read_text())
+            m["execution"] = {"cuda_graphs": False, "why": "every step eager (the runner's eager_steps), to compare "
+                              f"with {case.name} on the same executor"}
+            manifest.write_text(json.dumps(m, indent=1) + "\n")
+            print(f"[fidelity] {case.name}-eager: {e['num_finished']} done in {time.perf_counter() - t:.0f} s, "
+                  f"{e['request_throughput']:.2f} req/s, TTFT p50 {e['ttft_s']['p50']} s, TPOT p50 "
+                  f"{e['tpot_s']['p50']} s", flush=True)
         with tarfile.open(tarball, "w:gz") as tar:  # after every case: a timeout keeps them
             tar.add(out, arcname=out.name)
     executor.shutdown()
+
+
+def quick_rescale_here(executor, config, base_path: str, out_path: str) -> None:
+    """`testbed profile --quick` on the executor already built: the base profile rescaled to this machine."""
+    from testbed.profiling.sweep import device_name
+    from testbed.sim.quick_rescale import check_base, measure_anchors, rescale_to_machine
+    base = json.loads(Path(base_path).read_text())
+    check_base(base, base_path, config)
+    t = time.perf_counter()
+    samples, records = measure_anchors(executor, config, base)
+    machine = {"device_name": device_name(executor.runner.device), "measure_s": round(time.perf_counter() - t, 2)}
+    prof, before, after = rescale_to_machine(base, base_path, samples, records, machine)
+    Path(out_path).write_text(json.dumps(prof, indent=1) + "\n")
+    print(f"[fidelity] quick rescale of {base_path} in {machine['measure_s']:.0f} s: scales {prof['scales']}; anchor "
+          f"MAPE {before['mape']:.1%} -> {after['mape']:.1%} -> {out_path}", flush=True)
 
 
 # ---- CPU side ---------------------------------------------------------------------------------------
@@ -243,6 +277,9 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--budget-s", type=float, default=540.0, help="skip the remaining cases after this many seconds")
     p.add_argument("--limit", type=int, default=None, help="at most this many requests per case (smoke tests)")
+    p.add_argument("--quick-base", default=None, help="rescale this profile to the machine first (profile --quick)")
+    p.add_argument("--quick-out", default=None, help="where the rescaled profile goes (default: OUT/quick_profile.json)")
+    p.add_argument("--eager-cases", default=None, help="comma-separated cases to replay again with every step eager")
     p.set_defaults(func=real)
     p = sub.add_parser("sim")
     p.add_argument("dirs", nargs="+", help="folders holding the real run directories")
