@@ -4,7 +4,8 @@ real-GPU timing on a machine without one (`testbed serve --emulate`).
 
 Timing: a step ends at (its schedule time + predicted step time); the executor sleeps whatever of that the
 engine's own host work has not already used. Under async scheduling a step starts on the "device" when the
-previous one ends, as on a GPU. Tokens: each request echoes its prompt, one token per step (never EOS), so
+previous one ends, as on a GPU; with pipeline parallelism a batch crosses the emulated stages of sim/pipeline.py
+(the engine keeps up to P in flight), ending when it leaves the last. Tokens: each request echoes its prompt, one token per step (never EOS), so
 text prompts give readable output and requests end at max_tokens or a stop condition. Embeddings (pooling
 requests) are synthetic too, of the model's hidden size: the prompt's token ids counted modulo it (MEAN), or
 the last one's position set (LAST), normalised as asked; equal prompts get equal vectors.
@@ -41,7 +42,8 @@ class EmulatedExecutor:
         self.max_model_len = config.max_model_len or spec.max_position_embeddings
         self.num_gpu_blocks = config.num_gpu_blocks or num_gpu_blocks(spec, gpu_spec, config.block_size,
                                                                       config.gpu_memory_utilization,
-                                                                      config.tensor_parallel_size)
+                                                                      config.tensor_parallel_size,
+                                                                      pipeline_parallel_size=config.pipeline_parallel_size)
         self.num_cpu_blocks = config.cpu_blocks(kv_block_bytes(spec, config.block_size, config.tensor_parallel_size))
         self.eos_token_id = None
         self.vocab_size = spec.vocab_size
@@ -112,8 +114,11 @@ class EmulatedExecutor:
     def execute_async(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Launch: the step starts when the emulated device is free; the returned function waits for its end."""
         d = self._predict(so)
-        end = max(self._device_free, self.clock()) + d
-        self._device_free = end
+        if hasattr(self.cost, "launch"):  # pipeline stages: the batch queues behind earlier ones stage by stage
+            end = self.cost.launch(so, self.clock())
+        else:
+            end = max(self._device_free, self.clock()) + d
+            self._device_free = end
         tokens, pooled = self._tokens(so), self._pooled(so)
 
         def result() -> ModelRunnerOutput:
