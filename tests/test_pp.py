@@ -324,3 +324,9 @@ def test_each_data_parallel_replica_has_stages_of_its_own():
     assert sorted(cols["replica"]) == [0, 1]
     assert cols["first_token"][0] == pytest.approx(cols["first_token"][1], rel=1e-9)
     assert cols["finish"][0] == pytest.approx(cols["finish"][1], rel=1e-9)
+
+
+def test_busy_time_counts_overlapping_batches_once():
+    from testbed.engine.metrics import _covered
+    # replica 0: [0, 2] and [1, 3] overlap, [5, 6] apart; replica 1: [0, 1]
+    assert _covered([0, 0, 0, 1], [0.0, 1.0, 5.0, 0.0], [2.0, 2.0, 1.0, 1.0]) == pytest.approx(3 + 1 + 1)

@@ -106,6 +106,22 @@ def check_slos(slo_ttft: float | None, slo_tpot: float | None) -> None:
             raise ValueError(f"{flag} must be a finite number of seconds > 0, got {v}")
 
 
+def _covered(replicas, starts, durations) -> float:
+    """The time some step was in flight, summed over replicas: a pipeline-parallel run's steps overlap (each spans
+    its batch's way through the stages), so their durations add up to more than the time the engine was busy."""
+    total = 0.0
+    order = np.lexsort((np.asarray(starts, dtype=np.float64), np.asarray(replicas)))
+    rep, end = None, -np.inf
+    for i in order:
+        a, b = float(starts[i]), float(starts[i]) + float(durations[i])
+        if replicas[i] != rep:
+            rep, end = replicas[i], -np.inf
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def summarize(requests: dict[str, list], steps: dict[str, list], itl: list[float],
               slo_ttft: float | None = None, slo_tpot: float | None = None,
               prefix_queries: int = 0, prefix_hits: int = 0) -> dict[str, Any]:
@@ -131,7 +147,7 @@ def summarize(requests: dict[str, list], steps: dict[str, list], itl: list[float
         good += ok
 
     dur = np.asarray(steps["duration"], dtype=np.float64)
-    busy = float(dur.sum())
+    busy = float(dur.sum()) if "num_in_flight" not in steps else _covered(steps["replica"], steps["start"], dur)
     used = np.asarray(steps["kv_blocks_used"], dtype=np.float64)
     total = np.asarray(steps["kv_blocks_total"], dtype=np.float64)
     kv = used / np.where(total > 0, total, 1.0)
