@@ -142,12 +142,6 @@ class EngineConfig:
                  f"({self.max_num_batched_tokens}) must be >= --max-model-len ({self.max_model_len}) when chunked "
                  "prefill is off, or a long prompt could never be scheduled")
 
-    @property
-    def max_in_flight(self) -> int:
-        """The most batches the engine keeps in flight: one per pipeline stage (vLLM V1's batch queue), two with
-        async scheduling (the one running and the one scheduled next), else one."""
-        return self.pipeline_parallel_size if self.pipeline_parallel_size > 1 else 1 + self.async_scheduling
-
     def to_dict(self) -> dict:
         return asdict(self)
 
