@@ -155,3 +155,29 @@ def test_a_beam_group_holds_fewer_blocks_than_as_many_independent_requests():
     alone = blocks_after([Request(f"r{i}", prompt, SamplingParams(max_tokens=16), 0.0) for i in range(4)], 13)
     assert alone == 4 * (-(-(40 + 12) // 4)) and beams < alone
     assert beams <= 40 // 4 + 4 * (-(-12 // 4) + 1)  # one copy of the prompt, then each beam's own blocks
+
+
+def test_simulate_runs_beam_search_requests_from_a_trace(tmp_path, capsys):
+    """`beam_width` in a trace line makes that request a beam search in `testbed simulate`: its beams share
+    blocks, copy on write (charged by the cost model), and swap with the rest under pressure."""
+    import json
+
+    from testbed.cli import main
+    from testbed.workload.trace import load_trace
+    trace = tmp_path / "beams.jsonl"
+    rows = [{"id": f"r{i}", "arrival_s": 0.001 * i, "input_tokens": 100 + 7 * i, "output_tokens": 40,
+             **({"beam_width": 4} if i % 2 == 0 else {})} for i in range(8)]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r.beam_width for r in load_trace(trace)] == [4, None] * 4
+    flags = ["--model", "Llama-3.2-1B", "--gpu", "H100", "--cost-model", "roofline", "--num-gpu-blocks", "60",
+             "--block-size", "16", "--no-progress", "--format", "json"]
+    assert main(["simulate", str(trace), *flags, "--preemption-mode", "swap", "--num-cpu-blocks", "200",
+                 "-o", str(tmp_path / "swap")]) == 0
+    swap = json.loads(capsys.readouterr().out)
+    assert swap["num_finished"] == 8 and swap["num_blocks_copied"] > 0 and swap["num_swap_preemptions"] > 0
+    assert main(["simulate", str(trace), *flags, "-o", str(tmp_path / "recompute")]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["num_finished"] == 8 and rec["num_preemptions"] > 0 and rec["num_swap_preemptions"] == 0
+    import pandas as pd
+    reqs = pd.read_parquet(tmp_path / "swap" / "requests.parquet")
+    assert (reqs["output_tokens"] == 40).all()  # a beam search's output is its best beam's

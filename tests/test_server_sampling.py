@@ -323,3 +323,28 @@ def test_the_api_reference_lists_exactly_the_request_fields():
     named = {n for line in listed for n in re.findall(r"`([a-z_]+)`", line)}
     fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
     assert named == fields, (sorted(fields - named), sorted(named - fields))
+
+
+def test_use_beam_search_through_extra_body(client, tok, hf):
+    """vLLM's `use_beam_search` with n beams: /v1/completions returns transformers' beams best first (EOS
+    ignored, fixed length), /v1/chat/completions n beams of the conversation; what a beam search cannot take is
+    refused by name."""
+    import copy
+    ids = tok.encode(PROMPT)
+    out = _completion(client, max_tokens=5, n=3, extra_body={"use_beam_search": True, "ignore_eos": True})
+    config = copy.deepcopy(hf.generation_config)
+    config.eos_token_id, config.pad_token_id = None, 0
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          generation_config=config, num_beams=3, num_return_sequences=3, do_sample=False,
+                          max_new_tokens=5)
+    assert [c.model_extra["token_ids"] for c in out.choices] == [r[len(ids):] for r in ref.tolist()]
+    assert [c.index for c in out.choices] == [0, 1, 2] and {c.finish_reason for c in out.choices} == {"length"}
+    assert out.choices[0].text == tok.decode(ref[0, len(ids):]) and out.usage.completion_tokens == 15
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
+                                          max_tokens=4, n=2, extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
+    with pytest.raises(openai.BadRequestError, match="use_beam_search does not take stop"):
+        _completion(client, n=2, stop=["."], extra_body={"use_beam_search": True})
+    with pytest.raises(openai.BadRequestError, match="n \\(the beam width\\)"):
+        _completion(client, n=11, extra_body={"use_beam_search": True})

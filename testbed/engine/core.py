@@ -122,9 +122,9 @@ class EngineCore:
                     f"or enable chunked prefill")
         bp = req.beam_params
         if bp is not None:
-            if self.config.async_scheduling:
+            if self.config.async_scheduling or self.config.pipeline_parallel_size > 1:
                 return ("beam search chooses each step's beams before the next step is scheduled, which "
-                        "--async-scheduling does not wait for; drop --async-scheduling")
+                        "--async-scheduling and pipeline parallelism do not wait for; drop them")
             if bp.beam_width > self.config.max_num_seqs:
                 return (f"beam_width {bp.beam_width} exceeds --max-num-seqs ({self.config.max_num_seqs}), which "
                         "counts every beam; lower the width or raise --max-num-seqs")

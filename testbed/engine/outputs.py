@@ -52,6 +52,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     num_swapped_out: int = 0  # preempted requests of this step that were swapped out (the others recompute)
+    has_beams: bool = False  # a beam search is running: its rows (its prompt's, its beams') need top logprobs
 
     @property
     def num_reqs(self) -> int:

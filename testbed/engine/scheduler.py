@@ -86,6 +86,7 @@ class Scheduler:
         self.num_swapped_in_blocks = 0   # and back
         self.num_swap_preemptions = 0    # preemptions that swapped (the others recomputed)
         self.beam_extra = 0  # sequences of the running beam groups beyond one each (max_num_seqs counts every beam)
+        self.running_groups = 0  # running beam groups: while 0, no step has a beam row
         self.finished_req_ids: list[str] = []
         self.num_preemptions = 0
         self.num_structured = 0  # live requests carrying a grammar: while 0, steps do not count them
@@ -126,6 +127,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         if req.beam_params is not None:
             self.beam_extra += req.beam_params.beam_width - 1
+            self.running_groups += 1
         if req.lora_request is not None:
             self._lora_change(req, 1)
         if self.fcfs:
@@ -142,6 +144,7 @@ class Scheduler:
             self._lora_change(victim, -1)
         if victim.beam_params is not None:
             self.beam_extra -= victim.beam_params.beam_width - 1
+            self.running_groups -= 1
         # a beam group is one unit: its beams' blocks (shared ones once) or its prompt's, while it computes that
         ids = [s.request_id for s in victim.beams] if victim.beams is not None else [victim.request_id]
         victim.num_preemptions += 1
@@ -350,6 +353,7 @@ class Scheduler:
         so.sum_context_tokens += ctx
         so.sum_attn_pairs += pairs
         so.max_context_tokens = max(so.max_context_tokens, maxc)
+        so.has_beams = self.running_groups > 0
         if self.lora is not None:
             self._assign_slots(so)
         if self.num_structured:
@@ -373,6 +377,7 @@ class Scheduler:
             self.swapped.remove(req)
         if req.status == RequestStatus.RUNNING and req.beam_params is not None:
             self.beam_extra -= req.beam_params.beam_width - 1
+            self.running_groups -= 1
         req.status = status
         self.num_structured -= req.structured
         self.block_manager.free(req.request_id)

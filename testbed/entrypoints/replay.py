@@ -85,7 +85,7 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
             now = llm.now()
             while i < len(trace) and trace[i].arrival_s <= now:
                 tr = trace[i]
-                llm.add_request(tr.id, prompts[i], tr.sampling_params(), arrival_time=tr.arrival_s,
+                llm.add_request(tr.id, prompts[i], tr.beam_params() or tr.sampling_params(), arrival_time=tr.arrival_s,
                                 priority=tr.priority, lora_request=None if tr.lora is None else loras[tr.lora])
                 i += 1
             if llm.has_unfinished_requests():

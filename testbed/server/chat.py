@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from testbed.text.chat_utils import apply_chat_template
 from testbed.engine.params import MAX_LOGPROBS
 from testbed.server.schemas import ChatCompletionRequest, ChatMessage, bad_request
-from testbed.server.params import request_params, truncate_prompts
+from testbed.server.params import beam_search_params, request_params, truncate_prompts
 from testbed.server.serving import GenerationRun, floor_logprob, prompt_logprobs_json
 from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
@@ -68,7 +68,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     prompt = await state.run_blocking(render_chat, state, req.messages, req.add_generation_prompt,
                                       req.continue_final_message, req.chat_template_kwargs)
     prompt = truncate_prompts(state, [prompt], sp)[0]
-    run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.priority, lora)
+    run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.priority, lora,
+                        beam_search_params(state, req, sp, [prompt]))
     run.start()
     head = {"id": run.request_id, "created": int(time.time()), "model": run.model}
     if req.stream:

@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from testbed.server.schemas import CompletionRequest, bad_request
-from testbed.server.params import request_params, truncate_prompts
+from testbed.server.params import beam_search_params, request_params, truncate_prompts
 from testbed.server.serving import Choice, GenerationRun, floor_logprob as _floor, prompt_logprobs_json
 from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
@@ -95,7 +95,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                                              req.truncate_prompt_tokens is not None)
     prompts = truncate_prompts(state, parsed, sp)
     texts = [t if len(p) == len(q) else None for t, p, q in zip(texts, prompts, parsed)]  # echo what was kept
-    run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.priority, lora)
+    beam = beam_search_params(state, req, sp, prompts)
+    run = GenerationRun(state, new_id("cmpl"), prompts, sp, req.priority, lora, beam)
     echoes = await state.run_blocking(echo_texts, state, prompts, texts) if req.echo else [""] * len(prompts)
     run.start()
     head = {"id": run.request_id, "object": "text_completion", "created": int(time.time()),

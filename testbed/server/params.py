@@ -13,8 +13,8 @@ import asyncio
 import logging
 from typing import Any
 
-from testbed.engine.params import (InvalidParam, PoolingParams, SamplingParams, StructuredOutputsParams,
-                                   check_priority, truncate_prompt)
+from testbed.engine.params import (BeamSearchParams, InvalidParam, PoolingParams, SamplingParams,
+                                   StructuredOutputsParams, check_priority, truncate_prompt)
 from testbed.server.schemas import bad_request
 from testbed.server.state import ServerState
 
@@ -97,6 +97,29 @@ def sampling_params(state: ServerState, req, max_tokens: int | None, logprobs: i
         if e.param.startswith("structured_outputs") and source is not None:
             raise bad_request(f"{source}: {e}", source) from None
         raise bad_request(str(e), e.param) from None
+
+
+def beam_search_params(state: ServerState, req, sp: SamplingParams, prompts: list[list[int]]
+                       ) -> BeamSearchParams | None:
+    """vLLM's `use_beam_search` (with `n` beams, `length_penalty`, `ignore_eos`, `temperature`, `max_tokens`), or
+    None without it; a 400 naming what a beam search cannot take. Without max_tokens the beams may grow to the
+    shortest prompt's max_model_len."""
+    if not req.use_beam_search:
+        return None
+    for name, given in (("stop", sp.stop), ("logprobs", sp.logprobs is not None), ("stop_token_ids", sp.stop_token_ids),
+                        ("structured outputs", sp.structured_outputs is not None), ("stream", req.stream),
+                        ("prompt_logprobs", sp.prompt_logprobs is not None), ("min_tokens", sp.min_tokens),
+                        ("penalties and token constraints", sp.needs_processing)):
+        if given:
+            raise bad_request(f"use_beam_search does not take {name}: the beams are chosen by their logprobs alone "
+                              "and returned at the end; drop it", name.split()[0])
+    max_tokens = sp.max_tokens if sp.max_tokens is not None else state.max_model_len - max(len(p) for p in prompts)
+    try:
+        return BeamSearchParams(req.n, max_tokens, ignore_eos=req.ignore_eos, temperature=sp.temperature,
+                                length_penalty=req.length_penalty)
+    except InvalidParam as e:
+        param = "n" if e.param == "beam_width" else e.param
+        raise bad_request(f"use_beam_search: {e}".replace("beam_width", "n (the beam width)"), param) from None
 
 
 def prepare_params(state: ServerState, sp: SamplingParams) -> SamplingParams:

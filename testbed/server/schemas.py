@@ -125,6 +125,8 @@ class _GenerationRequest(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool = False  # vLLM's extra parameters: a beam search of width n
+    length_penalty: float = 1.0
 
 
 class CompletionRequest(_GenerationRequest):

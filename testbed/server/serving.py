@@ -1,6 +1,7 @@
 """The generation machinery shared by /v1/completions and /v1/chat/completions (and /v1/embeddings).
 
-A GenerationRun holds the choices of one HTTP request (prompts x n): one core request each, all
+A GenerationRun holds the choices of one HTTP request (prompts x n): one core request each (with
+`use_beam_search`, one beam-search request per prompt, whose n best beams fill its n choices when it ends), all
 routed to one output stream, each with its own detokenizer (its SamplingParams come from params.py). Given
 PoolingParams instead, each prompt is one prompt-only core request whose choice ends with its embedding. It
 checks the prompts' lengths, admits (or refuses with 503) as a whole, applies outputs (stop strings abort the core request),
@@ -15,7 +16,7 @@ from typing import Any
 
 from testbed.engine.lora import LoRARequest
 from testbed.engine.outputs import NO_TOKEN_LEFT
-from testbed.engine.params import PoolingParams, SamplingParams, child_seed
+from testbed.engine.params import BeamSearchParams, PoolingParams, SamplingParams, child_seed
 from testbed.runtime.client import EngineDeadError, RequestStream
 from testbed.text.detokenizer import IncrementalDetokenizer
 from testbed.server.metrics import FinishedRequest
@@ -71,8 +72,11 @@ class Choice:
 
 class GenerationRun:
     def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]],
-                 sp: SamplingParams | PoolingParams, priority: int = 0, lora: LoRARequest | None = None) -> None:
-        """`lora`: the adapter every choice runs with (None: the base model)."""
+                 sp: SamplingParams | PoolingParams, priority: int = 0, lora: LoRARequest | None = None,
+                 beam: BeamSearchParams | None = None) -> None:
+        """`lora`: the adapter every choice runs with (None: the base model); `beam`: a beam search per prompt."""
+        self.beam = beam
+        self.beam_ids = {f"{request_id}-beam{pi}": pi for pi in range(len(prompts))} if beam is not None else {}
         self.state, self.request_id, self.prompts, self.sp = state, request_id, prompts, sp
         self.priority = priority
         self.lora = lora
@@ -136,7 +140,12 @@ class GenerationRun:
                            None, "waiting_queue_full")
         sent: list[str] = []
         try:
-            for c in self.choices:
+            for rid, pi in self.beam_ids.items():
+                st.client.add(rid, self.prompts[pi], self.arrival, stream=self.stream,
+                              sampling_params=self.beam.sampling_params(), beam_params=self.beam,
+                              priority=self.priority, lora_request=self.lora)
+                sent.append(rid)
+            for c in (self.choices if self.beam is None else ()):
                 self._add(c)
                 sent.append(c.request_id)
                 st.live[c.request_id] = c
@@ -177,6 +186,11 @@ class GenerationRun:
             out = await self.stream.get()
             changed: dict[int, Choice] = {}
             while out is not None:
+                pi = self.beam_ids.get(out.request_id)
+                if pi is not None:
+                    self._apply_beams(pi, out, changed)
+                    out = self.stream.get_nowait()
+                    continue
                 c = self.by_id.get(out.request_id)
                 if c is not None and not c.finished:
                     if c.index not in changed:
@@ -231,6 +245,27 @@ class GenerationRun:
                 self._finish(c, out.finish_reason, out.stop_reason, now)
         c.delta_text += c.detok.delta(final=c.finished)
 
+    def _apply_beams(self, pi: int, out, changed: dict[int, Choice]) -> None:
+        """A beam search's output: when it ends, its best beams (best first) become prompt `pi`'s choices."""
+        n = self.n
+        choices = self.choices[pi * n:(pi + 1) * n]
+        if out.finish_reason in ("rejected", "error"):
+            self._apply(choices[0], out)  # raises its error; the other choices are aborted with the run
+        if not out.finished or choices[0].finished:
+            return
+        now = time.time()
+        beams = out.beams or []
+        for k, c in enumerate(choices):
+            toks, _, _, reason = beams[k] if k < len(beams) else ([], [], 0.0, "length")
+            c.delta_ids, c.delta_logprobs, c.delta_text = list(toks), [], ""
+            changed[c.index] = c
+            c.detok.add(toks)
+            c.detok.finish()
+            c.token_ids, c.num_generated, c.num_cached_tokens = list(toks), len(toks), out.num_cached_tokens
+            c.first_token_time = c.last_token_time = now
+            self._finish(c, reason, None, now)
+            c.delta_text = c.detok.delta(final=True)
+
     def _finish(self, c: Choice, reason: str, stop_reason, now: float) -> None:
         c.finish_reason, c.stop_reason = reason, stop_reason
         self.num_unfinished -= 1
@@ -258,7 +293,8 @@ class GenerationRun:
         """Stop every unfinished choice (client gone, or another choice failed)."""
         live = [c for c in self.choices if not c.finished]
         if live:
-            self.state.client.abort([c.request_id for c in live])
+            self.state.client.abort([rid for rid, pi in self.beam_ids.items() if not self.choices[pi * self.n].finished]
+                                    if self.beam is not None else [c.request_id for c in live])
             now = time.time()
             for c in live:
                 self._finish(c, "abort", None, now)

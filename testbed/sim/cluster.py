@@ -26,12 +26,12 @@ from testbed.engine.coordinator import DPCoordinator, StatsPublisher
 from testbed.engine.core import EngineCore
 from testbed.engine.fast_forward import fast_forward
 from testbed.engine.metrics import Recorder
-from testbed.engine.params import SamplingParams
+from testbed.engine.params import BeamSearchParams, SamplingParams
 from testbed.engine.request import Request
 from testbed.engine.outputs import ModelRunnerOutput
 from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment
-from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor
+from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor, add_beam_logprobs
 from testbed.sim.horizon import AdmissionHorizon
 from testbed.workload.lora import trace_loras
 from testbed.sim.pipeline import PipelineCostModel
@@ -68,12 +68,20 @@ def _sampling_params(output_tokens: int, structured_output: bool) -> SamplingPar
     return TraceRequest("", 0.0, 1, output_tokens, structured_output=structured_output).sampling_params()
 
 
+@functools.lru_cache(maxsize=4096)
+def _beam_params(width: int, output_tokens: int) -> BeamSearchParams:
+    return TraceRequest("", 0.0, 1, output_tokens, beam_width=width).beam_params()
+
+
 def trace_to_request(tr: TraceRequest, vocab_size: int, seed: int, loras: dict | None = None) -> Request:
     """Engine request for a trace line: its output forced to the trace's length, its adapter from `loras`
-    (workload/lora.py's trace_loras) when it names one."""
+    (workload/lora.py's trace_loras) when it names one; a beam search of that many steps when it has a
+    beam_width."""
     prompt = tr.prompt_token_ids if tr.prompt_token_ids is not None else LazyPrompt(tr, vocab_size, seed)
-    return Request(tr.id, prompt, _sampling_params(tr.output_tokens, tr.structured_output), arrival_time=tr.arrival_s,
-                   priority=tr.priority, lora_request=None if tr.lora is None else loras[tr.lora])
+    bp = None if tr.beam_width is None else _beam_params(tr.beam_width, tr.output_tokens)
+    sp = _sampling_params(tr.output_tokens, tr.structured_output) if bp is None else bp.sampling_params()
+    return Request(tr.id, prompt, sp, arrival_time=tr.arrival_s, priority=tr.priority,
+                   lora_request=None if tr.lora is None else loras[tr.lora], beam_params=bp)
 
 
 @dataclass
@@ -211,6 +219,8 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                     so = eng.schedule(env.now)
                     if not so.is_empty:
                         out = ModelRunnerOutput(executor.sampled(so), 0.0)
+                        if so.has_beams:
+                            add_beam_logprobs(so, out)
                         queue.append((so, out, stages.launch(so, env.now)))
                         if len(queue) < pp:
                             continue

@@ -19,6 +19,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.specs.presets import get_model_spec
 from testbed.sim.cost_model import kv_block_bytes, num_gpu_blocks
+from testbed.sim.executor import add_beam_logprobs
 from testbed.sim.factory import load_cost_model
 from testbed.specs.hardware import get_gpu_spec
 
@@ -80,6 +81,13 @@ class EmulatedExecutor:
             out[i] = [v / norm for v in vec]
         return out
 
+    def _output(self, so: SchedulerOutput, duration: float) -> ModelRunnerOutput:
+        """The step's synthetic tokens, embeddings and (beam search) top logprobs."""
+        out = ModelRunnerOutput(self._tokens(so), duration, pooler_output=self._pooled(so))
+        if so.has_beams:
+            add_beam_logprobs(so, out)
+        return out
+
     def _predict(self, so: SchedulerOutput) -> float:
         return self.cost.step_time(so) if self.cost is not None else 0.0
 
@@ -109,7 +117,7 @@ class EmulatedExecutor:
         self._account(wait, d)
         if wait > 0:
             self.sleep(wait)
-        return ModelRunnerOutput(self._tokens(so), d, pooler_output=self._pooled(so))
+        return self._output(so, d)
 
     def execute_async(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         """Launch: the step starts when the emulated device is free; the returned function waits for its end."""
@@ -119,13 +127,13 @@ class EmulatedExecutor:
         else:
             end = max(self._device_free, self.clock()) + d
             self._device_free = end
-        tokens, pooled = self._tokens(so), self._pooled(so)
+        out = self._output(so, d)
 
         def result() -> ModelRunnerOutput:
             wait = end - self.clock()
             if wait > 0:
                 self.sleep(wait)
-            return ModelRunnerOutput(tokens, d, pooler_output=pooled)
+            return out
 
         return result
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.engine.params import SamplingParams, StructuredOutputsParams
+from testbed.engine.params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 FORMATS = ("auto", "jsonl", "azure", "mooncake", "lengths")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 LENGTHS_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 JSONL_FIELDS = ("id", "arrival_s", "input_tokens", "output_tokens", "prompt_token_ids",
-                "hash_ids", "hash_block_size", "priority", "structured_output", "lora")
+                "hash_ids", "hash_block_size", "priority", "structured_output", "lora", "beam_width")
 _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
 
 
@@ -56,6 +56,12 @@ class TraceRequest:
     priority: int = 0
     structured_output: bool = False  # generated under a grammar (structured outputs: any JSON)
     lora: str | None = None  # the LoRA adapter it runs with, by name (None: the base model)
+    beam_width: int | None = None  # a beam search of this width (None: one sequence)
+
+    def beam_params(self) -> BeamSearchParams | None:
+        """A beam search of beam_width beams for output_tokens steps, EOS ignored (None for one sequence)."""
+        return None if self.beam_width is None else BeamSearchParams(self.beam_width, self.output_tokens,
+                                                                     ignore_eos=True)
 
     def sampling_params(self) -> SamplingParams:
         """How a simulation or a replay generates it: greedy, exactly output_tokens tokens, under a JSON
@@ -236,7 +242,9 @@ def _load_jsonl(path, lines) -> list[TraceRequest]:
             None if hids is None else _hash_ids(path, no, hids, n_in, block), block,
             _int(path, no, "priority", d.get("priority", 0), minimum=-(2**63), maximum=2**63 - 1),
             _bool(path, no, "structured_output", d.get("structured_output", False)),
-            _name(path, no, "lora", d.get("lora"))))
+            _name(path, no, "lora", d.get("lora")),
+            None if d.get("beam_width") is None else
+            _int(path, no, "beam_width", d["beam_width"], maximum=MAX_LOGPROBS // 2)))
     return reqs
 
 
@@ -362,6 +370,8 @@ def write_jsonl(requests: list[TraceRequest], path) -> None:
                 d["priority"] = r.priority
             if r.lora is not None:
                 d["lora"] = r.lora
+            if r.beam_width is not None:
+                d["beam_width"] = r.beam_width
             f.write(json.dumps(d) + "\n")
 
 
