@@ -145,6 +145,9 @@ def cmd_throughput(args) -> dict:
 def cmd_cpu_runs(args) -> dict:
     """Real CPU replays of a Zipf-popular adapter trace on SmolLM2 at several --max-loras (notebook 08)."""
     import random
+
+    import torch
+    torch.set_num_threads(args.threads)  # on a shared machine, OpenMP threads spinning against others cost 10x
     from testbed.cli import main
     from testbed.worker.loader import model_config
     from testbed.worker.smollm2 import default_model_dir
@@ -200,6 +203,7 @@ def main() -> int:
     c.add_argument("--slo-ttft", type=float, default=2.0)
     c.add_argument("--slo-tpot", type=float, default=0.25)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--threads", type=int, default=1, help="torch threads")
     args = p.parse_args()
     result = {"kernels": cmd_kernels, "throughput": cmd_throughput, "cpu-runs": cmd_cpu_runs}[args.cmd](args)
     if getattr(args, "out", None):
