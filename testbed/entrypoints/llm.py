@@ -436,12 +436,13 @@ class LLM:
             bar.close()
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
              tools: list | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of OpenAI messages, whose content may be a list of text
         parts) or a list of them, through the tokenizer's chat template (or `chat_template`), given
-        `chat_template_kwargs` as template variables."""
+        `chat_template_kwargs` as template variables; `lora_request` as `generate` takes it."""
         from testbed.text.chat_utils import apply_chat_template
         if tools is not None:
             raise ValueError("tools: tool calling is not supported by this engine; leave it out")
@@ -453,4 +454,4 @@ class LLM:
             text = apply_chat_template(self.tokenizer, conv, add_generation_prompt, continue_final_message,
                                        chat_template, chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
