@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 RANK = 16
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _time_ms(fn, reps: int = 50) -> float:
@@ -85,31 +84,10 @@ def cmd_kernels(args) -> dict:
 
 
 def write_adapters(hf_config: dict, folder: Path, n: int, seed: int = 0) -> list[str]:
-    """n random PEFT adapters of rank RANK on every projection for a model of this config; their folders."""
+    """n random PEFT adapters of rank RANK on every projection for a model of this config (bf16); their folders."""
     import torch
-    from safetensors.torch import save_file
-    h, inter, layers = hf_config["hidden_size"], hf_config["intermediate_size"], hf_config["num_hidden_layers"]
-    hd = hf_config.get("head_dim") or h // hf_config["num_attention_heads"]
-    q, kv = hf_config["num_attention_heads"] * hd, hf_config.get("num_key_value_heads", hf_config["num_attention_heads"]) * hd
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
-            "up_proj": (h, inter), "down_proj": (inter, h)}
-    paths = []
-    for i in range(n):
-        g = torch.Generator().manual_seed(seed + i)
-        tensors = {}
-        for layer in range(layers):
-            for m, (inp, outp) in dims.items():
-                parent = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                key = f"base_model.model.model.layers.{layer}.{parent}.{m}"
-                tensors[f"{key}.lora_A.weight"] = (torch.randn(RANK, inp, generator=g) * 0.01).to(torch.bfloat16)
-                tensors[f"{key}.lora_B.weight"] = (torch.randn(outp, RANK, generator=g) * 0.01).to(torch.bfloat16)
-        path = folder / f"adapter{i}"
-        path.mkdir(parents=True)
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": 2 * RANK,
-                                                              "target_modules": list(PROJECTIONS), "bias": "none"}))
-        paths.append(str(path))
-    return paths
+    from testbed.profiling.lora_measure import write_random_adapter
+    return [write_random_adapter(hf_config, folder / f"adapter{i}", RANK, seed + i, torch.bfloat16) for i in range(n)]
 
 
 def cmd_throughput(args) -> dict:

@@ -132,3 +132,29 @@ def test_simulation_replays_a_real_lora_runs_batches_exactly(tmp_path, capsys):
     assert rr["lora"].fillna("-").tolist() == sr["lora"].fillna("-").tolist() == ["a", "b", "-", "a", "b", "-", "b"]
     as_trace = {r.id: r.lora for r in load_trace(real)}  # a run read as a trace keeps each request's adapter
     assert [as_trace[f"r{i}"] for i in range(7)] == ["a", "b", None, "a", "b", None, "b"]
+
+
+def test_the_profile_measures_lora_and_the_cost_model_charges_it(tmp_path):
+    """`testbed profile --enable-lora`'s LoRA sweep on a tiny model on the CPU: the extra forward time of steps whose
+    rows run an adapter, and an adapter's load from disk and from the host cache; MeasuredLoRACost charges them."""
+    from llm_helpers import save_tiny_llama
+    from testbed.profiling.lora_measure import measure_lora
+    from testbed.profiling.step_measure import StepMeasurer
+    from testbed.profiling.synthetic_steps import StepFactory
+    from testbed.sim.lora_cost import MeasuredLoRACost
+    from testbed.worker.executor import create_executor
+    save_tiny_llama(tmp_path, 4, 2, seed=31)
+    cfg = EngineConfig(enable_lora=True, max_lora_rank=8, num_gpu_blocks=64, max_model_len=128, max_num_seqs=8,
+                       max_num_batched_tokens=128)
+    ex = create_executor(str(tmp_path), cfg, dtype="float32")
+    table = measure_lora(StepMeasurer(ex, 1, 1), StepFactory(64, 16, ex.vocab_size), ex.runner, [1, 8], [16, 64],
+                         64 * 16, 1, lambda: None)
+    ex.runner.record_timing = False
+    assert table["max_lora_rank"] == 8 and table["load_disk_s"] > table["load_host_s"] > 0
+    assert all(e is not None for kind in ("decode", "chunk") for e in table[kind]["extra_s"])
+    cost = MeasuredLoRACost(table, max_lora_rank=16)  # twice the profile's rank: twice its costs
+    step = SchedulerOutput(num_lora_tokens=64, num_loras=1, num_prefill_tokens=64)
+    load = SchedulerOutput(lora_loads=[LoRALoad(0, LoRARequest("a", 1), True)])
+    assert cost.step_time(SchedulerOutput()) == 0.0
+    assert cost.step_time(step) == pytest.approx(2 * max(0.0, table["chunk"]["extra_s"][1]))
+    assert cost.step_time(load) == pytest.approx(2 * table["load_disk_s"])

@@ -14,6 +14,8 @@ Sweeps (each point: warm-up runs, then the median of `reps` timed runs):
 - engine host: the EngineCore's own schedule + update per batch size and per admitted prompt token;
 - host-device: KV blocks swapped out to a pinned CPU pool and back, and copied within the device, as the
   worker's CacheEngine moves them (swap preemption, copy on write): the bandwidths the simulator prices them at;
+- LoRA (with --enable-lora): each step's extra device time with every row on an adapter, and an adapter's load
+  into a slot from its folder and from the host cache (lora_measure.py);
 - validation: random mixed steps (heterogeneous contexts, several chunks), measured whole, so the cost
   model's composition error is known before anyone trusts it.
 """
@@ -30,6 +32,7 @@ import torch
 
 from testbed.engine.config import EngineConfig
 from testbed.profiling.host_costs import engine_host_costs
+from testbed.profiling.lora_measure import measure_lora
 from testbed.profiling.profile_file import FORMAT, VERSION
 from testbed.profiling.step_measure import TIMING_FIELDS, StepMeasurer
 from testbed.profiling.synthetic_steps import Row, StepFactory, decode_rows
@@ -193,7 +196,7 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
     total = (len(grid.decode_batches) + len(grid.row_batches)) * len(grid.contexts) \
         + len(grid.chunk_tokens) * len(grid.chunk_contexts) \
         + (len(grid.tail_batches) + len(grid.row_batches)) * len(grid.tail_deltas) \
-        + grid.num_validation
+        + grid.num_validation + (len(grid.decode_batches) + len(grid.chunk_tokens)) * (runner.lora is not None)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -224,6 +227,9 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
             "engine_host": engine_host_costs(config, max_model_len, grid.host_batches, grid.host_admit_tokens),
             "host_device": measure_block_moves(runner, grid.reps),
         }
+        if runner.lora is not None:
+            result["lora"] = measure_lora(m, f, runner, grid.decode_batches, grid.chunk_tokens, capacity, grid.reps,
+                                          tick)
     finally:
         runner.record_timing = False
         if bar is not None:

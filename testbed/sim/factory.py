@@ -10,7 +10,7 @@ from testbed.engine.config import EngineConfig
 from testbed.profiling.profile_file import shipped_profile, shipped_profiles
 from testbed.runs.rundir import RunDirError, read_run
 from testbed.sim.cost_model import CostModel, RecordedCostModel, RooflineCostModel
-from testbed.sim.lora_cost import LoRACost, WithLoRA
+from testbed.sim.lora_cost import LoRACost, MeasuredLoRACost, WithLoRA
 from testbed.sim.pipeline import PipelineCostModel, RecordedPipeline
 from testbed.sim.profiled import ProfiledCostModel
 from testbed.sim.recorded_dp import RecordedDPRun
@@ -96,5 +96,9 @@ def _with_lora(cm: CostModel, desc: str, model: ModelSpec, gpu: GPUSpec, config:
     needs none (its steps were timed with their adapters)."""
     if not config.enable_lora:
         return cm, desc
+    measured = cm.profile.get("lora") if isinstance(cm, ProfiledCostModel) else None
+    if measured:
+        return (WithLoRA(cm, MeasuredLoRACost(measured, config.max_lora_rank)),
+                f"{desc} + LoRA as the profile measured it (rank {measured['max_lora_rank']})")
     lora = LoRACost(model, gpu, config.max_lora_rank, config.tensor_parallel_size)
     return WithLoRA(cm, lora), f"{desc} + LoRA roofline terms (rank {config.max_lora_rank})"

@@ -11,11 +11,13 @@ Per step, on one tensor-parallel rank (ranks run in parallel on equal shares):
   host memory at the GPU's host link rate (GPUSpec.host_bandwidth, pinned copies, as swap preemption's), after
   reading its folder first when the host cache lacks it (DISK_BYTES_PER_S plus DISK_OPEN_S for opening and
   parsing the files).
-Base rows pay nothing, and a step without adapters costs exactly what the base model says. The load constants
-of the disk are assumptions (one NVMe drive), not measurements, and `testbed profile` does not measure LoRA's
-kernels yet.
+Base rows pay nothing, and a step without adapters costs exactly what the base model says. A profile made with
+`testbed profile --enable-lora` carries LoRA's measured costs, which MeasuredLoRACost charges instead. The load constants
+of the disk are assumptions (one NVMe drive), not measurements.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from testbed.engine.outputs import SchedulerOutput
 from testbed.sim.cost_model import CALIBRATED, CostModel, RooflineConstants
@@ -59,6 +61,42 @@ class LoRACost:
         t = max(self._mem_per_adapter * so.num_loras, self._flop_per_token * so.num_lora_tokens)
         for ld in so.lora_loads:
             t += self._copy + (self._disk if ld.from_disk else 0.0)
+        return t
+
+
+class MeasuredLoRACost:
+    """LoRA's terms as `testbed profile --enable-lora` measured them (profiling/lora_measure.py): the extra device
+    time of a step's LoRA tokens, interpolated in their count (decode-only steps and steps with a prefill chunk
+    each from their own table; linear beyond the largest point), and each load from the host cache or the disk.
+    A run at another --max-lora-rank than the profile's scales them by the ratio of the ranks (the kernels'
+    work and the slots' bytes grow with it)."""
+
+    def __init__(self, table: dict, max_lora_rank: int) -> None:
+        scale = max_lora_rank / table["max_lora_rank"]
+        self._tables = {}
+        for kind in ("decode", "chunk"):
+            pts = [(t, max(0.0, e) * scale) for t, e in zip(table[kind]["tokens"], table[kind]["extra_s"])
+                   if e is not None]
+            if not pts:
+                raise ValueError(f"the profile's LoRA {kind} table has no measured point; profile again with "
+                                 "--enable-lora")
+            self._tables[kind] = ([float(t) for t, _ in pts], [e for _, e in pts])
+        self._host, self._disk = table["load_host_s"] * scale, table["load_disk_s"] * scale
+
+    def _extra(self, kind: str, tokens: int) -> float:
+        xs, ys = self._tables[kind]
+        if tokens >= xs[-1]:
+            return ys[-1] * tokens / xs[-1]
+        if tokens <= xs[0]:
+            return ys[0]
+        return float(np.interp(tokens, xs, ys))
+
+    def step_time(self, so: SchedulerOutput) -> float:
+        if not so.num_lora_tokens and not so.lora_loads:
+            return 0.0
+        t = self._extra("chunk" if so.num_prefill_tokens else "decode", so.num_lora_tokens) if so.num_lora_tokens else 0.0
+        for ld in so.lora_loads:
+            t += self._disk if ld.from_disk else self._host
         return t
 
 
