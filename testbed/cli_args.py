@@ -78,6 +78,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank served (the slots' size)")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="LoRA adapters kept in host memory, least recently used dropped first (default: --max-loras)")
+    g.add_argument("--structured-outputs-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="a request's JSON schema, regex or grammar must be checked and compiled within this time, "
+                        "or it is rejected (a 400); both run off the step loop and the event loop, holding up no "
+                        "other request (default: %(default)s)")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="TOKENS",
                    help="token counts of the steps captured as CUDA graphs on a GPU (decode batches up to "
                         "--max-num-seqs, mixed/prefill steps up to --max-num-batched-tokens; default: 1 2 4 8, "
@@ -96,7 +100,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_waiting=args.max_num_waiting, async_scheduling=args.async_scheduling,
         seed=args.seed, cuda_graph_sizes=args.cuda_graph_sizes, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        preemption_mode=args.preemption_mode, swap_space=args.swap_space, num_cpu_blocks=args.num_cpu_blocks)
+        preemption_mode=args.preemption_mode, swap_space=args.swap_space, num_cpu_blocks=args.num_cpu_blocks,
+        structured_outputs_timeout=args.structured_outputs_timeout)
 
 
 def add_lora_modules_arg(g) -> None:

@@ -89,7 +89,7 @@ def test_a_changed_decision_is_reported_not_absorbed(tmp_path):
 def test_dp_replay_and_recorded_simulation_make_the_same_decisions(tmp_path, capsys, policy):
     from testbed.worker.smollm2 import default_model_dir
     trace = tmp_path / "trace.jsonl"
-    write_trace(trace)
+    write_trace(trace, structured=(7,))  # one grammar, late enough for the preemptions below
     real, sim = tmp_path / "real", tmp_path / "sim"
     dp = ["-dp", "2", "--dp-policy", policy]
     assert main(["replay", str(trace), "--model", str(default_model_dir()), "-o", str(real), *dp, *FLAGS]) == 0
@@ -108,6 +108,7 @@ def test_dp_replay_and_recorded_simulation_make_the_same_decisions(tmp_path, cap
     assert real_summary["num_rejected"] == sim_summary["num_rejected"] == 1  # the 300-token prompt
     assert sim_summary["num_finished"] == real_summary["num_finished"] == 7
     assert steps["num_preempted"].sum() > 0  # the tiny caches preempt: the batches were not trivial
+    assert run.dp_table("grammars")["request_id"].tolist() == ["r7"]  # replayed by the simulation above
 
 
 @pytest.mark.smollm2

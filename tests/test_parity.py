@@ -1,8 +1,9 @@
 """Decision parity: fed the step timeline a real run recorded, the simulator forms the same batches.
 
 `testbed replay` runs the bundled SmolLM2 for real on a small trace (staggered arrivals, chunked
-prefill, prefix-cache hits, preemptions from a tiny cache); `testbed simulate --cost-model
-recorded:RUN_DIR` then replays that run's step start times. Both drive the same sans-I/O
+prefill, prefix-cache hits, preemptions from a tiny cache, requests under a JSON grammar that compiles
+off the step loop); `testbed simulate --cost-model recorded:RUN_DIR` then replays that run's step start
+times and when each grammar was ready. Both drive the same sans-I/O
 EngineCore, so every step's batch and every request's outcome must match exactly.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ STEP_DECISIONS = ["num_reqs", "num_prefill_tokens", "num_decode_tokens", "sum_co
 REQUEST_OUTCOMES = ["request_id", "input_tokens", "output_tokens", "cached_tokens", "preemptions", "finish_reason"]
 
 
-def write_trace(path) -> None:
+def write_trace(path, structured: tuple[int, ...] = (1, 4, 7)) -> None:
+    """The trace; requests `structured` are generated under a JSON grammar."""
     shared = [7, 8]  # two 16-token blocks every request with these hash ids shares
     rows = [(0.0, 40, 12, shared + [1, 2]), (0.0, 24, 20, None), (0.0, 56, 8, None), (0.25, 36, 16, shared + [3, 4]),
             (0.3, 20, 24, None), (0.9, 48, 10, shared + [5, 6]), (0.95, 300, 4, None), (2.0, 28, 6, None)]
@@ -33,6 +35,8 @@ def write_trace(path) -> None:
             row = {"id": f"r{i}", "arrival_s": t, "input_tokens": n_in, "output_tokens": n_out}
             if hashes:
                 row |= {"hash_ids": hashes[: -(-n_in // 16)], "hash_block_size": 16}
+            if i in structured:
+                row["structured_output"] = True
             f.write(json.dumps(row) + "\n")
 
 
@@ -42,7 +46,7 @@ def write_trace(path) -> None:
 def test_simulation_replays_a_real_runs_batches_exactly(tmp_path, capsys, preemption):
     from testbed.worker.smollm2 import default_model_dir
     trace = tmp_path / "trace.jsonl"
-    write_trace(trace)
+    write_trace(trace, structured=() if preemption else (1, 4, 7))
     real, sim = tmp_path / "real", tmp_path / "sim"
     assert main(["replay", str(trace), "--model", str(default_model_dir()), "-o", str(real), *FLAGS, *preemption]) == 0
     real_summary = json.loads(capsys.readouterr().out)
@@ -66,6 +70,13 @@ def test_simulation_replays_a_real_runs_batches_exactly(tmp_path, capsys, preemp
     if preemption:  # both a swap and a fallback to recompute happened
         assert 0 < rs["num_swapped_out"].sum() < rs["num_preempted"].sum()
         assert real_summary["num_blocks_swapped_in"] == sim_summary["num_blocks_swapped_in"] > 0
+    else:  # the grammars were ready when the real run's were (each at a step's start), and that is what the
+        # simulation replayed
+        rg, sg = (pd.read_parquet(d / "grammars.parquet").sort_values("request_id", ignore_index=True) for d in (real, sim))
+        assert rg["request_id"].tolist() == sg["request_id"].tolist() == ["r1", "r4", "r7"]
+        assert rg["error"].isna().all() and sg["error"].isna().all()
+        # each was ready at the start of the same step (the grammars of r4 and r7 compiled while steps ran)
+        assert [rs["start"].tolist().index(t) for t in rg["ready"]] == [ss["start"].tolist().index(t) for t in sg["ready"]]
 
 
 def test_a_diverging_simulation_is_an_error(tmp_path, capsys):

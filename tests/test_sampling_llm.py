@@ -192,3 +192,14 @@ def test_front_end_fields(smol, tok):
                                                      SamplingParams(**special)])
     assert hidden.outputs[0].text == "" and shown.outputs[0].text == tok.decode(shown.outputs[0].token_ids)
     assert shown.outputs[0].text.startswith("<|im_")
+
+
+def test_a_grammar_past_structured_outputs_timeout_is_rejected(smol):
+    """A grammar that does not compile within structured_outputs_timeout (a schema of 500 optional properties
+    against a 50 ms bound) rejects its request, naming the flag; the engine holds nothing afterwards."""
+    llm = LLM(executor=smol.executor, max_model_len=512, max_num_batched_tokens=BUDGET, max_num_seqs=8,
+              structured_outputs_timeout=0.05)
+    wide = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(500)}}
+    with pytest.raises(ValueError, match="did not compile within 0.05 s \\(--structured-outputs-timeout\\)"):
+        llm.generate("A JSON object:", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=wide)))
+    assert not llm.has_unfinished_requests() and llm.engine.records.grammars[-1][3].startswith("structured_outputs:")

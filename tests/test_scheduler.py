@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
-from conftest import FIXED_TOKEN, KVCheckingExecutor, make_engine, make_request, run_engine
+from conftest import FIXED_TOKEN, FixedTokenExecutor, KVCheckingExecutor, make_engine, make_request, run_engine
 
 
 def finished_tokens(outs, rid) -> list[int]:
@@ -220,3 +220,45 @@ def test_prefix_hit_for_request_admitted_in_the_same_step():
     steps, _ = run_engine(engine, [(0, a), (0, b)])
     assert steps[0].num_new_tokens == [20, 1] and b.num_cached_tokens == 20
     assert engine.block_manager.block_ids("a") == [] and engine.block_manager.num_used_blocks == 0
+
+
+# ---- grammars compiled off the step loop (WAITING_FOR_FSM) -------------------------------------------
+@given(policy=st.sampled_from(["fcfs", "priority"]), ready_after=st.integers(0, 3), n_behind=st.integers(1, 3))
+@settings(max_examples=40, deadline=None)
+def test_a_request_whose_grammar_compiles_is_passed_over_and_keeps_its_place(policy, ready_after, n_behind):
+    """While its grammar compiles, a structured request waits without holding up those behind it; once
+    marked ready it is admitted before anyone who arrived after it (its place in the queue is kept)."""
+    from testbed.engine.params import StructuredOutputsParams
+    from testbed.engine.request import RequestStatus
+    engine = make_engine(max_num_seqs=1, policy=policy)
+    engine.compile_grammars = True
+    first = make_request("json", max_tokens=2, structured_outputs=StructuredOutputsParams(json_object=True))
+    assert engine.add_request(first, 0.0) is None and first.status == RequestStatus.WAITING_FOR_FSM
+    assert [r.request_id for r in engine.take_new_grammars()] == ["json"] and engine.take_new_grammars() == []
+    for i in range(n_behind):
+        engine.add_request(make_request(f"plain{i}", max_tokens=1, arrival=0.1 * (i + 1)), 0.0)
+    executor, order = FixedTokenExecutor(), []
+    for step in range(40):
+        if step == ready_after:
+            engine.mark_grammar_ready("json", float(step))
+            engine.add_request(make_request("late", max_tokens=1, arrival=9.0), float(step))
+        so, _ = engine.step(float(step), executor)
+        order += [r for r in so.new_req_ids]
+        if not engine.has_unfinished_requests():
+            break
+    admitted_before = min(ready_after, n_behind)  # one step each (max_num_seqs 1, one-token outputs)
+    assert order[:admitted_before] == [f"plain{i}" for i in range(admitted_before)]
+    assert order[admitted_before] == "json"  # before the rest that waited behind it, and before "late"
+    assert engine.records.grammars == [("json", 0, float(ready_after), None)]
+
+
+def test_a_grammar_that_fails_rejects_its_request_and_records_why():
+    from testbed.engine.params import StructuredOutputsParams
+    engine = make_engine()
+    engine.compile_grammars = True
+    engine.add_request(make_request("json", structured_outputs=StructuredOutputsParams(json_object=True)), 0.0)
+    out = engine.fail_grammar("json", "structured_outputs: too slow", 1.5)
+    assert (out.finished, out.finish_reason, out.stop_reason) == (True, "rejected", "structured_outputs: too slow")
+    assert engine.fail_grammar("json", "again", 2.0) is None and not engine.has_unfinished_requests()
+    assert engine.records.grammars == [("json", 0, 1.5, "structured_outputs: too slow")]
+    assert engine.records.requests[0][-1] == "rejected" and engine.scheduler.num_waiting == 0

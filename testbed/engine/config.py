@@ -49,6 +49,10 @@ class EngineConfig:
     LoRA (vLLM's flags): with `enable_lora`, requests may name an adapter; a step runs at most `max_loras`
     distinct adapters (each in a device slot sized for `max_lora_rank`), and the host keeps up to
     `max_cpu_loras` adapters (None: max_loras) in an LRU cache (engine/lora.py).
+
+    `structured_outputs_timeout`: a request's grammar (structured outputs) must compile within this many
+    seconds, or the request is rejected (a 400 from the server); grammars compile off the step loop, so
+    other requests step meanwhile (real: a thread pool; simulation: a modelled or recorded compile time).
     """
 
     max_num_seqs: int = 256
@@ -77,6 +81,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0
     num_cpu_blocks: int | None = None
+    structured_outputs_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -120,6 +125,9 @@ class EngineConfig:
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and 0 <= v < float("inf"), name,
                  f"must be a number of seconds >= 0, got {v!r}")
+        t = self.structured_outputs_timeout
+        need(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf"),
+             "structured_outputs_timeout", f"must be a finite number of seconds > 0, got {t!r}")
         sizes = self.cuda_graph_sizes
         need(sizes is None or (isinstance(sizes, (list, tuple)) and len(sizes) > 0
                                and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)),

@@ -3,6 +3,12 @@
 A driver calls `schedule(now)`, runs an executor on the returned SchedulerOutput (a cost model in
 simulation, the model on real workers), then `update(output, runner_output, now)`. The core never
 reads a clock: both modes feed it their own `now`, which is why the simulator runs this same code.
+
+Grammars (structured outputs) compile off the step loop when `compile_grammars` is on, as in vLLM V1: a
+structured request waits as WAITING_FOR_FSM (the scheduler passes over it), the driver takes it from
+`take_new_grammars()`, compiles its grammar elsewhere (real: a thread pool of the executor's rank 0;
+simulation: a modelled or recorded compile time) and reports back with `mark_grammar_ready` or
+`fail_grammar`, each recorded (Recorder.grammars) so a simulation can replay when each grammar was ready.
 """
 from __future__ import annotations
 
@@ -96,6 +102,8 @@ class EngineCore:
         self.num_in_flight = self.num_launched = 0
         if self.pipelined:
             self.records.step_extra = PIPELINE_STEP_COLUMNS
+        self.compile_grammars = False  # the driver compiles grammars off the step loop (see the module docstring)
+        self._new_grammars: list[Request] = []
 
     # ---- admission -----------------------------------------------------------------------------
     def rejection_reason(self, req: Request) -> str | None:
@@ -162,8 +170,36 @@ class EngineCore:
         req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
         self.requests[req.request_id] = req
         self.num_waiting_tokens += req.num_prompt_tokens
-        self.scheduler.add_request(req)
+        compile_first = self.compile_grammars and req.structured
+        self.scheduler.add_request(req, grammar_ready=not compile_first)
+        if compile_first:
+            self._new_grammars.append(req)
         return None
+
+    # ---- grammars compiled by the driver -------------------------------------------------------
+    def take_new_grammars(self) -> list[Request]:
+        """The requests added since the last call whose grammar the driver must compile (still live)."""
+        new, self._new_grammars = self._new_grammars, []
+        return [r for r in new if r.status == RequestStatus.WAITING_FOR_FSM]
+
+    def mark_grammar_ready(self, request_id: str, now: float) -> None:
+        """The request's grammar compiled: the scheduler may take it from now on (a finished or unknown id is
+        ignored: it was aborted while compiling)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.status == RequestStatus.WAITING_FOR_FSM:
+            req.status = RequestStatus.WAITING
+            self.records.grammars.append((request_id, self.replica, now, None))
+
+    def fail_grammar(self, request_id: str, reason: str, now: float) -> EngineCoreOutput | None:
+        """The request's grammar did not compile (or not in time): it ends 'rejected' with `reason`; None when it
+        is no longer waiting for it."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.WAITING_FOR_FSM:
+            return None
+        self.records.grammars.append((request_id, self.replica, now, reason))
+        req.stop_reason = reason
+        self._finish(req, RequestStatus.FINISHED_REJECTED, now)
+        return EngineCoreOutput(request_id, [], True, "rejected", reason, timing=times(req))
 
     def abort(self, request_id: str, now: float) -> EngineCoreOutput | None:
         """End a live request (client gone, stop string seen by the front-end); frees its blocks."""

@@ -33,6 +33,9 @@ PIPELINE_STEP_COLUMNS = ("microbatch", "num_in_flight")
 ROUTE_COLUMNS = ("seq", "request_id", "replica", "arrival", "sent", "routed", "added")
 PUBLICATION_COLUMNS = ("seq", "replica", "steps", "sampled", "received", "num_waiting", "num_running", "kv_usage",
                        "num_free_blocks", "num_blocks", "num_waiting_tokens", "num_added")
+# Runs with structured outputs: when each request's grammar outcome reached the scheduler (the `now` of the
+# step it was marked before), with the reason when it failed (None: ready). A simulation replays these.
+GRAMMAR_COLUMNS = ("request_id", "replica", "ready", "error")
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -47,6 +50,7 @@ class Recorder:
     publications: list[tuple] = field(default_factory=list)  # PUBLICATION_COLUMNS rows (DP runs)
     loras: dict[str, str] = field(default_factory=dict)  # request id -> its LoRA adapter's name (LoRA runs only)
     step_extra: tuple[str, ...] = ()  # columns after STEP_COLUMNS in every step row (PIPELINE_STEP_COLUMNS)
+    grammars: list[tuple] = field(default_factory=list)  # GRAMMAR_COLUMNS rows (grammars compiled off the loop)
 
     def record_request(self, req: Request) -> None:
         self.requests.append((
@@ -64,6 +68,7 @@ class Recorder:
         self.routes.extend(other.routes)
         self.loras.update(other.loras)
         self.publications.extend(other.publications)
+        self.grammars.extend(other.grammars)
 
     def request_columns(self) -> dict[str, list]:
         return _columns(self.requests, REQUEST_COLUMNS)

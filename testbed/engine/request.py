@@ -8,18 +8,21 @@ from testbed.engine.params import PoolingParams, SamplingParams, check_priority
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED|SWAPPED -> RUNNING)* -> FINISHED_*. Finished ones are >= STOPPED.
-    PREEMPTED: its blocks were freed, its tokens are recomputed; SWAPPED: its blocks wait in the CPU pool."""
+    """Lifecycle: [WAITING_FOR_FSM ->] WAITING -> RUNNING (-> PREEMPTED|SWAPPED -> RUNNING)* -> FINISHED_*.
+    Finished ones are >= STOPPED. PREEMPTED: its blocks were freed, its tokens are recomputed; SWAPPED: its
+    blocks wait in the CPU pool. WAITING_FOR_FSM (vLLM V1's name): queued, but its grammar is still compiling,
+    so the scheduler passes over it until the driver marks the grammar ready (EngineCore.mark_grammar_ready)."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    SWAPPED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
-    FINISHED_REJECTED = 7
-    FINISHED_ERROR = 8  # the executor failed on this request (its data); the engine went on
+    WAITING_FOR_FSM = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    SWAPPED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_REJECTED = 8
+    FINISHED_ERROR = 9  # the executor failed on this request (its data); the engine went on
 
     @property
     def finished(self) -> bool:

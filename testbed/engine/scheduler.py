@@ -18,6 +18,8 @@ With LoRA on, the running requests hold at most `max_loras` distinct adapters (v
 whole running set so every step holds it too): a waiting request whose adapter would be one too many is
 skipped, and later waiting requests may go first (as vLLM does); then every adapter of the step gets a
 device slot (engine/lora.py).
+A waiting request whose grammar still compiles (WAITING_FOR_FSM) is passed over the same way, as in vLLM V1;
+a request passed over keeps its place in the queue.
 Policies: `fcfs` (arrival order; the waiting head blocks those behind it, so nobody starves) and
 `priority` (lower `priority` value first, then arrival; running kept in that order so the victim
 of a preemption is always the last one).
@@ -60,6 +62,18 @@ class WaitingQueue:
     def pop(self) -> Request:
         return self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)[3]
 
+    def pop_entry(self):
+        """The head's queue entry (the request, or its heap tuple), for `restore` to put back where it was."""
+        return self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)
+
+    def restore(self, entries: list) -> None:
+        """Put back entries popped by `pop_entry`, in the order they were popped: the queue is as before."""
+        if self.fcfs:
+            self._dq.extendleft(reversed(entries))
+        else:
+            for e in entries:
+                heapq.heappush(self._heap, e)
+
     def remove(self, req: Request) -> None:
         if self.fcfs:
             self._dq.remove(req)
@@ -95,8 +109,9 @@ class Scheduler:
         self.num_lora_deferred = 0  # waiting requests the last step passed over for their adapter
         self.batch_queue = config.pipeline_parallel_size > 1  # mark scheduled requests in flight until updated
 
-    def add_request(self, req: Request) -> None:
-        req.status = RequestStatus.WAITING
+    def add_request(self, req: Request, grammar_ready: bool = True) -> None:
+        """Queue a request; `grammar_ready` False: it waits (WAITING_FOR_FSM) until its grammar is marked ready."""
+        req.status = RequestStatus.WAITING if grammar_ready else RequestStatus.WAITING_FOR_FSM
         self.num_structured += req.structured
         self.waiting.push(req)
 
@@ -305,15 +320,20 @@ class Scheduler:
 
         if not so.preempted_req_ids and not stalled and not self.swapped:
             waiting = self.waiting
-            skipped: list[Request] = []  # waiting requests passed over for their adapter (LoRA)
+            skipped: list = []  # queue entries passed over: grammar still compiling, or their adapter (LoRA)
+            lora_deferred = 0
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting.peek()
+                if req.status == RequestStatus.WAITING_FOR_FSM:
+                    skipped.append(waiting.pop_entry())
+                    continue
                 if not self._seats(req):
                     break
                 if req.num_pending or req.in_flight:
                     break  # preempted with a token (or a chunk) in flight: resumes once it has landed
                 if self.lora is not None and self._lora_blocked(req):
-                    skipped.append(waiting.pop())
+                    skipped.append(waiting.pop_entry())
+                    lora_deferred += 1
                     continue
                 hit_blocks, hit = bm.get_computed_blocks(req)
                 n = req.num_tokens - hit
@@ -340,9 +360,9 @@ class Scheduler:
                     maxc = hit + n
                 pairs += n * hit + n * (n + 1) // 2
                 req.num_computed_tokens = hit + n
-            for req in reversed(skipped):  # back where they were, ahead of everyone not yet considered
-                waiting.push(req, front=True)
-            self.num_lora_deferred = len(skipped)
+            if skipped:  # back where they were, ahead of everyone not yet considered
+                waiting.restore(skipped)
+            self.num_lora_deferred = lora_deferred
 
         if self.batch_queue:
             for req in reqs:
@@ -369,7 +389,7 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Move a request to a finished state and free its blocks (removal from `running` is the caller's
         batch job via `drop_finished`, to keep it O(batch) per step)."""
-        if req.status == RequestStatus.WAITING or req.status == RequestStatus.PREEMPTED:
+        if req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         elif req.status == RequestStatus.RUNNING and req.lora_request is not None:
             self._lora_change(req, -1)

@@ -16,6 +16,12 @@ the schedule alone, which the simulator reproduces exactly (sim/cluster.py).
 Invariant: steps are updated in the order they were scheduled, each exactly once, and never more than
 `config.max_in_flight` are in flight.
 
+Grammars (structured outputs) compile off the loop when the executor has a grammar backend (`grammars`:
+submit / poll / forget, testbed/worker/grammar.py): each step first submits the grammars of requests
+queued since the last one, then marks those compiled ready in the core (`mark_grammar_ready`, at the
+step's `now`, which the core records for a simulation to replay) and fails those that did not compile,
+or not within `structured_outputs_timeout` of their compile's start; meanwhile the scheduler passes over them.
+
 A step whose execution raises does not stop the engine: its requests run again one at a time, and
 those that fail on their own end with finish_reason "error" (one request's bad data cannot take the
 others down). Only an ExecutorFailure (a dead tensor-parallel rank, a device error) propagates.
@@ -37,6 +43,12 @@ def is_fatal(e: BaseException) -> bool:
     """Errors after which the executor cannot be trusted: its own verdict, or a sticky device error."""
     text = str(e)
     return isinstance(e, (ExecutorFailure, MemoryError)) or "CUDA error" in text or "device-side assert" in text
+
+
+def grammar_timeout_reason(timeout: float) -> str:
+    """Why a request whose grammar did not compile in time is rejected (real and simulated alike)."""
+    return (f"structured_outputs: the grammar did not compile within {timeout:g} s (--structured-outputs-timeout); "
+            "simplify the schema or raise the bound")
 
 
 def describe(e: BaseException) -> str:
@@ -61,6 +73,42 @@ class EngineStepper:
         # called with a step that admits new requests, after scheduling and before executing it: a server
         # reports them running while their (maybe long) first step runs
         self.on_scheduled: Callable[[SchedulerOutput], None] | None = None
+        self.grammars = getattr(executor, "grammars", None)
+        core.compile_grammars = self.grammars is not None
+        self._compiling: set[str] = set()  # requests whose grammar was submitted and not reported yet
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a grammar is still compiling (nothing else may be schedulable meanwhile)."""
+        return bool(self._compiling)
+
+    def _advance_grammars(self, now: float) -> list[EngineCoreOutput]:
+        """Submit new grammars, mark compiled ones ready and fail the rest; the rejections' outputs."""
+        core, backend, compiling = self.core, self.grammars, self._compiling
+        for req in core.take_new_grammars():
+            backend.submit(req.request_id, req.sampling_params.structured_outputs, self.executor.vocab_size,
+                           req.eos_token_id)
+            compiling.add(req.request_id)
+        if not compiling:
+            return []
+        outputs = []
+        for rid, error in backend.poll():
+            compiling.discard(rid)
+            if error is None:
+                core.mark_grammar_ready(rid, now)
+            else:
+                out = core.fail_grammar(rid, error, now)
+                if out is not None:
+                    outputs.append(out)
+        limit = core.config.structured_outputs_timeout
+        for rid in list(compiling):
+            if rid not in core.requests or backend.compiling_for(rid) > limit:  # aborted while compiling, or too slow
+                compiling.discard(rid)
+                backend.forget([rid])
+                out = core.fail_grammar(rid, grammar_timeout_reason(core.config.structured_outputs_timeout), now)
+                if out is not None:
+                    outputs.append(out)
+        return outputs
 
     @property
     def in_flight(self) -> tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]] | None:
@@ -78,15 +126,17 @@ class EngineStepper:
         scheduled now (empty when nothing was schedulable)."""
         core = self.core
         self.last_updated = None
-        so = core.schedule(self.clock() if now is None else now)
+        now = self.clock() if now is None else now
+        ready = self._advance_grammars(now) if self.grammars is not None else []
+        so = core.schedule(now)
         if self.on_scheduled is not None and so.new_req_ids:
             self.on_scheduled(so)
         if self.max_in_flight == 1:
             if so.is_empty:
-                return so, []
+                return so, ready
             out = self._execute(so)
             self.last_updated = so
-            return so, core.update(so, out, self.clock())
+            return so, ready + core.update(so, out, self.clock())
         if not so.is_empty:
             try:
                 self.queue.append((so, self.executor.execute_async(so)))
@@ -95,10 +145,10 @@ class EngineStepper:
                     raise
                 outputs = self.drain()  # the steps before first: this one's placeholders are their tokens
                 self.last_updated = so
-                return so, outputs + core.update(so, self._isolate(so, e), self.clock())
+                return so, ready + outputs + core.update(so, self._isolate(so, e), self.clock())
             if len(self.queue) < self.max_in_flight:
-                return so, []  # room in flight: schedule the next step before reading this one back
-        return so, self._update_oldest() if self.queue else []
+                return so, ready  # room in flight: schedule the next step before reading this one back
+        return so, ready + (self._update_oldest() if self.queue else [])
 
     def _update_oldest(self) -> list[EngineCoreOutput]:
         prev, result = self.queue.popleft()

@@ -147,7 +147,10 @@ class LLM:
         `timeout` s (None: until one does)."""
         if self.dp is not None:
             return self.dp.step(timeout)
-        return self.stepper.step(now)[1]
+        so, outputs = self.stepper.step(now)
+        if so.is_empty and not outputs and self.stepper.in_flight is None and self.stepper.compiling:
+            time.sleep(0.001)  # only grammars compiling (on their threads): leave them the CPU
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.dp.has_unfinished_requests() if self.dp is not None else self.stepper.has_work()

@@ -69,7 +69,8 @@ def run_replay(trace_path: str, config: EngineConfig, *, model: str | None = Non
                        limit=limit, fmt=trace_format)
     paths = {name: path for name, path, _ in parse_lora_modules(lora_modules)}
     loras = trace_loras([tr.lora for tr in trace], config, paths)
-    llm = LLM(model, load_format=load_format, dtype=dtype, device=device, skip_tokenizer_init=True,
+    structured = any(tr.structured_output for tr in trace)  # grammars are compiled against the tokenizer
+    llm = LLM(model, load_format=load_format, dtype=dtype, device=device, skip_tokenizer_init=not structured,
               executor=executor, **config.to_dict())
     gc.collect()
     gc.freeze()  # the model and the trace stay alive: keep full collections from pausing steps mid-replay

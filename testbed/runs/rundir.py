@@ -7,6 +7,8 @@
 Data-parallel runs add the coordinator's record (what `--cost-model recorded:` replays):
 <dir>/routes.parquet        one row per routed request (ROUTE_COLUMNS)
 <dir>/publications.parquet  one row per stats report a replica sent the coordinator (PUBLICATION_COLUMNS)
+Runs whose grammars compiled off the step loop (structured outputs) add when each was ready:
+<dir>/grammars.parquet  one row per grammar outcome (GRAMMAR_COLUMNS)
 
 A run directory is written whole or not at all: the files go to a hidden temporary directory
 beside it, which then takes its place in one rename (an exchange with the old run when there is
@@ -31,7 +33,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from testbed.runs.arrow_columns import column
-from testbed.engine.metrics import (BASE_STEP_COLUMNS, BLOCK_STEP_COLUMNS, PIPELINE_STEP_COLUMNS, PUBLICATION_COLUMNS,
+from testbed.engine.metrics import (BASE_STEP_COLUMNS, BLOCK_STEP_COLUMNS, PIPELINE_STEP_COLUMNS,
+                                    GRAMMAR_COLUMNS, PUBLICATION_COLUMNS,
                                     REQUEST_COLUMNS, ROUTE_COLUMNS, STEP_COLUMNS, Recorder)
 
 if TYPE_CHECKING:  # reading tables imports pandas; writing a run needs only pyarrow
@@ -44,9 +47,10 @@ _REQ_TYPES = {"request_id": pa.string(), "replica": pa.int32(), "priority": pa.i
               "preemptions": pa.int32(), "finish_reason": pa.string()}
 _STEP_TYPES = {c: (pa.float64() if c in ("start", "duration") else pa.int64())
                for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS}
-_DP_TABLES = {  # file -> (Recorder attribute, columns, float columns)
-    "routes.parquet": ("routes", ROUTE_COLUMNS, ("arrival", "sent", "routed", "added")),
-    "publications.parquet": ("publications", PUBLICATION_COLUMNS, ("sampled", "received", "kv_usage")),
+_OPTIONAL_TABLES = {  # file -> (Recorder attribute, columns, float columns, string columns): written when not empty
+    "routes.parquet": ("routes", ROUTE_COLUMNS, ("arrival", "sent", "routed", "added"), ("request_id",)),
+    "publications.parquet": ("publications", PUBLICATION_COLUMNS, ("sampled", "received", "kv_usage"), ()),
+    "grammars.parquet": ("grammars", GRAMMAR_COLUMNS, ("ready",), ("request_id", "error")),
 }
 
 
@@ -69,7 +73,7 @@ def environment_info() -> dict:
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-RUN_FILES = frozenset(FILES) | frozenset(_DP_TABLES)  # every file a run directory may hold
+RUN_FILES = frozenset(FILES) | frozenset(_OPTIONAL_TABLES)  # every file a run directory may hold
 MANIFEST_KEYS = ("mode", "config", "trace", "model", "git_sha", "versions", "created")
 
 
@@ -127,10 +131,10 @@ def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: d
         pq.write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c])  # a pipeline-parallel run's columns too
                                  for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS if c in step_cols}),
                        tmp / "steps.parquet")
-        for name, (attr, columns, floats) in _DP_TABLES.items():
+        for name, (attr, columns, floats, strings) in _OPTIONAL_TABLES.items():
             rows = getattr(records, attr)
             if rows:
-                typ = {c: pa.float64() if c in floats else pa.string() if c == "request_id" else pa.int64()
+                typ = {c: pa.float64() if c in floats else pa.string() if c in strings else pa.int64()
                        for c in columns}
                 pq.write_table(pa.table({c: column(col, typ[c]) for c, col in zip(columns, zip(*rows))}),
                                tmp / name)
@@ -189,7 +193,7 @@ class Run:
         return frame
 
     def dp_table(self, name: str) -> pd.DataFrame | None:
-        """'routes' or 'publications' of a data-parallel run; None when the run has none."""
+        """'routes' or 'publications' of a data-parallel run, or 'grammars'; None when the run has none."""
         path = self.path / f"{name}.parquet"
         return _read_frame(path) if path.is_file() else None
 
@@ -234,7 +238,7 @@ def _records_problem(path: str | Path) -> str | None:
     Reads each file's footer and schema, not its rows (a data-parallel run's tables too, when present)."""
     p = Path(path)
     tables = [("requests.parquet", REQUEST_COLUMNS), ("steps.parquet", BASE_STEP_COLUMNS)]  # block moves: optional
-    tables += [(name, columns) for name, (_, columns, _) in _DP_TABLES.items() if (p / name).exists()]
+    tables += [(name, columns) for name, (_, columns, *_) in _OPTIONAL_TABLES.items() if (p / name).exists()]
     for name, columns in tables:
         try:
             have = set(pq.read_schema(p / name).names)

@@ -42,7 +42,7 @@ from testbed.engine.stepper import EngineStepper
 
 HEARTBEAT_INTERVAL_S = 1.0
 PARENT_CHECK_S = 1.0
-LOG_KINDS = ("steps", "requests", "itl", "adds", "reports")
+LOG_KINDS = ("steps", "requests", "itl", "adds", "reports", "grammars")
 
 
 class DPEngineProcConfig(msgspec.Struct):
@@ -184,8 +184,8 @@ class DPEngineProc:
                                    or bool(updated.preempted_req_ids))
                         if publisher.after_update(time.time(), changed, not stepper.has_work()):
                             self.outq.put((False, self.report()))
-                    if not stepped:  # nothing schedulable until an input changes things: wait for one
-                        self.wait_input(0.01)
+                    if not stepped:  # nothing schedulable until an input or a compiled grammar changes things
+                        self.wait_input(0.001 if stepper.compiling else 0.01)
                 if outputs or stepped:
                     batch = P.Outputs([to_wire(o) for o in outputs], scheduler_stats(core, -1), scheduled)
                     self.outq.put((True, D.EngineOutputs(self.rank, self.num_added, batch)))
@@ -193,7 +193,8 @@ class DPEngineProc:
                 if self.log is not None:
                     self.log.write(rec.steps, rec.requests)
                     self.log.append("itl", [[x] for x in rec.itl])
-                for rows in (rec.steps, rec.requests, rec.itl):  # a server runs for days: keep no history
+                    self.log.append("grammars", rec.grammars)
+                for rows in (rec.steps, rec.requests, rec.itl, rec.grammars):  # a server runs for days: no history
                     rows.clear()
                 now = time.monotonic()
                 if now - last_parent_check > PARENT_CHECK_S:

@@ -168,14 +168,14 @@ class EngineProc:
                     outputs.extend(step_outputs)
                     scheduled = first_scheduled(core, so, start)
                     stepped = not so.is_empty or bool(step_outputs)
-                    if not stepped:  # nothing schedulable until an input changes things: wait for one, don't spin
-                        self.inp.poll(10)
+                    if not stepped:  # nothing schedulable until an input or a compiled grammar changes things
+                        self.inp.poll(1 if stepper.compiling else 10)
                 if outputs or stepped:
                     self.send(P.Outputs([to_wire(o) for o in outputs], self.stats(), scheduled))
                 rec = core.records
                 if log is not None:
                     log.write(rec.steps, rec.requests)
-                for rows in (rec.steps, rec.requests, rec.itl):  # a server runs for days: keep no history
+                for rows in (rec.steps, rec.requests, rec.itl, rec.grammars):  # a server runs for days: no history
                     rows.clear()
                 now = time.monotonic()
                 if now - last_parent_check > PARENT_CHECK_S:

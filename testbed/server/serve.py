@@ -64,9 +64,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="larger request bodies get 413 (default: %(default)s)")
     g.add_argument("--log-steps", default=None, metavar="DIR",
                    help="append the engine's step and request records to DIR/steps.jsonl, DIR/requests.jsonl")
-    g.add_argument("--structured-outputs-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="a request's JSON schema, regex or grammar must be checked within this time, or it gets a "
-                        "400; checks run on their own threads, never holding up other requests (default: %(default)s)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM; then they end with an error "
                         "(default: %(default)s)")
@@ -315,10 +312,6 @@ async def run_server(args: argparse.Namespace) -> int:
     if not math.isfinite(args.shutdown_timeout) or args.shutdown_timeout < 0:
         await client.shutdown()
         raise ConfigError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {args.shutdown_timeout}")
-    if not math.isfinite(args.structured_outputs_timeout) or args.structured_outputs_timeout <= 0:
-        await client.shutdown()
-        raise ConfigError("--structured-outputs-timeout must be a finite number of seconds > 0, got "
-                          f"{args.structured_outputs_timeout}")
     cache = {"block_size": str(cfg.block_size), "cache_dtype": "auto", "enable_prefix_caching":
              str(cfg.enable_prefix_caching), "gpu_memory_utilization": str(cfg.gpu_memory_utilization)}
     metrics = ServerMetrics(served, cfg.data_parallel_size, ready.max_model_len, args.metrics_prefix,
@@ -326,7 +319,7 @@ async def run_server(args: argparse.Namespace) -> int:
     state = ServerState(client, tokenizer, served, model, metrics, ready.max_model_len, ready.vocab_size,
                         ready.num_gpu_blocks, ready.block_size, cfg.max_num_waiting, args.api_key,
                         TokenTexts(tokenizer), cfg.policy, pooler_config=pooler,
-                        structured_outputs_timeout=args.structured_outputs_timeout,
+                        structured_outputs_timeout=cfg.structured_outputs_timeout,
                         emulated=f"{args.gpu}, cost model {args.cost_model}" if args.emulate else None)
     client.on_stats = state.on_stats
     state.loras = LoRARegistry(cfg.enable_lora, cfg.max_lora_rank)

@@ -32,6 +32,7 @@ from testbed.engine.outputs import ModelRunnerOutput
 from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment
 from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor, add_beam_logprobs
+from testbed.sim.grammars import SimGrammars
 from testbed.sim.horizon import AdmissionHorizon
 from testbed.workload.lora import trace_loras
 from testbed.sim.pipeline import PipelineCostModel
@@ -119,6 +120,8 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
     coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks,
                           lora_capacity=config.max_cpu_loras)
     executor = SimExecutor(cost_model)
+    grammars = SimGrammars(engines, getattr(cost_model, "grammar_events", None),
+                           lambda: getattr(cost_model, "step", 0))
     wake = [env.event() for _ in range(dp)]
     done = env.event()
     state = {"admitted": 0, "idle": set(range(dp)), "seq": 0}
@@ -137,6 +140,10 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         else:
             fn(*args)
 
+    def wake_up(r: int) -> None:
+        if not wake[r].triggered:
+            wake[r].succeed()
+
     def finish_if_done() -> None:
         if state["admitted"] == len(trace) and len(state["idle"]) == dp and not done.triggered:
             done.succeed()
@@ -148,8 +155,9 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
         state["admitted"] += 1
         if engines[r].add_request(req, env.now) is None:  # accepted; a rejection is recorded at once
             state["idle"].discard(r)  # busy from now on, so the end check cannot fire before it wakes
-            if not wake[r].triggered:
-                wake[r].succeed()
+            for t in grammars.submit(r, env.now):  # its grammar compiles meanwhile: wake the replica when due
+                env.timeout_at(t).callbacks.append(lambda _: wake_up(r))
+            wake_up(r)
         else:
             finish_if_done()
 
@@ -247,9 +255,13 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 wake[r] = env.event()
                 yield wake[r]
                 state["idle"].discard(r)
+            grammars.apply(r, env.now)
+            if not eng.requests and in_flight is None:
+                continue  # its last request's grammar failed
             if skip and not publishers[r].dirty:  # a report pending would go out after one of these steps
-                k, end, finished = fast_forward(eng, env.now, horizon.until(r), step_end, SIM_TOKEN_ID,
-                                                stop_after_finish=dp > 1)
+                until = min(horizon.until(r), grammars.next_due(r))
+                k, end, finished = fast_forward(eng, env.now, until, step_end, SIM_TOKEN_ID,
+                                                max_steps=grammars.steps_until_due(r), stop_after_finish=dp > 1)
                 if k:
                     steps_done[r] += k
                     skipped[0] += k
@@ -258,6 +270,10 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                         publish(r)
                     continue  # the stretch may go on (an arrival it stopped for went elsewhere)
             so = eng.schedule(env.now)
+            if so.is_empty and in_flight is None and env.now < grammars.next_due(r) < float("inf"):
+                wake[r] = env.event()  # only requests whose grammar compiles: until one is due, or an arrival
+                yield wake[r] | env.timeout_at(grammars.next_due(r))
+                continue
             if so.is_empty and in_flight is None:
                 raise RuntimeError(f"replica {r}: nothing schedulable with {len(eng.requests)} requests live "
                                    "(scheduler bug: every admitted request must fit the cache)")

@@ -101,6 +101,10 @@ CALIBRATED = RooflineConstants(step_overhead_s=1.436e-3, eager_overhead_per_laye
 # device's copy, unpack and mask are small next to the forward): the median "host fill per row" of
 # benchmarks/grammar.py, 2026-11-24, AMD EPYC (shared 2-core VM), SmolLM2's 49k vocabulary, a 3-field JSON schema.
 GRAMMAR_ROW_S = 15e-6
+# Compile time of a trace request's grammar (any JSON: xgrammar's built-in JSON grammar) against the tokenizer,
+# off the step loop: 4.6-6.8 ms measured (SmolLM2's 49k vocabulary, the same VM, 2026-11-26). The request is
+# schedulable from the first step after it.
+GRAMMAR_COMPILE_S = 5e-3
 
 
 class RooflineCostModel:
@@ -188,6 +192,9 @@ class RecordedCostModel:
             raise ValueError("a recorded timeline needs one start and one duration per step (and at least one step)")
         self.durations = [b - a for a, b in zip(starts, starts[1:])] + [durations[-1]]
         self.step = 0
+        # request id -> (when its grammar outcome reached the scheduler, None or why it failed, the index of the
+        # first step scheduled after it): the run's grammars.parquet, replayed by the simulator (sim/grammars.py)
+        self.grammar_events: dict[str, tuple[float, str | None, int]] = {}
 
     @classmethod
     def from_run_dir(cls, path) -> "RecordedCostModel":
@@ -202,7 +209,16 @@ class RecordedCostModel:
         steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration"])
         if steps["replica"].nunique() > 1:
             raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")
-        return cls(steps["start"].tolist(), steps["duration"].tolist())
+        starts = steps["start"].tolist()
+        model = cls(starts, steps["duration"].tolist())
+        grammars = Path(path) / "grammars.parquet"
+        if grammars.is_file():
+            import bisect
+            g = pd.read_parquet(grammars, columns=["request_id", "ready", "error"])
+            errors = g["error"].astype(object).where(g["error"].notna(), None)
+            model.grammar_events = {rid: (t, e, bisect.bisect_left(starts, t))
+                                    for rid, t, e in zip(g["request_id"], g["ready"], errors)}
+        return model
 
     def step_time(self, so: SchedulerOutput) -> float:
         if self.step >= len(self.durations):

@@ -3,7 +3,8 @@
 A real DP run directory records when each replica scheduled and updated every step (steps.parquet),
 when the coordinator routed each request and when its replica admitted it (routes.parquet), and when
 each replica sampled a stats report and the coordinator took it (publications.parquet), with the
-coordinator's event order (`seq`). Here the same EngineCores and the same DPCoordinator run on
+coordinator's event order (`seq`), and, with structured outputs, when each grammar was ready
+(grammars.parquet: applied before the first step at or after that time, as the real replica did). Here the same EngineCores and the same DPCoordinator run on
 exactly those times: the coordinator takes reports and routes requests in the recorded order, each
 request is admitted at its recorded time (or by a step starting at that very instant), and each
 replica schedules every step at its recorded start. Only timing is replayed; every decision (the
@@ -26,6 +27,7 @@ from testbed.engine.outputs import SchedulerOutput
 from testbed.workload.lora import trace_loras
 from testbed.sim.cluster import SimResult, trace_to_request
 from testbed.sim.executor import SimExecutor
+from testbed.sim.grammars import SimGrammars
 from testbed.workload.trace import TraceRequest
 
 # report fields a replica's state determines exactly (kv_usage follows from the block counts)
@@ -54,6 +56,7 @@ class RecordedDPRun:
     durations: list[list[float]]    # per replica, schedule -> update of step k
     routes: list[dict]              # ROUTE_COLUMNS rows in seq order
     publications: list[dict]        # PUBLICATION_COLUMNS rows in seq order
+    grammars: dict[str, tuple] | None = None  # request id -> (ready time, None or why it failed, None)
 
     @property
     def num_replicas(self) -> int:
@@ -87,9 +90,12 @@ class RecordedDPRun:
             raise ValueError(f"{path}: manifest says data_parallel_size={dp} but steps name replicas "
                              f"{sorted(steps['replica'].unique())}")
         by = [steps[steps["replica"] == r] for r in range(dp)]
+        g = run.dp_table("grammars")
+        grammars = None if g is None else {
+            rid: (t, None if e is None or e != e else e, None) for rid, t, e in zip(g["request_id"], g["ready"], g["error"])}
         return cls(str(path), cfg.get("dp_policy", ""), [s["start"].tolist() for s in by],
                    [s["duration"].tolist() for s in by], routes.sort_values("seq").to_dict("records"),
-                   pubs.sort_values("seq").to_dict("records"))
+                   pubs.sort_values("seq").to_dict("records"), grammars)
 
 
 def _diverged(msg: str) -> RuntimeError:
@@ -116,6 +122,7 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False,
                           num_cpu_blocks=num_cpu_blocks) for r in range(dp)]
     executors = [SimExecutor(_Durations(d)) for d in rec.durations]
+    grammars = SimGrammars(engines, rec.grammars)
     coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks,
                           lora_capacity=config.max_cpu_loras)
     inbox: list[list] = [[] for _ in range(dp)]   # (added, request) routed to each replica, in order
@@ -144,6 +151,7 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
         while box and box[0][0] <= until:
             added, req = box.pop(0)
             engines[r].add_request(req, added)
+            grammars.submit(r, added)
 
     def coordinator():
         events = sorted([(p["seq"], p["received"], "report", p) for p in rec.publications]
@@ -178,6 +186,7 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
             if start > env.now:
                 yield env.timeout(start - env.now)
             admit(r, start)  # one admitted at this very instant counts as before the step, as in the real loop
+            grammars.apply(r, start)
             so = eng.schedule(env.now)
             if so.is_empty:
                 raise _diverged(f"replica {r} ran step {k} at {start:.6f} s; the simulated one has nothing to "

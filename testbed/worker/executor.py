@@ -3,7 +3,8 @@
 `create_executor` picks the in-process executor for one rank (tensor_parallel_size x pipeline_parallel_size
 1) and the multi-process one (one worker per rank over torch.distributed) otherwise. Every executor exposes the
 numbers the EngineCore needs before it starts: num_gpu_blocks, num_cpu_blocks (the swap pool, `--swap-space` GiB
-of blocks per rank in swap mode), max_model_len, eos_token_id, vocab_size.
+of blocks per rank in swap mode), max_model_len, eos_token_id, vocab_size; and
+`grammars`, rank 0's grammar backend (worker/grammar.py GrammarStates), which compiles on its own threads.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ class UniprocExecutor:
         if dev.type == "cuda" and not enforce_eager:
             self.runner.capture_cuda_graphs()
         self.device = dev
+        self.grammars = self.runner.sampler.processors.grammars  # compiles off the step loop (EngineStepper)
 
     def set_swap_space(self, num_cpu_blocks: int) -> None:
         """A CPU swap pool of `num_cpu_blocks` for the engine reusing this executor (its old one is dropped)."""
@@ -68,6 +70,7 @@ class UniprocExecutor:
         return self.runner.execute_async(so)
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         self.runner = None  # type: ignore[assignment]
 
 

@@ -8,9 +8,21 @@ request's tokens it has not seen yet (the caller passes every token sampled so f
 the end of its grammar (a stop token), its row is no longer constrained, as in vLLM (ignore_eos goes on
 freely). The constraint's translation into xgrammar, and the front-ends' torch-free check of it, are in
 grammar_compile.py.
+
+Compiling against the tokenizer (seconds for a schema of a thousand optional properties) runs on a thread
+pool of the worker that samples (rank 0), as in vLLM V1: the engine's driver `submit`s a request's grammar
+when it is queued and `poll`s for finished compiles (EngineStepper), so no step waits for one; the time
+bound counts from when a request's compile begins (`compiling_for`), not its wait for a thread or for the
+one-time setup of the tokenizer's vocabulary. xgrammar releases the GIL while it compiles, so the step
+loop goes on meanwhile. A request whose grammar was never submitted (a caller driving the model runner
+directly) compiles it at its first bitmask.
 """
 from __future__ import annotations
 
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import torch
@@ -35,11 +47,19 @@ class _State:
 
 
 class GrammarStates:
-    """Per-request xgrammar matchers of one worker, created the first time a request's row is masked."""
+    """Per-request xgrammar matchers of one worker. Grammars compile on this object's thread pool (`submit`,
+    then `poll`), or at a request's first bitmask when it was not submitted; a matcher is made at the first
+    bitmask. Invariant: a request id is in at most one of compiling, compiled and states."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any]) -> None:
+    def __init__(self, load_tokenizer: Callable[[], Any], threads: int | None = None) -> None:
         self.load_tokenizer = load_tokenizer
         self.states: dict[str, _State] = {}
+        self.compiling: dict[str, Future] = {}
+        self.started: dict[str, float] = {}  # request id -> when its compile began (time.monotonic), while compiling
+        self.compiled: dict[str, Any] = {}  # request id -> CompiledGrammar, until its first bitmask
+        self._threads = threads or max(1, (os.cpu_count() or 2) // 2)
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # one compiler (its tokenizer info) shared by the pool's threads
         self._xgr = None
         self._compiler = None
         self._vocab = 0
@@ -47,15 +67,66 @@ class GrammarStates:
     def forget(self, request_ids) -> None:
         for rid in request_ids:
             self.states.pop(rid, None)
+            self.compiled.pop(rid, None)
+            self.started.pop(rid, None)
+            f = self.compiling.pop(rid, None)
+            if f is not None:
+                f.cancel()  # a compile already running finishes on its thread; its result is dropped
 
-    def _matcher(self, so: StructuredOutputsParams, vocab_size: int, eos_token_id: int | None):
-        if self._compiler is None or self._vocab != vocab_size:
-            xgr = self._xgr = xgrammar()
-            stop = [eos_token_id] if eos_token_id is not None else None
-            info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=vocab_size,
-                                                      stop_token_ids=stop)
-            self._compiler, self._vocab = xgr.GrammarCompiler(info), vocab_size
-        return self._xgr.GrammarMatcher(compile_constraint(so, self._compiler))
+    def submit(self, request_id: str, so: StructuredOutputsParams, vocab_size: int, eos_token_id: int | None) -> None:
+        """Start compiling a request's grammar on the pool; `poll` reports it once done."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="grammar-compile")
+        self.compiling[request_id] = self._pool.submit(self._compile, so, vocab_size, eos_token_id, request_id)
+
+    def compiling_for(self, request_id: str) -> float:
+        """Seconds the request's grammar has been compiling (0 while it waits for a thread or for the one-time
+        tokenizer setup): what --structured-outputs-timeout bounds."""
+        t = self.started.get(request_id)
+        return 0.0 if t is None else time.monotonic() - t
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        """Requests whose compile finished since the last poll: (request id, None when it compiled, else why
+        not: the InvalidParam text naming structured_outputs.<kind>)."""
+        done = [rid for rid, f in self.compiling.items() if f.done()]
+        out: list[tuple[str, str | None]] = []
+        for rid in done:
+            f = self.compiling.pop(rid)
+            self.started.pop(rid, None)
+            e = f.exception()
+            if e is None:
+                self.compiled[rid] = f.result()
+                out.append((rid, None))
+            else:
+                out.append((rid, str(e)))
+        return out
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _compile(self, so: StructuredOutputsParams, vocab_size: int, eos_token_id: int | None,
+                 request_id: str | None = None):
+        """The CompiledGrammar of a constraint (InvalidParam when it does not compile)."""
+        with self._lock:
+            if self._compiler is None or self._vocab != vocab_size:
+                xgr = self._xgr = xgrammar()
+                stop = [eos_token_id] if eos_token_id is not None else None
+                info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(), vocab_size=vocab_size,
+                                                          stop_token_ids=stop)
+                self._compiler, self._vocab = xgr.GrammarCompiler(info), vocab_size
+            compiler = self._compiler
+        if request_id is not None:
+            self.started[request_id] = time.monotonic()
+        return compile_constraint(so, compiler)
+
+    def _matcher(self, rid: str, so: StructuredOutputsParams, vocab_size: int, eos_token_id: int | None):
+        compiled = self.compiled.pop(rid, None)
+        if compiled is None:
+            f = self.compiling.pop(rid, None)
+            compiled = f.result() if f is not None else self._compile(so, vocab_size, eos_token_id)
+        return self._xgr.GrammarMatcher(compiled)
 
     def bitmask(self, request_ids: Sequence[str], params: Sequence, outputs: Sequence[Sequence[int]],
                 eos_token_ids: Sequence[int | None], vocab_size: int, pin: bool = False) -> torch.Tensor:
@@ -67,7 +138,7 @@ class GrammarStates:
         for k, (rid, p, out, eos) in enumerate(zip(request_ids, params, outputs, eos_token_ids)):
             st = self.states.get(rid)
             if st is None:
-                st = self.states[rid] = _State(self._matcher(p.structured_outputs, vocab_size, eos))
+                st = self.states[rid] = _State(self._matcher(rid, p.structured_outputs, vocab_size, eos))
             m = st.matcher
             for t in out[st.accepted:]:
                 if m.is_terminated():

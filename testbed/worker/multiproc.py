@@ -282,6 +282,7 @@ class MultiprocExecutor:
         if self.runner.lora is not None:
             self.runner.lora.broadcast = self._broadcast_lora
         self.runner.broadcast_block_ops = self._broadcast_block_ops  # type: ignore[attr-defined]
+        self.grammars = self.runner.sampler.processors.grammars  # rank 0 samples, so rank 0 compiles grammars
 
     def _capture(self) -> None:
         """Every rank captures the same CUDA graphs in lockstep, rank 0 watching the others whenever it waits
@@ -470,6 +471,8 @@ class MultiprocExecutor:
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        if hasattr(self, "grammars"):
+            self.grammars.shutdown()
         try:
             if self._failure is None and not self._dead_ranks():
                 self._send(CMD_SHUTDOWN)
