@@ -35,6 +35,23 @@ def test_emulated_server_answers_with_the_profiles_timing_and_echoed_tokens(emul
     assert "no profile ships" not in log  # the H200 profile of Llama-3.2-1B was found
 
 
+def test_without_a_tokenizer_a_stream_carries_one_event_per_token(tmp_path):
+    """A server without a tokenizer streams token-id prompts with empty text: every token gets an event of its
+    own (with its id under return_token_ids), never several in one, so a client can count the tokens and time
+    them."""
+    with running_server("--emulate", "--model", "Llama-3.2-1B", "--load-format", "dummy", "--gpu", "H200",
+                        "--tokenizer", str(tmp_path / "no-tokenizer-here"), log_dir=tmp_path) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        for extra in ({}, {"return_token_ids": True}):
+            chunks = [c for c in client.completions.create(model="Llama-3.2-1B", prompt=[7, 8, 9], max_tokens=8,
+                                                           stream=True, extra_body=extra) if c.choices]
+            assert len(chunks) == 8 and all(c.choices[0].text == "" for c in chunks)
+            assert [c.choices[0].finish_reason for c in chunks] == [None] * 7 + ["length"]
+            if extra:
+                assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == [7, 8, 9, 7, 8, 9, 7, 8]
+        assert "text prompts and chat are refused" in srv.log_text()
+
+
 def test_emulated_chat_works_with_the_bundled_tokenizer(emulated):
     """A preset has no tokenizer files: emulation takes the bundled SmolLM2 tokenizer, so chat and text prompts
     work with the official client (the reply echoes the prompt's tokens, as text)."""

@@ -60,17 +60,17 @@ def completion_logprobs(run: GenerationRun, token_ids: list[int], logprobs: list
 
 
 def _choice(run: GenerationRun, req: CompletionRequest, c: Choice, text: str, ids: list[int], lps: list,
-            offset: int, prompt_ids: list[int] | None) -> dict[str, Any]:
+            offset: int, prompt_ids: list[int] | None, last: bool = True) -> dict[str, Any]:
     """One choice; `prompt_ids` given in a choice's first (or only) event: the echoed prompt's logprobs and
-    token ids go there."""
+    token ids go there. `last` False: an event before the choice's latest one (no finish reason yet)."""
     lp_obj = None
     if req.logprobs is not None:
         lp_obj = completion_logprobs(run, ids, lps, offset, req.logprobs)
         if req.echo and prompt_ids is not None:
             echoed = completion_logprobs(run, prompt_ids, [None] + (c.prompt_logprobs or []), 0, req.logprobs)
             lp_obj = {k: echoed[k] + lp_obj[k] for k in lp_obj}
-    d = {"index": c.index, "text": text, "logprobs": lp_obj, "finish_reason": c.finish_reason,
-         "stop_reason": c.stop_reason}
+    d = {"index": c.index, "text": text, "logprobs": lp_obj, "finish_reason": c.finish_reason if last else None,
+         "stop_reason": c.stop_reason if last else None}
     if req.prompt_logprobs is not None and prompt_ids is not None:
         d["prompt_logprobs"] = prompt_logprobs_json(run, prompt_ids, c.prompt_logprobs, req.prompt_logprobs)
     if req.return_token_ids:
@@ -126,6 +126,16 @@ async def _stream(run: GenerationRun, req: CompletionRequest, head: dict, echoes
                 started.add(c.index)
                 text = echoes[c.prompt_index] + text
                 prompt_ids = run.prompts[c.prompt_index]
+            if run.state.tokenizer is None and len(c.delta_ids) > 1:
+                # no text to carry (no tokenizer): one event per token, so a client can still count and time
+                # them (several tokens queued behind a slow reader otherwise go out as one event, as in vLLM)
+                lps = c.delta_logprobs or [None] * len(c.delta_ids)
+                for k, tid in enumerate(c.delta_ids):
+                    last = k == len(c.delta_ids) - 1
+                    choice = _choice(run, req, c, text if k == 0 else "", [tid], [lps[k]] if c.delta_logprobs else [],
+                                     offsets[c.index], prompt_ids if k == 0 else None, last)
+                    yield sse({**head, "choices": [choice]})
+                continue
             choice = _choice(run, req, c, text, c.delta_ids, c.delta_logprobs, offsets[c.index], prompt_ids)
             if choice["logprobs"] and run.state.tokenizer is not None:
                 offsets[c.index] += sum(len(run.token_text(t)) for t in c.delta_ids)
