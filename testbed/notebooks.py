@@ -86,13 +86,17 @@ def inject_parameters(nb, parameters: dict[str, Any]) -> None:
     nb.cells.insert(at + 1, cell)
 
 
+TIMEOUT = "CellTimeoutError"  # the error a cell past the timeout ends with (nbclient's error_on_timeout)
+
+
 def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str, Any] | None = None, *,
                      cwd: str | Path = ".", timeout: float = 900, progress: bool = False) -> Path:
     """Execute one notebook with `parameters` (plus `output_dir` = `output`) in a fresh kernel started in
     `cwd`; write the executed notebook to `output`/NAME.ipynb, also when a cell fails (NotebookError then)."""
     import nbformat
+    from traitlets.config import Config
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+    from nbclient.exceptions import CellExecutionError
 
     import matplotlib.pyplot  # noqa: F401  builds matplotlib's font cache here, so no kernel prints that notice
 
@@ -103,17 +107,25 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
     target = out / f"{src.stem}.ipynb"
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
 
-    def on_cell_executed(cell, cell_index: int, **_) -> None:  # a line per cell, so a long run shows where it is
-        if progress and cell.cell_type == "code":
+    def on_cell_executed(cell, cell_index: int, execute_reply=None, **_) -> None:  # a line per cell, to show progress
+        ok = execute_reply is None or execute_reply.get("content", {}).get("status") == "ok"
+        if progress and cell.cell_type == "code" and ok:
             print(f"  {src.stem}: cell {code.index(cell_index) + 1}/{len(code)} done", flush=True)
 
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+    # TCP with CurveZMQ keys the kernel manager makes: no "running over TCP without encryption" notice from the
+    # kernel. (IPC sockets avoid it too, but through a KernelManager of our own, a blocking one, a cell past the
+    # timeout was never stopped; nbclient's own AsyncKernelManager, configured here, stops it.)
+    encrypted = Config({"KernelManager": {"transport_encryption": "required"}})
+    # a cell past the timeout is interrupted first, so the kernel answers it before it is shut down (shut down
+    # mid-cell, it logs a traceback of its reply to a closed socket)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False, config=encrypted,
+                            interrupt_on_timeout=True, error_on_timeout={"ename": TIMEOUT, "evalue": "", "traceback": []},
                             resources={"metadata": {"path": str(Path(cwd).resolve())}}, on_cell_executed=on_cell_executed)
     try:
         client.execute()
     except CellExecutionError as e:
-        raise NotebookError(f"{src}: a cell failed (the executed notebook up to it: {target}):\n{e}") from None
-    except CellTimeoutError:
+        if e.ename != TIMEOUT:
+            raise NotebookError(f"{src}: a cell failed (the executed notebook up to it: {target}):\n{e}") from None
         raise NotebookError(f"{src}: a cell ran longer than --timeout {timeout:g} s (the executed notebook up to it: "
                             f"{target}); a full experiment on a small machine needs more, e.g. --timeout 14400, "
                             "or more --parameter jobs=N on more cores") from None
