@@ -16,7 +16,7 @@ def lora(i: int) -> LoRARequest:
     return LoRARequest(f"a{i}", i, f"/adapters/a{i}")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(max_loras=st.integers(1, 3), extra_cpu=st.integers(0, 2), async_scheduling=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority"]), max_num_seqs=st.integers(1, 6),
        reqs=st.lists(st.tuples(st.integers(0, 8), st.integers(0, 5), st.integers(1, 30), st.integers(1, 12),

@@ -147,13 +147,13 @@ def test_the_profile_measures_lora_and_the_cost_model_charges_it(tmp_path):
     cfg = EngineConfig(enable_lora=True, max_lora_rank=8, num_gpu_blocks=64, max_model_len=128, max_num_seqs=8,
                        max_num_batched_tokens=128)
     ex = create_executor(str(tmp_path), cfg, dtype="float32")
-    table = measure_lora(StepMeasurer(ex, 1, 1), StepFactory(64, 16, ex.vocab_size), ex.runner, [1, 8], [16, 64],
+    table = measure_lora(StepMeasurer(ex, 1, 1), StepFactory(64, 16, ex.vocab_size), ex.runner, [1, 4], [16, 48],
                          64 * 16, 1, lambda: None)
     ex.runner.record_timing = False
     assert table["max_lora_rank"] == 8 and table["load_disk_s"] > table["load_host_s"] > 0
     assert all(e is not None for kind in ("decode", "chunk") for e in table[kind]["extra_s"])
     cost = MeasuredLoRACost(table, max_lora_rank=16)  # twice the profile's rank: twice its costs
-    step = SchedulerOutput(num_lora_tokens=64, num_loras=1, num_prefill_tokens=64)
+    step = SchedulerOutput(num_lora_tokens=48, num_loras=1, num_prefill_tokens=48)
     load = SchedulerOutput(lora_loads=[LoRALoad(0, LoRARequest("a", 1), True)])
     assert cost.step_time(SchedulerOutput()) == 0.0
     assert cost.step_time(step) == pytest.approx(2 * max(0.0, table["chunk"]["extra_s"][1]))
