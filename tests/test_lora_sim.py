@@ -158,3 +158,30 @@ def test_the_profile_measures_lora_and_the_cost_model_charges_it(tmp_path):
     assert cost.step_time(SchedulerOutput()) == 0.0
     assert cost.step_time(step) == pytest.approx(2 * max(0.0, table["chunk"]["extra_s"][1]))
     assert cost.step_time(load) == pytest.approx(2 * table["load_disk_s"])
+
+
+def test_dp_lora_affinity_replays_exactly_and_keeps_each_adapter_on_one_replica(tmp_path, capsys):
+    """Two real replicas behind the coordinator with --dp-policy lora_affinity (one slot each), then the simulator on
+    the recorded run: the same routes, batches and outcomes, and each adapter stayed on one replica."""
+    from llm_helpers import save_peft_adapter, save_tiny_llama
+    hf = save_tiny_llama(tmp_path / "base", 4, 2, seed=21)
+    save_peft_adapter(tmp_path / "a", hf, 8, ["q_proj", "down_proj"], seed=22)
+    save_peft_adapter(tmp_path / "b", hf, 8, ["v_proj", "up_proj"], seed=23)
+    rows = [(0.0, 30, 6, "a"), (0.0, 20, 8, "b"), (0.0, 12, 5, None), (0.02, 40, 4, "a"), (0.05, 18, 7, "b"),
+            (0.3, 25, 5, None), (0.31, 22, 6, "b"), (0.4, 10, 9, "a")]
+    write_jsonl([TraceRequest(f"r{i}", t, n, m, lora=a) for i, (t, n, m, a) in enumerate(rows)], tmp_path / "t.jsonl")
+    flags = ["--max-model-len", "128", "--max-num-batched-tokens", "48", "--max-num-seqs", "4", "--num-gpu-blocks",
+             "40", "--enable-lora", "--max-loras", "1", "--format", "json", "-dp", "2", "--dp-policy", "lora_affinity"]
+    real, sim = tmp_path / "real", tmp_path / "sim"
+    assert main(["replay", str(tmp_path / "t.jsonl"), "--model", str(tmp_path / "base"), "--dtype", "float32",
+                 "--lora-modules", f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}", "-o", str(real), *flags]) == 0
+    assert main(["simulate", str(tmp_path / "t.jsonl"), "--model", "SmolLM2-135M", "--cost-model", f"recorded:{real}",
+                 "--no-progress", "-o", str(sim), *flags]) == 0
+    capsys.readouterr()
+    rs, ss = (pd.read_parquet(d / "steps.parquet").sort_values(["replica", "start"], ignore_index=True)
+              for d in (real, sim))
+    pd.testing.assert_frame_equal(rs[["replica", *STEP_DECISIONS]], ss[["replica", *STEP_DECISIONS]])
+    rr, sr = (pd.read_parquet(d / "requests.parquet").sort_values("request_id", ignore_index=True) for d in (real, sim))
+    pd.testing.assert_frame_equal(rr[["replica", *REQUEST_OUTCOMES]], sr[["replica", *REQUEST_OUTCOMES]])
+    placed = rr.dropna(subset=["lora"]).groupby("lora")["replica"].nunique()
+    assert (placed == 1).all() and rr.dropna(subset=["lora"])["replica"].nunique() == 2

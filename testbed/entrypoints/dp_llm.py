@@ -137,6 +137,7 @@ def read_dp_logs(log_dir: Path, size: int, t0: float, sent: dict[str, float]) ->
             rec.requests.append(tuple(row))
         rec.itl.extend(x for (x,) in _rows(log_dir / f"itl.{r}.jsonl"))
         rec.grammars.extend((rid, rep, t - t0, err) for rid, rep, t, err in _rows(log_dir / f"grammars.{r}.jsonl"))
+        rec.loras.update((rid, name) for rid, name in _rows(log_dir / f"loras.{r}.jsonl"))
         added.update((rid, t - t0) for rid, t in _rows(log_dir / f"adds.{r}.jsonl"))
         reports.append({row[0]: row for row in _rows(log_dir / f"reports.{r}.jsonl")})
     for seq, rid, r, arrival, routed in _rows(log_dir / "routes.jsonl"):

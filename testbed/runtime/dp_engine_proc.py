@@ -42,7 +42,7 @@ from testbed.engine.stepper import EngineStepper
 
 HEARTBEAT_INTERVAL_S = 1.0
 PARENT_CHECK_S = 1.0
-LOG_KINDS = ("steps", "requests", "itl", "adds", "reports", "grammars")
+LOG_KINDS = ("steps", "requests", "itl", "adds", "reports", "grammars", "loras")
 
 
 class DPEngineProcConfig(msgspec.Struct):
@@ -194,7 +194,8 @@ class DPEngineProc:
                     self.log.write(rec.steps, rec.requests)
                     self.log.append("itl", [[x] for x in rec.itl])
                     self.log.append("grammars", rec.grammars)
-                for rows in (rec.steps, rec.requests, rec.itl, rec.grammars):  # a server runs for days: no history
+                    self.log.append("loras", list(rec.loras.items()))
+                for rows in (rec.steps, rec.requests, rec.itl, rec.grammars, rec.loras):  # a server runs for days
                     rows.clear()
                 now = time.monotonic()
                 if now - last_parent_check > PARENT_CHECK_S:
