@@ -252,6 +252,66 @@ def sim(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str) + "\n")
 
 
+CROSS_COLUMNS = [("output_throughput", None), ("ttft_s", "mean"), ("ttft_s", "p50"), ("tpot_s", "mean"),
+                 ("tpot_s", "p50"), ("e2e_s", "mean"), ("e2e_s", "p50")]
+
+
+def cross_rows(labelled: list[tuple[str, list[dict]]], exclude: dict[str, set[str]]) -> list[dict]:
+    """One row per (model, case, cost model) of several `sim --json` outputs: the errors of CROSS_COLUMNS, the
+    worst p99, the step MAPE, and how many bounded metrics hold their target. `exclude`: cases a label must not
+    be judged on (the run a profile was calibrated on)."""
+    rows = []
+    for label, results in labelled:
+        for res in results:
+            if res["case"] in exclude.get(f"{res['model']}:{label}", set()):
+                continue
+            errs = {r["metric"]: r["profile"] for r in error_rows(res)}
+            row = {"model": res["model"], "case": res["case"], "cost_model": label, "hardware": res["hardware"]}
+            for key, q in CROSS_COLUMNS:
+                row[key if q is None else f"{key} {q}"] = errs[key if q is None else f"{key} {q}"]
+            p99 = [errs[f"{m} p99"] for m in ("ttft_s", "tpot_s", "e2e_s") if errs[f"{m} p99"] is not None]
+            row["worst p99"] = max(p99, key=abs) if p99 else None
+            row["step MAPE"] = (res["step_mape"].get("profile") or {}).get("all")
+            held = total = 0
+            for metric, e in errs.items():
+                target = TARGETS.get(metric.split()[-1] if " " in metric else metric)
+                if target is None or e is None:
+                    continue
+                total += 1
+                held += abs(e) <= target
+            row["within target"] = f"{held}/{total}"
+            rows.append(row)
+    return rows
+
+
+def cross(args: argparse.Namespace) -> None:
+    """The cross-machine table: the same real runs simulated with several profiles (e.g. the shipped one, the
+    one `profile --quick` rescaled on the run's machine, and one calibrated on another run of that machine)."""
+    labelled, exclude = [], {}
+    for item in args.sim:
+        label, _, path = item.partition("=")
+        labelled.append((label, json.loads(Path(path).read_text())))
+    for item in args.exclude or []:
+        key, _, cases = item.partition("=")
+        exclude[key] = set(cases.split(","))
+    rows = cross_rows(labelled, exclude)
+    cols = [k if q is None else f"{k} {q}" for k, q in CROSS_COLUMNS] + ["worst p99", "step MAPE"]
+    lines = ["| model | case | cost model | " + " | ".join(c.replace("_s", "").replace("output_", "")
+                                                          for c in cols) + " | within target |",
+             "|---|---|---|" + "---|" * (len(cols) + 1)]
+    order = {label: i for i, (label, _) in enumerate(labelled)}
+    for r in sorted(rows, key=lambda r: (r["model"], r["case"], order[r["cost_model"]])):
+        cells = ["-" if r[c] is None else (f"{r[c]:.1%}" if c == "step MAPE" else f"{r[c]:+.1%}") for c in cols]
+        lines.append(f"| {r['model']} | {r['case']} | {r['cost_model']} | " + " | ".join(cells)
+                     + f" | {r['within target']} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def bands(args: argparse.Namespace) -> None:
     """The error bands of every cost model the sim JSON covers, into the bands file the simulator reads."""
     from testbed.sim.error_bands import BANDS_FILE, bands_from_fidelity
@@ -288,6 +348,14 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.set_defaults(func=sim)
+    p = sub.add_parser("cross", help="one table of the same runs simulated with several profiles")
+    p.add_argument("--sim", action="append", required=True, metavar="LABEL=JSON",
+                   help="a `sim --json` output and the name of its cost model (repeat)")
+    p.add_argument("--exclude", action="append", metavar="MODEL:LABEL=CASE,...",
+                   help="cases a cost model is not judged on, e.g. the run it was calibrated on")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    p.set_defaults(func=cross)
     p = sub.add_parser("bands", help="write the error bands `testbed simulate` states from a `sim --json` output")
     p.add_argument("sim_json", help="the JSON `fidelity.py sim --json` wrote")
     p.add_argument("--source", required=True, help="what the real runs were, e.g. 'benchmarks/fidelity.py, real "
