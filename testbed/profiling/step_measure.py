@@ -12,18 +12,39 @@ import torch
 from testbed.worker.timing import StepTiming
 
 TIMING_FIELDS = tuple(StepTiming.__dataclass_fields__)
+CYCLES_PER_S = 1.98e9  # H100/H200 SM boost clock: converts the device sleep to seconds (roughly; it only sizes it)
+SLEEP_CYCLES = 2_000_000  # about 1 ms, over the 0.1-0.5 ms the host takes to issue one eager attention module
 
 
 class AttentionTimer:
     """Forward hooks on the model's attention modules (rope + KV store + attention) that time them on the
-    device; only eager steps run them (a graph replay runs no hooks)."""
+    device; only eager steps run them (a graph replay runs no hooks).
+
+    On CUDA an eager module is host-bound for small steps: its kernels start as the host issues them, so events
+    around it would time the host's issue, not the device (a 16-token chunk's attention came out longer than the
+    whole graphed forward). So the pre-hook first queues a device sleep longer than the host takes to issue the
+    module: the module's kernels are all queued behind it, and the events time them back to back. The sleep
+    doubles whenever issuing a module took more than half of it."""
 
     def __init__(self, model, device: torch.device) -> None:
         self.layers = model.attention_layers()
         self.cuda = device.type == "cuda"
         self.marks: list = []
+        self.sleep_cycles = SLEEP_CYCLES
+        self._issued = 0.0
 
-    def _stamp(self, *_):
+    def _start(self, *_):
+        if self.cuda:
+            torch.cuda._sleep(self.sleep_cycles)
+            self._issued = time.perf_counter()
+        self._stamp()
+
+    def _end(self, *_):
+        self._stamp()
+        if self.cuda and time.perf_counter() - self._issued > 0.5 * self.sleep_cycles / CYCLES_PER_S:
+            self.sleep_cycles *= 2  # the host outran the sleep: this module's time may hold an issue gap
+
+    def _stamp(self) -> None:
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
@@ -33,8 +54,8 @@ class AttentionTimer:
 
     @contextmanager
     def installed(self) -> Iterator["AttentionTimer"]:
-        handles = [h for a in self.layers for h in (a.register_forward_pre_hook(self._stamp),
-                                                    a.register_forward_hook(self._stamp))]
+        handles = [h for a in self.layers for h in (a.register_forward_pre_hook(self._start),
+                                                    a.register_forward_hook(self._end))]
         try:
             yield self
         finally:
@@ -77,6 +98,7 @@ class StepMeasurer:
             times = []
             runner.eager_steps = True
             try:
+                self.executor.execute(so)  # untimed: sizes the device sleep (AttentionTimer) before the timed runs
                 for _ in range(self.reps):
                     self.attention.take()
                     self.executor.execute(so)
