@@ -87,6 +87,23 @@ def test_compare_prints_the_dashboards_table_with_the_sim_vs_real_error(sim_like
         assert cells[:2] == [f"{s * scale:.4g}", f"{r * scale:.4g}"], label
         assert cells[2].rstrip("*") == ("-" if r == 0 else f"{100 * (s - r) / abs(r):+.1f}"), label
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and lines[-1] == f"Latency CDFs: {png}"
+    # the dashboard's colours: the real run is C0 whatever the order given (here the simulation came first), so
+    # the simulation's solid lines are C1's exact colour and nothing is C0's exact colour (real lines are translucent)
+    from matplotlib.image import imread
+    img = (imread(png)[..., :3] * 255).round().astype(int)
+    exact = lambda rgb: int((img == rgb).all(axis=2).sum())  # noqa: E731
+    assert exact((255, 127, 14)) > 50 and exact((31, 119, 180)) == 0
+
+
+def test_runs_keep_their_colours_whatever_the_order():
+    """plots.series_of is the one source of run colours (compare --png and the dashboard): real runs first, then by
+    label, so the same runs get the same colours in any order."""
+    from testbed.runs.plots import series_of
+    runs = [("sim_b", "sim"), ("real_a", "real"), ("sim_a", "sim"), ("real_b", "real")]
+    colours = {s.label: s.color for s in series_of(runs)}
+    assert colours == {"real_a": "C0", "real_b": "C1", "sim_a": "C2", "sim_b": "C3"}
+    assert {s.label: s.color for s in series_of(runs[::-1])} == colours
+    assert [s.label for s in series_of(runs)] == [label for label, _ in runs]  # drawn in the order given
 
 
 def test_compare_table_is_shared_with_the_dashboard(sim_like):

@@ -1,8 +1,10 @@
 """The dashboard served by Streamlit on 127.0.0.1 and opened in headless Chromium: title and charts, no error box.
 
-Chromium's --dump-dom / --screenshot run on virtual time, which does not wait for Streamlit's
-websocket; so the DOM is fetched until the first script run (cold caches) has drawn its charts,
-then the screenshot is taken from the warm server. The screenshot is kept at
+Chromium's --dump-dom / --screenshot run on virtual time, each with a budget of 15 s (the page must render
+within it: title, tables, charts). Virtual time does not wait for Streamlit's websocket, so while the
+first script run is cold a page may come out before its charts: the DOM is fetched again until they are
+drawn, then the screenshot is taken from the warm server, its charts in `testbed compare --png`'s
+colours. The screenshot is kept at
 test-artifacts/dashboard.png (and the DOM at test-artifacts/dashboard.html).
 """
 from __future__ import annotations
@@ -33,10 +35,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def chromium(url: str, profile: Path, *args: str) -> str:
+def chromium(url: str, profile: Path, *args: str, budget_ms: int = 15_000) -> str:
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
            "--disable-quic", "--no-first-run", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={profile}", "--virtual-time-budget=300000", "--window-size=1400,3000", *args, url]
+           f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", "--window-size=1400,3000", *args, url]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
 
 
@@ -90,10 +92,20 @@ def test_dashboard_renders_in_chromium(server, tmp_path):
     while time.monotonic() < deadline:  # the server is warm now, so the page usually renders at the first try
         attempts += 1
         chromium(server, tmp_path / f"profile-shot{attempts}", f"--screenshot={shot}")
-        if shot.is_file() and _ink(shot) > 0.01:
+        if shot.is_file() and _ink(shot) > 0.01 and _sim_colour(shot) > 50:
             break
     assert shot.is_file(), f"chromium wrote no screenshot in {attempts} attempts"
     assert _ink(shot) > 0.01, f"the screenshot is (nearly) blank after {attempts} attempts"
+    # its default selection (a real run and a simulation) in compare --png's colours (runs.plots.series_of: the
+    # real run C0, the simulation C1): the simulation's solid lines show C1's exact colour
+    assert _sim_colour(shot) > 50, f"no chart with a simulation line in compare's C1 after {attempts} attempts"
+
+
+def _sim_colour(png: Path) -> int:
+    """Pixels of matplotlib's C1 (#ff7f0e), the colour of a simulation drawn beside one real run."""
+    from matplotlib.image import imread
+    img = (imread(png)[..., :3] * 255).round().astype(int)
+    return int((abs(img - (255, 127, 14)).max(axis=2) <= 2).sum())
 
 
 def _ink(png: Path) -> float:

@@ -53,9 +53,10 @@ def cached_series(loader: str, path: str, key: tuple):
 
 @st.cache_data(show_spinner="Drawing...", max_entries=128)
 def figure_png(kind: str, runs: tuple[tuple[str, tuple, str, str, int], ...]) -> bytes:
+    """`runs`: (path, file key, label, mode, colour index from plots.series_of over the whole selection)."""
     loader, draw = DRAW[kind]
-    return plots.to_png(draw([(plots.Series(label, mode, i), cached_series(loader, path, key))
-                              for path, key, label, mode, i in runs]))
+    return plots.to_png(draw([(plots.Series(label, mode, colour), cached_series(loader, path, key))
+                              for path, key, label, mode, colour in runs]))
 
 
 def load_runs(roots: list[str]) -> tuple[list[compare.RunMeta], list[str], list[str]]:
@@ -152,12 +153,13 @@ def plots_view(chosen: list[compare.RunMeta]) -> None:
     if not chosen:
         st.info("Select runs to plot.")
         return
-    keyed = [(r.path, data.file_key(r.path), r.label, r.mode, i) for i, r in enumerate(chosen)]
+    styles = plots.series_of([(r.label, r.mode) for r in chosen])  # the colours `testbed compare --png` draws
+    keyed = [(r.path, data.file_key(r.path), r.label, r.mode, s.index) for r, s in zip(chosen, styles)]
     failed: set[str] = set()
     for kind, loader, _, fname in FIGURES:
         ok = []
-        for k in keyed:
-            if kind == "replicas" and int(_dp(chosen[k[4]])) <= 1:
+        for r, k in zip(chosen, keyed):
+            if kind == "replicas" and int(_dp(r)) <= 1:
                 continue
             try:
                 if k[0] not in failed:

@@ -300,8 +300,8 @@ def cmd_compare(args) -> int:
         print(format_settings(differing_settings(runs)))
     if args.png is not None:
         from testbed.runs import plots, series
-        fig = plots.latency_cdfs([(plots.Series(r.label, r.mode, i), series.latency_samples(r.path))
-                                  for i, r in enumerate(runs)])
+        styles = plots.series_of([(r.label, r.mode) for r in runs])
+        fig = plots.latency_cdfs([(st, series.latency_samples(r.path)) for st, r in zip(styles, runs)])
         out = Path(args.png)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(plots.to_png(fig))

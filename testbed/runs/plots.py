@@ -1,8 +1,10 @@
 """Matplotlib figures of one or more runs; sim runs draw solid lines / dots, real runs dashed lines / crosses.
 
 Every function takes [(Series, data)] pairs (data from testbed.runs.series) and returns a
-Figure with a title, axis labels with units and a legend naming each run and its mode. Colours
-follow the run's position in the selection, so a run keeps its colour across all figures.
+Figure with a title, axis labels with units and a legend naming each run and its mode. Colours come from
+`series_of`, the one source of run colours: a run's rank among the runs drawn (real runs first, then by
+label), so a run keeps its colour across all figures, and `testbed compare --png` and the dashboard draw
+the same runs in the same colours whatever order they were given in.
 """
 from __future__ import annotations
 
@@ -32,13 +34,26 @@ class Series:
     def name(self) -> str:
         return f"{self.label} ({self.mode})"
 
+    @property
+    def color(self) -> str:
+        """Its matplotlib colour (the default cycle's entry `index`)."""
+        return f"C{self.index % 10}"
+
     def line(self) -> dict:
         """Real runs wide, dashed and translucent on top, simulations thin and solid beneath: a simulation that
         lies on a real curve (a recorded timeline) still shows through the dashes."""
         if self.mode == "real":
-            return {"color": f"C{self.index % 10}", "linestyle": (0, (5, 3)), "linewidth": 2.6, "alpha": 0.75,
+            return {"color": self.color, "linestyle": (0, (5, 3)), "linewidth": 2.6, "alpha": 0.75,
                     "label": self.name, "zorder": 3}
-        return {"color": f"C{self.index % 10}", "linestyle": "-", "linewidth": 1.1, "label": self.name, "zorder": 2}
+        return {"color": self.color, "linestyle": "-", "linewidth": 1.1, "label": self.name, "zorder": 2}
+
+
+def series_of(runs: list[tuple[str, str]]) -> list[Series]:
+    """One Series per (label, mode), in the order given, each coloured by its run's rank among `runs` (real runs
+    first, then by label), not by its position: the same runs get the same colours in every figure."""
+    order = sorted(range(len(runs)), key=lambda i: (runs[i][1] != "real", runs[i][0]))
+    rank = {i: k for k, i in enumerate(order)}
+    return [Series(label, mode, rank[i]) for i, (label, mode) in enumerate(runs)]
 
 
 def to_png(fig: Figure, dpi: int = 100) -> bytes:
@@ -129,7 +144,7 @@ def step_scatter(runs: list[tuple[Series, pd.DataFrame]]) -> Figure:
     for s, df in runs:
         real = s.mode == "real"
         ax.scatter(df["batch_tokens"], df["duration_ms"], s=10 if real else 6, alpha=0.6 if real else 0.35,
-                   marker="x" if real else "o", color=f"C{s.index % 10}", label=s.name, linewidths=0.8 if real else 0)
+                   marker="x" if real else "o", color=s.color, label=s.name, linewidths=0.8 if real else 0)
     ax.set(xlabel="tokens in batch (prefill + decode)", ylabel="step duration (ms)")
     if any(len(df) for _, df in runs):
         ax.set_xscale("symlog", linthresh=10)
