@@ -297,14 +297,16 @@ class MultiprocExecutor:
 
     def _startup_failed(self, e: BaseException) -> NoReturn:
         """End every rank after start-up failed with `e`, and raise: a TPWorkerError naming the failed workers
-        with their tracebacks when one failed, else `e` (rank 0's own error, e.g. no memory for the KV cache)."""
+        with their tracebacks when one failed, else `e` (rank 0's own error, e.g. no memory for the KV cache). Rank
+        0's own ValueError (a configuration the model or weights refuse, which every rank hits alike) is raised as
+        it is whether or not a worker reported the same failure first: which rank fails first is a race."""
         failed = [] if isinstance(e, TPWorkerError) else self._failed_ranks(
             wait_s=DEATH_WAIT_S if isinstance(e, (dist.DistError, ExecutorFailure)) else 0.0)
         if self._failure is None:  # the workers may wait in a collective: shutdown must not talk to them
             self._failure = (f"tensor-parallel worker {self._verb()} during startup: {', '.join(failed)}" if failed
                              else f"startup failed ({type(e).__name__}: {e})")
         self.shutdown()
-        if failed:
+        if failed and not isinstance(e, ValueError):
             raise TPWorkerError(f"{self._failure} ({type(e).__name__}: {e}){self._tracebacks()}") from e
         raise e
 
