@@ -34,7 +34,7 @@ from testbed.engine.config import EngineConfig
 from testbed.profiling.host_costs import engine_host_costs
 from testbed.profiling.lora_measure import measure_lora
 from testbed.profiling.profile_file import FORMAT, VERSION
-from testbed.profiling.step_measure import TIMING_FIELDS, StepMeasurer
+from testbed.profiling.step_measure import SLEEP_CYCLES, TIMING_FIELDS, StepMeasurer
 from testbed.profiling.synthetic_steps import Row, StepFactory, decode_rows
 
 CONTEXTS = (16, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -236,6 +236,7 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
             bar.close()
     result["sweep_wall_s"] = time.perf_counter() - t0
     result["graph_sizes"] = graph_sizes
+    result["attention_timing"] = {"device_sleep_cycles": SLEEP_CYCLES, "issue_overruns": m.attention.overruns}
     if not any(v for row in result["chunk"]["attention_s"] for v in row if v is not None):
         raise RuntimeError("the profile measured no time in attention (its forward hooks did not run); the "
                            "profile would fold attention into the linear layers and misprice long contexts")
