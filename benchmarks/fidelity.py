@@ -317,6 +317,11 @@ def bands(args: argparse.Namespace) -> None:
     from testbed.sim.error_bands import BANDS_FILE, bands_from_fidelity
     out = Path(args.out) if args.out else BANDS_FILE
     data = bands_from_fidelity(json.loads(Path(args.sim_json).read_text()), args.source)
+    if args.merge and out.is_file():  # keep the bands of (cost model, model, GPU, TP) these runs do not cover
+        old = json.loads(out.read_text())
+        kept = {k: v for k, v in old["bands"].items() if k not in data["bands"]}
+        data = {"source": f"{args.source}; the rest ({', '.join(sorted(kept))}): {old['source']}",
+                "bands": {**kept, **data["bands"]}} if kept else data
     out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {len(data['bands'])} bands to {out}")
 
@@ -361,6 +366,7 @@ def main() -> None:
     p.add_argument("--source", required=True, help="what the real runs were, e.g. 'benchmarks/fidelity.py, real "
                                                    "runs of 2026-11-24 at 795c0af, 643d33b, 829b07c'")
     p.add_argument("--out", default=None, help="bands file (default: testbed/sim/error_bands.json)")
+    p.add_argument("--merge", action="store_true", help="keep the file's bands that these runs do not cover")
     p.set_defaults(func=bands)
     argv = sys.argv[1:]
     if argv[:1] == ["--sim-only"]:  # the issue's spelling: the CPU side only, on the committed runs by default
