@@ -161,15 +161,19 @@ def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:
                     for name, lora in state.loras.adapters.items()]
         return JSONResponse({"object": "list", "data": [base, *adapters]})
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
-              responses=R.openapi_responses(R.BAD_REQUEST, api_key=keyed))
+    # vLLM answers these two in plain text; their errors are JSON like every other route's (response_class
+    # Response: FastAPI then documents the error bodies as application/json, and the 200 as declared here)
+    said = {200: {"description": "Done", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+    @app.post("/v1/load_lora_adapter", response_class=Response,
+              responses={**R.openapi_responses(R.BAD_REQUEST, api_key=keyed), **said})
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """Serve one more LoRA adapter (a PEFT folder), named by lora_name in the `model` field from now on."""
         await state.run_blocking(state.loras.add, req.lora_name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
-              responses=R.openapi_responses(R.MODEL_NOT_FOUND, api_key=keyed))
+    @app.post("/v1/unload_lora_adapter", response_class=Response,
+              responses={**R.openapi_responses(R.BAD_REQUEST, R.MODEL_NOT_FOUND, api_key=keyed), **said})
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         """Stop serving an adapter (requests already running on it finish)."""
         state.loras.remove(req.lora_name)
