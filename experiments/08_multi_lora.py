@@ -138,6 +138,11 @@ real = pd.DataFrame(real)
 sim = sweep(replays, jobs=jobs, output=out / "replays")
 real["simulated good requests"] = sim["num_good_requests"].to_numpy()
 real["simulated goodput (recorded steps)"] = sim["goodput"].to_numpy()
+# decision parity: the same requests meet the SLOs; the goodputs differ only by where the real run's first step began
+assert (real["good requests"] == real["simulated good requests"]).all()
+assert ((real["goodput"] - real["simulated goodput (recorded steps)"]).abs() <= 1e-3 * real["goodput"]).all()
+
+# %%
 fig, ax = plt.subplots(figsize=(6, 3.8), layout="constrained")
 ax.plot(real["max_loras"], real["goodput"], marker="o", label="real (CPU)")
 ax.plot(real["max_loras"], real["simulated goodput (recorded steps)"], marker="x", ls="--",
@@ -146,7 +151,6 @@ ax.set(xlabel="--max-loras", ylabel="goodput (requests/s)", title="SmolLM2-135M 
 ax.grid(True, alpha=0.3)
 ax.legend(fontsize=8)
 experiment.save_figure(fig, out / "real_cpu.png")
+
+# %%
 experiment.save_table(real, out / "real_cpu.csv")
-# decision parity: the same requests meet the SLOs; the goodputs differ only by where the real run's first step began
-assert (real["good requests"] == real["simulated good requests"]).all()
-assert ((real["goodput"] - real["simulated goodput (recorded steps)"]).abs() <= 1e-3 * real["goodput"]).all()
