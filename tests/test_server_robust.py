@@ -347,3 +347,32 @@ def test_a_slow_grammar_compiles_while_other_requests_stream(server):
     assert reason == "length" and len(stamps) >= 30 and text
     assert structured["reason"] in ("length", "stop") and structured["text"].lstrip().startswith("{")
     assert max(gaps) < 0.5 * structured["took"], (max(gaps), structured["took"])
+
+
+def test_large_bodies_are_validated_off_the_event_loop(server):
+    """Four concurrent 7.9 MB token-id bodies (each 400: longer than the context) are parsed and validated on
+    threads from their bytes, so /health, probed every 20 ms meanwhile, keeps answering (on the event loop they
+    held it for about 1 s here)."""
+    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": list(range(1000, 1_001_000)), "max_tokens": 1}).encode()
+
+    async def scenario() -> float:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as h:
+            worst, done = 0.0, asyncio.Event()
+
+            async def probe() -> None:
+                nonlocal worst
+                while not done.is_set():
+                    t = time.monotonic()
+                    assert (await h.get("/health")).status_code == 200
+                    worst = max(worst, time.monotonic() - t)
+                    await asyncio.sleep(0.02)
+            prober = asyncio.ensure_future(probe())
+            rs = await asyncio.gather(*[h.post("/v1/completions", content=body,
+                                               headers={"content-type": "application/json"}) for _ in range(4)])
+            done.set()
+            await prober
+            assert all(r.status_code == 400 and r.json()["error"]["param"] == "prompt" for r in rs), rs[0].text
+            return worst
+
+    assert asyncio.run(scenario()) < 0.6
