@@ -100,6 +100,7 @@ class EngineCore:
         # pipeline parallelism: batches scheduled and not yet updated, and batches scheduled so far
         self.pipelined = config.pipeline_parallel_size > 1
         self.num_in_flight = self.num_launched = 0
+        self._unrecorded_preemptions: list[str] = []  # preempted by a schedule that ran nothing (see schedule)
         if self.pipelined:
             self.records.step_extra = PIPELINE_STEP_COLUMNS
         self.compile_grammars = False  # the driver compiles grammars off the step loop (see the module docstring)
@@ -233,6 +234,14 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self, now: float) -> SchedulerOutput:
         so = self.scheduler.schedule()
+        if so.is_empty and so.preempted_req_ids:
+            # preempted by a schedule that then ran nothing (pipeline parallelism: the rest were in flight):
+            # counted with the next step that runs, so the records and the summary keep every preemption
+            # whichever loop (real or simulated) happened to call schedule in between
+            self._unrecorded_preemptions += so.preempted_req_ids
+        elif not so.is_empty and self._unrecorded_preemptions:
+            so.preempted_req_ids[:0] = self._unrecorded_preemptions
+            self._unrecorded_preemptions = []
         for req_id in so.new_req_ids:
             req = self.requests[req_id]
             if req.first_scheduled_time is None:

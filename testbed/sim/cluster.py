@@ -224,6 +224,9 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                 if not (recorded and queue and queue[0][2] <= t):
                     if t > env.now:
                         yield env.timeout(t - env.now)
+                    grammars.apply(r, env.now)  # as EngineStepper.step polls its grammars before each schedule
+                    if not eng.requests and not queue:
+                        continue  # its last request's grammar failed
                     so = eng.schedule(env.now)
                     if not so.is_empty:
                         out = ModelRunnerOutput(executor.sampled(so), 0.0)
@@ -232,6 +235,10 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostMo
                         queue.append((so, out, stages.launch(so, env.now)))
                         if len(queue) < pp:
                             continue
+                    elif not queue and env.now < grammars.next_due(r) < float("inf"):
+                        wake[r] = env.event()  # only requests whose grammar compiles: until one is due, or an arrival
+                        yield wake[r] | env.timeout_at(grammars.next_due(r))
+                        continue
                     elif not queue:
                         raise RuntimeError(f"replica {r}: nothing schedulable with {len(eng.requests)} requests "
                                            "live (scheduler bug: every admitted request must fit the cache)")

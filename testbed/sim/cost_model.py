@@ -91,10 +91,10 @@ class RooflineConstants:
 
 
 PHYSICAL = RooflineConstants(0.0, 0.0, 1.0, 1.0)  # the bounds alone: no overhead, every byte and FLOP at the preset
-# Medians over the profiles shipped in testbed/profiling/profiles (3 models x H200/H100, 2026-11-24); a test checks that
-# calibrate.roofline_constants() over those files still gives these.
-CALIBRATED = RooflineConstants(step_overhead_s=1.436e-3, eager_overhead_per_layer_s=0.9731e-3,
-                               bandwidth_efficiency=0.9346, matmul_efficiency=0.7885)
+# Medians over the profiles shipped in testbed/profiling/profiles (3 models x H200 of 2026-11-24, eager mixed steps;
+# x H100 of 2026-11-26, graphed); a test checks that calibrate.roofline_constants() over those files still gives these.
+CALIBRATED = RooflineConstants(step_overhead_s=1.4636e-3, eager_overhead_per_layer_s=0.3813e-3,
+                               bandwidth_efficiency=0.9436, matmul_efficiency=0.8072)
 
 
 # Host time a row sampled under a grammar adds to a step (xgrammar's matcher advance and bitmask fill; the
@@ -179,6 +179,20 @@ class RooflineCostModel:
         return self._fixed + GRAMMAR_ROW_S * so.num_structured_reqs, layers, head
 
 
+def recorded_grammar_events(path, starts: list[float]) -> dict[str, tuple[float, str | None, int]]:
+    """A recorded run's grammar outcomes (its grammars.parquet, if any): request id -> (ready time, the failure's
+    reason or None, how many steps the run had scheduled by then), what sim/grammars.py replays."""
+    import bisect
+    from pathlib import Path
+    grammars = Path(path) / "grammars.parquet"
+    if not grammars.is_file():
+        return {}
+    import pandas as pd
+    g = pd.read_parquet(grammars, columns=["request_id", "ready", "error"])
+    errors = g["error"].astype(object).where(g["error"].notna(), None)
+    return {rid: (t, e, bisect.bisect_left(starts, t)) for rid, t, e in zip(g["request_id"], g["ready"], errors)}
+
+
 class RecordedCostModel:
     """Decision parity: replays the step timeline a real run recorded (its steps.parquet).
 
@@ -211,13 +225,7 @@ class RecordedCostModel:
             raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")
         starts = steps["start"].tolist()
         model = cls(starts, steps["duration"].tolist())
-        grammars = Path(path) / "grammars.parquet"
-        if grammars.is_file():
-            import bisect
-            g = pd.read_parquet(grammars, columns=["request_id", "ready", "error"])
-            errors = g["error"].astype(object).where(g["error"].notna(), None)
-            model.grammar_events = {rid: (t, e, bisect.bisect_left(starts, t))
-                                    for rid, t, e in zip(g["request_id"], g["ready"], errors)}
+        model.grammar_events = recorded_grammar_events(path, starts)
         return model
 
     def step_time(self, so: SchedulerOutput) -> float:

@@ -115,6 +115,7 @@ class RecordedPipeline:
         self.starts, self.ends = starts, [a + d for a, d in zip(starts, durations)]
         self.pp = pipeline_parallel_size
         self.step = 0
+        self.grammar_events: dict[str, tuple[float, str | None, int]] = {}  # sim/grammars.py replays them
 
     def _check(self) -> None:
         if self.step >= len(self.starts):
@@ -128,7 +129,10 @@ class RecordedPipeline:
         steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration"])
         if steps["replica"].nunique() > 1:
             raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")
-        return cls(steps["start"].tolist(), steps["duration"].tolist(), pipeline_parallel_size)
+        from testbed.sim.cost_model import recorded_grammar_events
+        model = cls(steps["start"].tolist(), steps["duration"].tolist(), pipeline_parallel_size)
+        model.grammar_events = recorded_grammar_events(path, model.starts)
+        return model
 
     def next_launch(self, now: float, in_flight: bool = False) -> float:
         """When the real run scheduled its next batch (never before `now`); after its last one, infinity while
