@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a parameter (a Python literal: full=True, rates=[2,4]); repeatable")
     ap.add_argument("--timeout", type=float, default=900,
                     help="seconds one cell may run (default 900: plenty for the CI-sized defaults; raise it for full=True)")
+    ap.add_argument("--parallel", type=int, default=1, metavar="N",
+                    help="notebooks run at once, each in a process of its own (default 1; the notebooks' own "
+                         "`jobs` parameter sizes their sweeps' process pools)")
     args = ap.parse_args(argv)
     try:
         params = {}
@@ -158,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             if not sep or not name.isidentifier():
                 raise ValueError(f"-p {p!r}: expected NAME=VALUE")
             params[name] = _literal(value)
-        for nb in find_notebooks(args.notebooks):
+        if args.parallel < 1:
+            raise ValueError(f"--parallel {args.parallel}: give at least 1")
+        notebooks = find_notebooks(args.notebooks)
+        if args.parallel > 1 and len(notebooks) > 1:
+            return run_in_processes(notebooks, args)
+        for nb in notebooks:
             print(f"running {nb} ...", flush=True)
             target = execute_notebook(nb, Path(args.output) / nb.stem, params, timeout=args.timeout, progress=True)
             print(f"wrote {target}", flush=True)
@@ -166,6 +174,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"testbed.notebooks: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def run_in_processes(notebooks: list[Path], args: argparse.Namespace) -> int:
+    """Each notebook in a `python -m testbed.notebooks` process of its own, `args.parallel` at once; each one's
+    output is printed whole when it ends (in the notebooks' order of ending). Exit 2 if any failed."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(nb: Path) -> tuple[Path, subprocess.CompletedProcess]:
+        argv = [sys.executable, "-m", "testbed.notebooks", str(nb), "--output", args.output,
+                "--timeout", str(args.timeout), *[a for p in args.parameter for a in ("-p", p)]]
+        return nb, subprocess.run(argv, capture_output=True, text=True)
+
+    failed = 0
+    with ThreadPoolExecutor(args.parallel) as pool:
+        for nb, done in pool.map(run, notebooks):
+            print(done.stdout, end="", flush=True)
+            if done.returncode != 0:
+                failed += 1
+                print(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else
+                      f"testbed.notebooks: error: {nb} exited {done.returncode}", file=sys.stderr)
+    return 2 if failed else 0
 
 
 if __name__ == "__main__":

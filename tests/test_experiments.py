@@ -48,9 +48,9 @@ def outputs(nb) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def experiments_run(tmp_path_factory) -> Path:
-    """`make experiments`: every notebook with its defaults, into one output folder."""
+    """`make experiments`: every notebook with its defaults, into one output folder (two at a time)."""
     out = tmp_path_factory.mktemp("experiments")
-    assert main([str(NOTEBOOKS), "--output", str(out)]) == 0
+    assert main([str(NOTEBOOKS), "--output", str(out), "--parallel", "2"]) == 0
     return out
 
 
@@ -75,15 +75,19 @@ def test_every_notebook_runs_headless_and_ends_with_a_figure_and_a_table(experim
 def test_a_rerun_reproduces_every_file_byte_for_byte(experiments_run, tmp_path):
     """Same parameters, same output folder: tables, figures, run directories and the executed notebooks are
     identical (run manifests apart from their wall-clock fields)."""
-    for nb in find_notebooks([NOTEBOOKS]):
+    notebooks = find_notebooks([NOTEBOOKS])
+    before = {}
+    for nb in notebooks:
         folder = experiments_run / nb.stem
-        before = snapshot(folder)
-        assert any(k.endswith(".png") for k in before) and any(k.endswith("summary.json") for k in before)
+        before[nb] = snapshot(folder)
+        assert any(k.endswith(".png") for k in before[nb]) and any(k.endswith("summary.json") for k in before[nb])
         shutil.rmtree(folder)
-        assert main([str(nb), "--output", str(experiments_run)]) == 0
+    assert main([*map(str, notebooks), "--output", str(experiments_run), "--parallel", "2"]) == 0
+    for nb in notebooks:
+        folder, before_nb = experiments_run / nb.stem, before[nb]
         after = snapshot(folder)
-        assert sorted(after) == sorted(before), nb.stem
-        changed = [k for k in before if before[k] != after[k]]
+        assert sorted(after) == sorted(before_nb), nb.stem
+        changed = [k for k in before_nb if before_nb[k] != after[k]]
         assert not changed, f"{nb.stem}: {changed[:5]}"
 
 
