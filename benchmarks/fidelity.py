@@ -118,17 +118,14 @@ def real(args: argparse.Namespace) -> None:
 
 def quick_rescale_here(executor, config, base_path: str, out_path: str) -> None:
     """`testbed profile --quick` on the executor already built: the base profile rescaled to this machine."""
-    from testbed.profiling.sweep import device_name
-    from testbed.sim.quick_rescale import check_base, measure_anchors, rescale_to_machine
-    base = json.loads(Path(base_path).read_text())
+    from testbed.profiling.profile_file import read_profile, write_profile
+    from testbed.sim.quick_rescale import check_base, rescale_on
+    base = read_profile(base_path)
     check_base(base, base_path, config)
-    t = time.perf_counter()
-    samples, records = measure_anchors(executor, config, base)
-    machine = {"device_name": device_name(executor.runner.device), "measure_s": round(time.perf_counter() - t, 2)}
-    prof, before, after = rescale_to_machine(base, base_path, samples, records, machine)
-    Path(out_path).write_text(json.dumps(prof, indent=1) + "\n")
-    print(f"[fidelity] quick rescale of {base_path} in {machine['measure_s']:.0f} s: scales {prof['scales']}; anchor "
-          f"MAPE {before['mape']:.1%} -> {after['mape']:.1%} -> {out_path}", flush=True)
+    prof, before, after = rescale_on(executor, config, base, base_path)
+    write_profile(out_path, prof)
+    print(f"[fidelity] quick rescale of {base_path} in {prof['calibration']['machine']['measure_s']:.0f} s: scales "
+          f"{prof['scales']}; anchor MAPE {before['mape']:.1%} -> {after['mape']:.1%} -> {out_path}", flush=True)
 
 
 # ---- CPU side ---------------------------------------------------------------------------------------

@@ -292,6 +292,11 @@ def gpu_preset_name(name: str) -> str:
         return name
 
 
+def profile_gpu(device: torch.device) -> str:
+    """The GPU a profile made on `device` is filed under: its preset name ("H100-SXM"), or "cpu"."""
+    return gpu_preset_name(device_name(device)) if device.type == "cuda" else "cpu"
+
+
 def build_profile(model: str | None, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
                   device: str | None = None, enforce_eager: bool = False, quick: bool = False,
                   progress: bool = True, reps: int | None = None) -> dict:
@@ -335,7 +340,7 @@ def profile_executor(executor, model: str | None, config: EngineConfig, load_for
         "model": {"name": name, "path": executor.model_path, "load_format": load_format,
                   **{k: hf.get(k) for k in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
                                             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")}},
-        "gpu": gpu_preset_name(dev) if runner.device.type == "cuda" else "cpu", "device_name": dev,
+        "gpu": profile_gpu(runner.device), "device_name": dev,
         "device_count": torch.cuda.device_count() if runner.device.type == "cuda" else 0,
         "tensor_parallel_size": config.tensor_parallel_size, "dtype": str(runner.dtype).removeprefix("torch."),
         "engine": {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,

@@ -126,22 +126,28 @@ def quick_profile(model: str, config: EngineConfig, base: dict, base_name: str, 
                   reps: int | None = None) -> tuple[dict, dict, dict]:
     """Build the executor a serving run would use, measure the anchors on it and rescale `base` (a profile of
     the same model, TP and block size made on another machine of this kind)."""
-    from testbed.runs.rundir import environment_info
     from testbed.worker.executor import create_executor
-    from testbed.profiling.sweep import device_name, gpu_preset_name
     check_base(base, base_name, config)
     t0 = time.perf_counter()
     executor = create_executor(model, config, load_format, dtype, device, enforce_eager)
     try:
-        setup_s = time.perf_counter() - t0
-        samples, records = measure_anchors(executor, config, base, reps or REPS)
-        dev = device_name(executor.runner.device)
+        return rescale_on(executor, config, base, base_name, reps or REPS, setup_s=time.perf_counter() - t0)
     finally:
         executor.shutdown()
+
+
+def rescale_on(executor, config: EngineConfig, base: dict, base_name: str, reps: int = REPS,
+               setup_s: float = 0.0) -> tuple[dict, dict, dict]:
+    """`base` (check_base passed: checked before the executor was built) rescaled from the anchors measured on an
+    executor built for `config` (`setup_s`: how long building it took, recorded beside the measuring time)."""
+    from testbed.profiling.sweep import device_name, profile_gpu
+    from testbed.runs.rundir import environment_info
+    t0 = time.perf_counter()
+    samples, records = measure_anchors(executor, config, base, reps)
     env = environment_info()
-    machine = {"device_name": dev, "gpu": gpu_preset_name(dev) if dev.startswith("NVIDIA") else "cpu",
+    machine = {"device_name": device_name(executor.runner.device), "gpu": profile_gpu(executor.runner.device),
                "host": env.get("host"), "git_sha": env.get("git_sha"), "setup_s": round(setup_s, 2),
-               "measure_s": round(time.perf_counter() - t0 - setup_s, 2)}
+               "measure_s": round(time.perf_counter() - t0, 2)}
     return rescale_to_machine(base, base_name, samples, records, machine)
 
 
@@ -160,14 +166,14 @@ def quick_rescale(args, config: EngineConfig, model: str | None, out: Path, many
     """`profile --quick`: the base profile (--cost-model: 'auto' is the one shipped for this model, this GPU and
     TP) rescaled from anchor steps measured on this machine; prints how far the anchors moved. Returns the
     profile and the path to write it to."""
-    from testbed.profiling.sweep import device_name, gpu_preset_name
+    from testbed.profiling.sweep import profile_gpu
     from testbed.sim.rescale import print_fit
     name = Path(model).name if model and args.load_format != "dummy" else (model or "SmolLM2-135M-Instruct")
     gpu = None
     if args.cost_model == "auto":
         import torch
-        dev = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        gpu = gpu_preset_name(device_name(dev)) if dev.type == "cuda" else "cpu"
+        gpu = profile_gpu(torch.device(args.device) if args.device
+                          else torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     base, base_path = base_profile(args.cost_model, name, gpu, config.tensor_parallel_size)
     ProfiledCostModel(base, name=base_path)  # a malformed or attention-less profile is refused here
     if base["model"]["name"] != name:
