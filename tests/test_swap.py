@@ -95,3 +95,19 @@ def test_swapped_requests_resume_before_waiting_ones_are_admitted():
     assert swap_out < 8 < back <= first_late  # late waits while b is swapped out, b comes back first
     assert "b" in steps[back].new_req_ids  # resumed: runners see it as (re)scheduled
     assert outs["late"][-1].finish_reason == "length"
+
+
+def test_a_shortage_waits_for_a_request_its_in_flight_token_ends_rather_than_swap_it_out():
+    """With a step in flight, the request at the back of the queue is ending by its in-flight token: a shortage
+    in front of it waits a step for its blocks instead of swapping them out for nothing (hypothesis found this:
+    4 blocks swapped out, never back in, their request finished while swapped)."""
+    engine = make_engine(14, 28, block_size=2, max_num_seqs=4, max_num_batched_tokens=16, preemption_mode="swap",
+                         num_cpu_blocks=4, async_scheduling=True, enable_prefix_caching=True)
+    arrivals = [(0, make_request("r0", tokens=[7] * 3 + [100], max_tokens=1, arrival=0.0))]
+    arrivals += [(1, make_request(f"r{i}", tokens=[7] * 3 + [100 + i] * p, max_tokens=m, arrival=1.0))
+                 for i, p, m in ((1, 9, 6), (2, 1, 5), (3, 1, 5))]
+    steps, outs = run_engine(engine, arrivals, KVCheckingExecutor(2))
+    assert all([t for o in outs[r.request_id] for t in o.new_token_ids] == [FIXED_TOKEN] * r.max_tokens
+               for _, r in arrivals)
+    assert engine.scheduler.num_preemptions == 0 and not any(so.blocks_to_swap_out for so in steps)
+    engine.block_manager.check_invariants()

@@ -9,8 +9,8 @@ its progress reset, back to the front of the waiting queue), or, with `--preempt
 (its blocks copied to the CPU pool, its progress kept, to the front of the swapped queue; by recompute when
 the CPU pool cannot take them). Swapped requests come back (their blocks copied in) before any waiting
 request is admitted, as vLLM V0 does; no swapped or waiting request is admitted in a step that preempted. With a step in flight (async scheduling), a request that its in-flight token
-ends is not scheduled again, and while one such request holds blocks a shortage stops the running
-pass instead of preempting (those blocks come back next step). With pipeline parallelism's batch queue
+ends is not scheduled again, and while one such request holds blocks (anywhere in the running queue) a
+shortage stops the running pass instead of preempting (those blocks come back next step). With pipeline parallelism's batch queue
 (several batches in flight), a request in a batch still in the pipeline (`in_flight`) is not scheduled again
 until that batch is updated: it is never in two in-flight batches. Invariants: the step's tokens <= max_num_batched_tokens; running requests <=
 max_num_seqs; a scheduled request always has blocks for all its computed + scheduled tokens.
@@ -80,6 +80,13 @@ class WaitingQueue:
         else:
             self._heap = [e for e in self._heap if e[3] is not req]
             heapq.heapify(self._heap)
+
+
+def _ending(running: list[Request], start: int) -> bool:
+    """Whether a running request from `start` on ends by its in-flight token (its length): its blocks free up
+    next step, so a shortage waits for them rather than preempting (it would be the victim, swapped or
+    recomputed for nothing)."""
+    return any(r.num_pending and r.num_tokens + r.num_pending >= r.length_limit for r in running[start:])
 
 
 class Scheduler:
@@ -289,6 +296,7 @@ class Scheduler:
                 if blocks is None or len(blocks) * bs < computed + n or computed < req.num_prompt_tokens:
                     scheduled = True
                     while not bm.allocate_slots(req, n):
+                        ending = ending or _ending(running, i + 1)
                         if ending:  # wait for the ending requests' blocks rather than preempt (async scheduling)
                             scheduled, stalled = False, True
                             break
