@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import Callable, Generator
+
 import simpy
 
 from testbed.engine.block_manager import prompt_block_hashes
@@ -25,9 +27,11 @@ from testbed.engine.core import EngineCore
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import SchedulerOutput
 from testbed.workload.lora import trace_loras
-from testbed.sim.cluster import SimResult, trace_to_request
+from testbed.sim.trace_requests import SimResult, trace_to_request
+from testbed.sim.environment import SimEnvironment
 from testbed.sim.executor import SimExecutor
 from testbed.sim.grammars import SimGrammars
+from testbed.sim.replica import ReplicaLoop
 from testbed.workload.trace import TraceRequest
 
 # report fields a replica's state determines exactly (kv_usage follows from the block counts)
@@ -44,6 +48,38 @@ class _Durations:
         d = self.durations[self.k]
         self.k += 1
         return d
+
+
+class RecordedReplica(ReplicaLoop):
+    """A replica on its recorded timeline: step k is scheduled at the recorded start (after admitting what had
+    reached it by then) and updated `duration` later; a step the simulated replica cannot schedule is a
+    divergence."""
+
+    def __init__(self, env: SimEnvironment, eng: EngineCore, r: int, executor: SimExecutor, grammars: SimGrammars,
+                 starts: list[float], admit: Callable[[float], None], report: Callable[[int], None]) -> None:
+        super().__init__(env, eng, r, executor, grammars)
+        self.starts, self.admit, self.report, self.k = starts, admit, report, 0
+
+    def ready(self, busy: bool) -> Generator[simpy.Event, object, float | None]:
+        if self.k == len(self.starts):
+            return None
+        start = self.starts[self.k]
+        if start > self.env.now:
+            yield self.env.timeout(start - self.env.now)
+        self.admit(start)  # one admitted at this very instant counts as before the step, as in the real loop
+        return start
+
+    def stalled(self) -> Generator[simpy.Event, object, None]:
+        raise _diverged(f"replica {self.r} ran step {self.k} at {self.starts[self.k]:.6f} s; the simulated one has "
+                        f"nothing to schedule ({len(self.eng.requests)} requests live)")
+        yield  # a generator
+
+    def wait_end(self, start: float, duration: float) -> simpy.Event:
+        return self.env.timeout(duration)
+
+    def updated(self, so: SchedulerOutput, finished: list, busy: bool) -> None:
+        self.k += 1
+        self.report(self.k)
 
 
 @dataclass
@@ -118,7 +154,7 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
     if missing or len(rec.routes) != len(trace):
         raise ValueError(f"{rec.path} routed {len(rec.routes)} requests, the trace has {len(trace)}"
                          + (f" (e.g. {missing[0]!r} is not in it)" if missing else "") + "; replay the same trace")
-    env = simpy.Environment()
+    env = SimEnvironment()
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False,
                           num_cpu_blocks=num_cpu_blocks) for r in range(dp)]
     executors = [SimExecutor(_Durations(d)) for d in rec.durations]
@@ -180,27 +216,12 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
             env.timeout(max(0.0, x["added"] - env.now)).callbacks.append(lambda _, r=r: admit(r, env.now))
             records.routes.append((x["seq"], req.request_id, r, x["arrival"], x["sent"], env.now, x["added"]))
 
-    def replica(r: int):
-        eng, ex = engines[r], executors[r]
-        for k, (start, duration) in enumerate(zip(rec.starts[r], rec.durations[r])):
-            if start > env.now:
-                yield env.timeout(start - env.now)
-            admit(r, start)  # one admitted at this very instant counts as before the step, as in the real loop
-            grammars.apply(r, start)
-            so = eng.schedule(env.now)
-            if so.is_empty:
-                raise _diverged(f"replica {r} ran step {k} at {start:.6f} s; the simulated one has nothing to "
-                                f"schedule ({len(eng.requests)} requests live)")
-            out = ex.execute(so)
-            yield env.timeout(duration)
-            eng.update(so, out, env.now)
-            report(r, k + 1)
-
     for r in range(dp):
         report(r, 0)  # the reports the replicas sent when they came up
     env.process(coordinator())
     for r in range(dp):
-        env.process(replica(r))
+        env.process(RecordedReplica(env, engines[r], r, executors[r], grammars, rec.starts[r],
+                                    lambda until, r=r: admit(r, until), lambda k, r=r: report(r, k)).run())
     env.run()
     for r in range(dp):
         admit(r, float("inf"))  # what reached a replica after its last step (rejections finish at once)

@@ -15,7 +15,8 @@ from testbed.engine.core import EngineCore
 from testbed.specs.presets import ModelSpec, get_model_spec
 from testbed.runs.finish import finish_run, start_run, trace_record
 from testbed.sim.error_bands import expected_error
-from testbed.sim.cluster import simulate, trace_to_request
+from testbed.sim.cluster import simulate
+from testbed.sim.trace_requests import trace_to_request
 from testbed.sim.cost_model import kv_block_bytes, num_gpu_blocks
 from testbed.sim.factory import load_cost_model
 from testbed.specs.hardware import get_gpu_spec
