@@ -10,9 +10,9 @@ digest of the content of steps.parquet and requests.parquet (and of the DP table
 Usage:  python benchmarks/sim_golden.py save DIR     (on the reference commit)
         python benchmarks/sim_golden.py check DIR    (exit 1 and name the cases that differ)
 The reference of the simulator-speed work (6f3747a) is in benchmarks/results/2026-11-26_6f3747a/golden.json; the
-current one is benchmarks/results/2026-11-26_b94ceec/golden.json (from b94ceec on, a run directory read as a trace
-keeps its rejected requests, so the recorded DP replays that failed before run): `check
-benchmarks/results/2026-11-26_b94ceec` compares the working tree with it.
+current one is benchmarks/results/2026-11-26_fd719fe/golden.json (saved after the graphed H100 profiles, the new
+committed runs and the scheduler's wait for ending requests; b94ceec's predates them): `check
+benchmarks/results/2026-11-26_fd719fe` compares the working tree with it.
 """
 from __future__ import annotations
 
