@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
@@ -20,7 +21,7 @@ from testbed.engine.config import EngineConfig
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import ModelRunnerOutput, EngineCoreOutput, SchedulerOutput
 from testbed.engine.params import SamplingParams
-from testbed.engine.request import Request
+from testbed.engine.request import Request, RequestStatus
 
 REPO = Path(__file__).resolve().parents[1]
 FIXED_TOKEN = 7
@@ -106,6 +107,12 @@ def check_step(engine: EngineCore, so: SchedulerOutput) -> None:
         for r, slot in zip(so.requests, so.lora_slots):
             assert slot == (-1 if r.lora_request is None else lora.slot_of[r.lora_request.lora_int_id])
         assert len(lora.host) <= cfg.max_cpu_loras and len(set(lora.slot_of.values())) == len(lora.slot_of)
+        sched = engine.scheduler  # the stats' adapter counts match a recount of the queues
+        queued = list(sched.waiting._dq) if sched.waiting.fcfs else [e[3] for e in sched.waiting._heap]
+        running = [r for r in sched.running if r.status == RequestStatus.RUNNING]
+        assert sched.lora_adapters() == tuple(
+            dict(Counter(r.lora_request.lora_name for r in reqs if r.lora_request is not None))
+            for reqs in (running, queued + list(sched.swapped)))
 
 
 def run_engine(engine: EngineCore, arrivals: Sequence[tuple[int, Request]], executor=None, max_steps: int = 100_000,

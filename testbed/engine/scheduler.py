@@ -37,19 +37,35 @@ from testbed.engine.outputs import SchedulerOutput
 from testbed.engine.request import Request, RequestStatus
 
 
+def count_lora(counts: dict[str, int], req: Request, delta: int) -> None:
+    """Count `req` into (1) or out of (-1) `counts`, adapter name -> requests (a base-model request: no-op);
+    a name whose count reaches 0 leaves the dict."""
+    lr = req.lora_request
+    if lr is None:
+        return
+    n = counts.get(lr.lora_name, 0) + delta
+    if n:
+        counts[lr.lora_name] = n
+    else:
+        del counts[lr.lora_name]
+
+
 class WaitingQueue:
-    """Waiting requests in admission order: a deque for fcfs, a heap on (priority, arrival) otherwise."""
+    """Waiting requests in admission order: a deque for fcfs, a heap on (priority, arrival) otherwise.
+    `loras` counts the queued requests of each LoRA adapter (by name, kept as they enter and leave)."""
 
     def __init__(self, policy: str) -> None:
         self.fcfs = policy == "fcfs"
         self._dq: deque[Request] = deque()
         self._heap: list[tuple[int, float, int, Request]] = []
         self._seq = 0
+        self.loras: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._dq) if self.fcfs else len(self._heap)
 
     def push(self, req: Request, front: bool = False) -> None:
+        count_lora(self.loras, req, 1)
         if self.fcfs:
             self._dq.appendleft(req) if front else self._dq.append(req)
         else:
@@ -60,14 +76,20 @@ class WaitingQueue:
         return self._dq[0] if self.fcfs else self._heap[0][3]
 
     def pop(self) -> Request:
-        return self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)[3]
+        req = self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)[3]
+        count_lora(self.loras, req, -1)
+        return req
 
     def pop_entry(self):
         """The head's queue entry (the request, or its heap tuple), for `restore` to put back where it was."""
-        return self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)
+        entry = self._dq.popleft() if self.fcfs else heapq.heappop(self._heap)
+        count_lora(self.loras, entry if self.fcfs else entry[3], -1)
+        return entry
 
     def restore(self, entries: list) -> None:
         """Put back entries popped by `pop_entry`, in the order they were popped: the queue is as before."""
+        for e in entries:
+            count_lora(self.loras, e if self.fcfs else e[3], 1)
         if self.fcfs:
             self._dq.extendleft(reversed(entries))
         else:
@@ -75,6 +97,7 @@ class WaitingQueue:
                 heapq.heappush(self._heap, e)
 
     def remove(self, req: Request) -> None:
+        count_lora(self.loras, req, -1)
         if self.fcfs:
             self._dq.remove(req)
         else:
@@ -113,6 +136,7 @@ class Scheduler:
         self.num_structured = 0  # live requests carrying a grammar: while 0, steps do not count them
         self.lora = AdapterSlots(config.max_loras, config.max_cpu_loras) if config.enable_lora else None
         self.running_loras: dict[int, int] = {}  # adapter id -> running requests that use it
+        self.running_lora_names: dict[str, int] = {}  # the same by adapter name (for the stats)
         self.num_lora_deferred = 0  # waiting requests the last step passed over for their adapter
         self.batch_queue = config.pipeline_parallel_size > 1  # mark scheduled requests in flight until updated
 
@@ -133,6 +157,7 @@ class Scheduler:
             self.running_loras[aid] = n
         else:
             del self.running_loras[aid]
+        count_lora(self.running_lora_names, req, delta)
 
     def _lora_blocked(self, req: Request) -> bool:
         """Whether admitting `req` would give the running set more than max_loras adapters."""
@@ -428,3 +453,11 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.swapped)
+
+    def lora_adapters(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Adapter name -> requests using it: the running ones, and the waiting ones (queued, or swapped out
+        to resume); vLLM's scheduler stats `running_lora_adapters` and `waiting_lora_adapters`."""
+        waiting = dict(self.waiting.loras)
+        for req in self.swapped:
+            count_lora(waiting, req, 1)
+        return dict(self.running_lora_names), waiting

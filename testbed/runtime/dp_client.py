@@ -172,7 +172,8 @@ class DPEngineClient(EngineClient):
         self.applied.pop(r, None)
         last = self.engine_stats.pop(r, None)
         if last is not None and self.on_stats is not None:  # its gauges drop to zero; counters stay
-            self.on_stats(msgspec.structs.replace(last, num_running=0, num_waiting=0, kv_cache_usage=0.0), {}, r)
+            self.on_stats(msgspec.structs.replace(last, num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                                                  running_lora_adapters={}, waiting_lora_adapters={}), {}, r)
         if len(self.dead) == self.size:
             self._die(f"every data-parallel replica died (replica {r}: {reason})")
 

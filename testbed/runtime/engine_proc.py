@@ -105,11 +105,12 @@ def first_scheduled(core: EngineCore, so, start: float) -> dict[str, float]:
 
 def scheduler_stats(core: EngineCore, acked_seq: int) -> P.SchedulerStats:
     bm, sched, tokens = core.block_manager, core.scheduler, core.token_counts
+    running_loras, waiting_loras = sched.lora_adapters() if sched.lora is not None else ({}, {})
     return P.SchedulerStats(sched.num_running, sched.num_waiting, bm.usage, sched.num_preemptions,
                             bm.prefix_queries, bm.prefix_hits, acked_seq, tokens.prompt, tokens.cached_prompt,
                             tokens.generation, sched.num_swapped, bm.cpu_usage, sched.num_swap_preemptions,
                             sched.num_swapped_out_blocks, sched.num_swapped_in_blocks,
-                            min(sched.num_lora_deferred, sched.num_waiting))
+                            min(sched.num_lora_deferred, sched.num_waiting), running_loras, waiting_loras)
 
 
 def to_wire(o: EngineCoreOutput) -> P.CoreOutput:

@@ -96,6 +96,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     num_deferred: int = 0  # waiting requests the last step passed over for their LoRA adapter (max_loras)
+    # LoRA adapter name -> requests using it, running / waiting (Scheduler.lora_adapters; empty without LoRA)
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -3,7 +3,8 @@ meanings of vLLM V1's PrometheusStatLogger) under the `vllm:` prefix, or `testbe
 
 Every series carries `model_name` and `engine` (the data-parallel replica: "0" with one engine, and "unrouted"
 for requests that failed before any replica took them); cache_config_info carries the cache settings and
-`engine`. Where the numbers come from:
+`engine`. With LoRA on, lora_requests_info (vLLM's, with only its own labels) names the adapters of the running
+and the waiting requests of every replica. Where the numbers come from:
 - gauges and the engine's counters (preemptions, prefix-cache queries and hits, prompt and generation tokens)
   follow each replica's stats snapshots, a counter advancing by the growth of the replica's cumulative total;
   iteration_tokens_total observes that token growth once per step that produced tokens;
@@ -99,6 +100,7 @@ _LABEL_VALUES = {"reason": WAITING_REASONS, "sleep_state": SLEEP_STATES, "source
                  "finished_reason": FINISH_REASONS}
 CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
                        "num_gpu_blocks", "engine")
+LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
 
 disable_created_metrics()  # no *_created series: they only add noise to every scrape
 
@@ -203,10 +205,12 @@ class EngineMetrics:
 
 class ServerMetrics:
     """Every family, with one EngineMetrics per replica. `num_gpu_blocks` maps each replica to its KV-cache
-    size (cache_config_info); `cache` holds the other cache settings."""
+    size (cache_config_info); `cache` holds the other cache settings; `max_loras` (None: LoRA off) adds
+    lora_requests_info."""
 
     def __init__(self, model_name: str, num_engines: int = 1, max_model_len: int = 4096, prefix: str = "vllm",
-                 num_gpu_blocks: dict[int, int] | None = None, cache: dict[str, str] | None = None) -> None:
+                 num_gpu_blocks: dict[int, int] | None = None, cache: dict[str, str] | None = None,
+                 max_loras: int | None = None) -> None:
         if prefix not in PREFIXES:
             raise ValueError(f"--metrics-prefix must be one of {PREFIXES}, got {prefix!r}")
         self.registry = r = CollectorRegistry()
@@ -231,6 +235,30 @@ class ServerMetrics:
             blocks = (num_gpu_blocks or {}).get(e)
             info.labels(**{**{k: "" for k in CACHE_CONFIG_LABELS}, **(cache or {}),
                            "num_gpu_blocks": "" if blocks is None else str(blocks), "engine": str(e)}).set(1)
+        self._max_lora = str(max_loras)
+        self._lora_info = None if max_loras is None else Gauge(
+            f"{prefix}:lora_requests_info", "Running stats on lora requests.", LORA_INFO_LABELS, registry=r)
+        # replica -> the (running, waiting) adapters of its last snapshot
+        self._lora_adapters: dict[int, tuple[dict[str, int], dict[str, int]]] = {}
+        self._update_lora_info()
+
+    def update_stats(self, e: int, s: SchedulerStats) -> None:
+        """A stats snapshot of replica `e`: its families, then lora_requests_info."""
+        self.engine(e).update_stats(s)
+        if self._lora_info is not None:
+            self._lora_adapters[e] = (s.running_lora_adapters, s.waiting_lora_adapters)
+            self._update_lora_info()
+
+    def _update_lora_info(self) -> None:
+        """vLLM's lora_requests_info: the series of (max_lora, waiting adapters, running adapters), the names
+        comma-separated (each once, in replica order), is set to the current time; series of earlier adapter
+        sets stay with the time they were last current, as in vLLM (the newest one is the present)."""
+        if self._lora_info is None:
+            return
+        replicas = [self._lora_adapters[e] for e in sorted(self._lora_adapters)]
+        running = ",".join(dict.fromkeys(name for r, _ in replicas for name in r))
+        waiting = ",".join(dict.fromkeys(name for _, w in replicas for name in w))
+        self._lora_info.labels(self._max_lora, waiting, running).set_to_current_time()
 
     def engine(self, e: int | None) -> EngineMetrics:
         """The metrics of replica `e` (None: a request no replica took)."""

@@ -315,7 +315,7 @@ async def run_server(args: argparse.Namespace) -> int:
     cache = {"block_size": str(cfg.block_size), "cache_dtype": "auto", "enable_prefix_caching":
              str(cfg.enable_prefix_caching), "gpu_memory_utilization": str(cfg.gpu_memory_utilization)}
     metrics = ServerMetrics(served, cfg.data_parallel_size, ready.max_model_len, args.metrics_prefix,
-                            client.engine_blocks, cache)
+                            client.engine_blocks, cache, cfg.max_loras if cfg.enable_lora else None)
     state = ServerState(client, tokenizer, served, model, metrics, ready.max_model_len, ready.vocab_size,
                         ready.num_gpu_blocks, ready.block_size, cfg.max_num_waiting, args.api_key,
                         TokenTexts(tokenizer), cfg.policy, pooler_config=pooler,

@@ -64,7 +64,7 @@ class ServerState:
 
     def on_stats(self, stats, scheduled: dict[str, float], engine: int = 0) -> None:
         """A stats snapshot of replica `engine`, with the requests it scheduled for the first time (and when)."""
-        self.metrics.engine(engine).update_stats(stats)
+        self.metrics.update_stats(engine, stats)
         for rid, t in scheduled.items():
             c = self.live.get(rid)
             if c is not None and c.scheduled_time is None:
