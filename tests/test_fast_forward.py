@@ -176,10 +176,10 @@ def test_a_replica_resumes_at_exactly_the_time_stepping_reaches():
     assert seen == [t]
 
 
-def simulate_both(trace: list[TraceRequest], **config_overrides):
+def simulate_both(trace: list[TraceRequest], cm=None, **config_overrides):
     from testbed.engine.config import EngineConfig
     cfg = EngineConfig(**config_overrides)
-    cm = RooflineCostModel(get_model_spec("Llama-3.2-1B"), get_gpu_spec("H100-SXM"))
+    cm = cm or RooflineCostModel(get_model_spec("Llama-3.2-1B"), get_gpu_spec("H100-SXM"))
     blocks = cfg.num_gpu_blocks or 4000
     results = [simulate(trace, cfg, cm, blocks, 4096, fast_forward_decodes=ff) for ff in (False, True)]
     tables = [(r.records.steps, r.records.itl, sorted(r.records.requests, key=repr), r.records.routes,
@@ -192,6 +192,18 @@ def test_the_azure_slice_gives_the_same_records_fast_forwarded():
     (stepped, skipped), (_, res) = simulate_both(trace)
     assert stepped == skipped
     assert res.fast_forwarded_steps > 0.5 * len(res.records.steps)  # the comparison is about something
+
+
+def test_a_profiled_cost_model_gives_the_same_records_fast_forwarded():
+    """The profiled model prices a stretch's decodes without their SchedulerOutput (decode_time, built once per
+    batch size): the same records as stepping, which prices each step from its SchedulerOutput."""
+    from testbed.sim.profiled import ProfiledCostModel
+    cm = ProfiledCostModel.from_file("testbed/profiling/profiles/Llama-3.1-8B_H100-SXM_tp1.json")
+    trace = load_trace("traces/azure_conv_10min.jsonl", limit=300)
+    for overrides in ({}, {"data_parallel_size": 2, "dp_policy": "least_loaded"}):
+        (stepped, skipped), (_, res) = simulate_both(trace, cm, **overrides)
+        assert stepped == skipped
+        assert res.fast_forwarded_steps > 0.5 * len(res.records.steps)
 
 
 @st.composite

@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from testbed.profiling.profile_file import ProfileError
 from testbed.sim.profiled import ProfiledCostModel, fit_nonnegative, nnls
 from testbed.profiling.synthetic_steps import StepFactory, decode_rows
-from testbed.sim.tables import Table1D, Table2D
+from testbed.sim.step_terms import Scales
+from testbed.sim.tables import RowWalk, Table1D, Table2D
 
 BS = 16
 CONTEXTS = [16, 128, 1024, 8192]
@@ -216,3 +217,33 @@ def test_uneven_contexts_add_the_measured_tail():
     assert cm.explain(so)["uneven contexts"] == pytest.approx(tail(8, skew), rel=1e-6)
     even = F.step(decode_rows(8, round(c)))
     assert cm.step_time(even) < cm.step_time(so)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["fake", "shipped"]), st.integers(1, 300), st.integers(0, 3), st.integers(1, 20_000),
+       st.integers(0, 30_000), st.booleans(), st.sampled_from([1.0, 0.8, 1.3]), st.sampled_from([1.0, 1.2]))
+def test_decode_time_is_step_time_bit_for_bit(which, b, structured, ctx, skew, async_scheduling, host, decode):
+    """decode_time(B, structured) prices a decode-only step from (sum_context_tokens, max_context_tokens) alone
+    (what a fast-forwarded stretch has): the same float as step_time of that step, or None where step_time
+    takes another path."""
+    prof = fake_profile() if which == "fake" else json.loads(
+        open("testbed/profiling/profiles/Llama-3.2-1B_H100-SXM_tp1.json").read())
+    prof["scales"] = {"host": host, "decode": decode}
+    cm = ProfiledCostModel(prof, async_scheduling=async_scheduling)
+    rows = decode_rows(b - 1, ctx) + decode_rows(1, ctx + skew) if b > 1 else decode_rows(1, ctx + skew)
+    so = F.step(rows)
+    so.num_structured_reqs = structured = min(structured, b)
+    f = cm.decode_time(b, structured)
+    if f is None:
+        assert b > cm.graph_max or (async_scheduling and not structured and cm.dec_async is not None)
+        return
+    assert f(so.sum_context_tokens, so.max_context_tokens) == cm.step_time(so)
+
+
+@given(st.lists(st.floats(-100, 10_000, allow_nan=False), min_size=1, max_size=30), st.integers(1, 40))
+def test_a_row_walk_is_the_table_lookup(cs, r):
+    """RowWalk scans on from its last column instead of bisecting: the same values in any order of lookups."""
+    t = Table2D([1, 4, 16], [0, 16, 128, 1024, 8192],
+                [[1.0, 2.0, None, 5.0, 9.0], [2.0, None, 4.0, 8.0, 20.0], [3.0, 5.0, 9.0, None, 40.0]])
+    walk = RowWalk(t, r)
+    assert [walk(c) for c in cs] == [t(r, c) for c in cs]

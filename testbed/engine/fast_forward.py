@@ -31,6 +31,9 @@ from testbed.engine.request import Request, RequestStatus
 from testbed.engine.scheduler import Scheduler
 
 StepEnd = Callable[[SchedulerOutput, float], float]
+# (rows, rows under a grammar) -> the end of such a decode step from (start, sum_context_tokens,
+# max_context_tokens), as StepEnd gives it for the step; or None (then StepEnd is asked)
+DecodeEnd = Callable[[int, int], Callable[[float, int, int], float] | None]
 
 
 class ShiftedCounts(Sequence[int]):
@@ -82,12 +85,14 @@ def _admits(core: EngineCore, running: int) -> bool:
 
 
 def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
-                 max_steps: int | None = None, stop_after_finish: bool = False) -> tuple[int, float, bool]:
+                 max_steps: int | None = None, stop_after_finish: bool = False,
+                 decode_end: DecodeEnd | None = None) -> tuple[int, float, bool]:
     """Advance the stretch of decode steps that starts at `now`; returns (steps taken, time after the last,
     whether the last step finished a request).
 
     `step_end(so, start)` is the driver's clock: when a step scheduled at `start` ends (it calls the cost
-    model, so it is called once per step, in order, as stepping would). Requests are brought up to date
+    model, so it is called once per step, in order, as stepping would). `decode_end`, when given, is the same clock
+    for one batch size at a time, built once per batch (without LoRA: adapter slots change a step's cost). Requests are brought up to date
     when they finish and when the stretch ends; in between, request i has computed computed0[i] + step."""
     batch = decode_batch(core)
     budget = (1 << 62) if max_steps is None else max_steps
@@ -118,6 +123,7 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     last_update = core._last_update
     sched.finished_req_ids = []  # what the first step's schedule() hands out (to runners; a simulator has none)
     j, t, generated, finished = 0, now, 0, False
+    clock = None if decode_end is None or lora_due else decode_end(b, so.num_structured_reqs)
     while j < budget and t < until:
         rows = due.pop(j, None)
         if rows is not None:
@@ -130,15 +136,18 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
                     due.setdefault(j + bs, []).append(p)
             used += len(rows)
         ctx = ctx0 + b * (j + 1)
-        before.shift = j
-        so.sum_context_tokens = so.sum_attn_pairs = ctx
-        so.max_context_tokens = longest0 + j + 1
-        if lora_due:
-            sched._assign_slots(so)
-            lora_due = False
-        end = step_end(so, t)
-        if so.lora_loads or so.lora_dropped:  # done by this step; the next ones load nothing
-            so.lora_loads, so.lora_dropped = [], []
+        if clock is not None:
+            end = clock(t, ctx, longest0 + j + 1)
+        else:
+            before.shift = j
+            so.sum_context_tokens = so.sum_attn_pairs = ctx
+            so.max_context_tokens = longest0 + j + 1
+            if lora_due:
+                sched._assign_slots(so)
+                lora_due = False
+            end = step_end(so, t)
+            if so.lora_loads or so.lora_dropped:  # done by this step; the next ones load nothing
+                so.lora_loads, so.lora_dropped = [], []
         if j:  # the previous step ended at t: this one starts there, and every row's last token came then
             itl.extend(repeat(end - t, b))
             start = t
@@ -167,6 +176,7 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             so.total_num_scheduled_tokens = so.num_decode_tokens = b
             so.num_structured_reqs = _structured(sched, running)
             lora_due = sched.lora is not None
+            clock = None if decode_end is None or lora_due else decode_end(b, so.num_structured_reqs)
     if j:
         for p, r in zip(pos, running):
             _bring_up_to_date(r, computed0[p], j, token_id, t)

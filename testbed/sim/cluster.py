@@ -67,6 +67,7 @@ class ClusterSim:
         self.publishers = [StatsPublisher(config.dp_stats_interval) for _ in range(dp)]
         self.steps_done = [0] * dp
         self.skipped = 0  # steps fast-forwarded
+        self.decode_ends: dict[tuple[int, int], Callable | None] = {}  # decode_end's, by (rows, structured rows)
         self.routes: list[list] = []        # ROUTE_COLUMNS rows
         self.publications: list[list] = []  # PUBLICATION_COLUMNS rows
 
@@ -147,6 +148,22 @@ class ClusterSim:
         end = start + self.cost_model.step_time(so)
         return start + (end - start)
 
+    def decode_end(self, b: int, structured: int) -> Callable[[float, int, int], float] | None:
+        """step_end for decode steps of b rows (`structured` under a grammar), from (start, sum_context_tokens,
+        max_context_tokens), when the cost model prices such a batch without its SchedulerOutput."""
+        key = (b, structured)
+        if key in self.decode_ends:  # a pure function of the batch size: made once
+            return self.decode_ends[key]
+        decode_time = getattr(self.cost_model, "decode_time", None)
+        duration = decode_time(b, structured) if decode_time is not None else None
+        end = None
+        if duration is not None:
+            def end(start: float, sum_ctx: int, max_ctx: int) -> float:
+                e = start + duration(sum_ctx, max_ctx)
+                return start + (e - start)
+        self.decode_ends[key] = end
+        return end
+
     def run(self, on_progress: Callable[[float, int], None] | None, progress_interval_s: float,
             fast_forward_decodes: bool) -> SimResult:
         env, dp = self.env, self.dp
@@ -201,7 +218,8 @@ class ServingReplica(ReplicaLoop):
             return False
         until = min(sim.horizon.until(r), self.grammars.next_due(r))
         k, end, finished = fast_forward(eng, env.now, until, sim.step_end, SIM_TOKEN_ID,
-                                        max_steps=self.grammars.steps_until_due(r), stop_after_finish=sim.dp > 1)
+                                        max_steps=self.grammars.steps_until_due(r), stop_after_finish=sim.dp > 1,
+                                        decode_end=sim.decode_end)
         if not k:
             return False
         sim.steps_done[r] += k

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from testbed.profiling.profile_file import FORMAT, ProfileError, read_profile
 from testbed.sim.cost_model import GRAMMAR_ROW_S, BlockMoveCost
 from testbed.specs.hardware import get_gpu_spec
 from testbed.sim.step_terms import DECODE_ASYNC, DECODE_SYNC, MIXED_ASYNC, MIXED_SYNC, Scales, combine
-from testbed.sim.tables import LastLookup, Table1D, Table2D
+from testbed.sim.tables import LastLookup, RowWalk, Table1D, Table2D
 
 ISSUE_BOUND_TOKENS = 1024  # eager steps this small take longer to issue than to run: their launch time is pure host
 
@@ -236,6 +237,30 @@ class ProfiledCostModel:
                                    "`testbed profile`")
             t += self.moves.time(so)
         return t
+
+    def decode_time(self, B: int, num_structured: int) -> Callable[[int, int], float] | None:
+        """step_time of a decode-only step of B rows (`num_structured` of them under a grammar), no block moves,
+        as a function of its (sum_context_tokens, max_context_tokens): the same value bit for bit, with the
+        batch's lookups done once (a stretch of decodes asks for one batch size step after step). None where
+        step_time takes another path (B past the decode table, async decode cycles)."""
+        grammar = GRAMMAR_ROW_S * num_structured
+        if B > self.graph_max or (self.async_scheduling and not grammar and self.dec_async is not None):
+            return None
+        wall, host = RowWalk(self.dec_wall, B), RowWalk(self.dec_host, B)
+        tail = RowWalk(self.dec_tail.table, B) if self.dec_tail else None
+        h, d = self.scales.host, self.scales.decode
+        fixed, gram = h * self.engine_step(B), h * grammar
+
+        def duration(sum_ctx: int, max_ctx: int) -> float:
+            ctx = sum_ctx / B - 1.0
+            w = wall(ctx)
+            if h == d:
+                dec = h * w
+            else:
+                rh = host(ctx)
+                dec = h * rh + d * (w - rh)
+            return fixed + dec + d * (tail(max_ctx - 1.0 - ctx) if tail else 0.0) + gram
+        return duration
 
     def terms(self, so: SchedulerOutput, engine: float | None = None) -> tuple[int, tuple]:
         """(kind, measured terms) of a non-empty step, as step_terms.combine takes them."""
