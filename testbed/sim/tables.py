@@ -108,8 +108,8 @@ class Table2D:
 
 
 class RowWalk:
-    """Lookups of one Table2D row at columns that mostly grow (the mean context of a stretch of decodes):
-    the column found by scanning on from the last one instead of a bisect. Same values as `table(r, c)`."""
+    """Lookups of one Table2D row at columns that mostly stay in one interval (the mean context of a stretch of
+    decodes grows a token a step): the last interval is tried before a bisect. Same values as `table(r, c)`."""
 
     __slots__ = ("cols", "row", "j", "n")
 
@@ -122,13 +122,9 @@ class RowWalk:
         if n == 1:
             return row[0]
         j = self.j
-        if c <= cols[j - 1]:  # back past the column before: as bisect_left would place it
+        if not cols[j - 1] < c <= cols[j]:  # left the last column's interval: as bisect_left places it
             j = bisect.bisect_left(cols, c)
-            j = 1 if j < 1 else (n - 1 if j >= n else j)
-        else:
-            while j < n - 1 and cols[j] < c:
-                j += 1
-        self.j = j
+            self.j = j = 1 if j < 1 else (n - 1 if j >= n else j)
         c0 = cols[j - 1]
         v = row[j - 1] + (row[j] - row[j - 1]) * (c - c0) / (cols[j] - c0)
         return v if v > 0.0 else 0.0
