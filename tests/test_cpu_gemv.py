@@ -66,7 +66,11 @@ def test_shadow_only_for_exact_bf16_values():
     exact = bf16_valued(16, 32, seed=1)
     shadow = cpu_gemv.bf16_shadow(exact)
     assert shadow is not None and shadow.dtype == torch.bfloat16 and torch.equal(shadow.float(), exact)
-    assert cpu_gemv.bf16_shadow(exact + 1e-4) is None
+    column_major = exact.t().contiguous().t()  # the CPU layout of matmul weights (cpu_weight_layout)
+    assert torch.equal(cpu_gemv.bf16_shadow(column_major), shadow) and cpu_gemv.bf16_shadow(exact[:, ::3]) is not None
+    inexact = exact.clone()
+    inexact[7, 5] += 1e-4
+    assert cpu_gemv.bf16_shadow(inexact) is None and cpu_gemv.bf16_shadow(inexact.t().contiguous().t()) is None
     assert cpu_gemv.bf16_shadow(exact.double()) is None
 
 

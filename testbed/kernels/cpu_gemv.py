@@ -21,6 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -148,8 +149,10 @@ def bf16_shadow(weight: torch.Tensor) -> torch.Tensor | None:
     and the kernel is available; else None (the layer keeps torch's matmul)."""
     if weight.dtype != torch.float32 or weight.is_cuda or weight.dim() != 2 or not available():
         return None
-    shadow = weight.to(torch.bfloat16).contiguous()
-    return shadow if torch.equal(shadow.float(), weight) else None
+    dense = weight if weight.is_contiguous() else weight.t() if weight.t().is_contiguous() else weight.contiguous()
+    first = 0 if sys.byteorder == "little" else 1
+    low = dense.view(torch.int16)[:, first::2]  # the 16 low bits of each value: zero in a bf16 number
+    return None if bool(low.any()) else weight.to(torch.bfloat16).contiguous()
 
 
 def gemv_bf16(x: torch.Tensor, weight_bf16: torch.Tensor) -> torch.Tensor:
