@@ -87,8 +87,9 @@ def _load_stage_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: En
     if cm.block_size != config.block_size:
         raise ValueError(f"--cost-model {spec}: profile was measured with --block-size {cm.block_size}, the run "
                          f"uses {config.block_size}; profile that block size")
+    attention = "" if cm.attention_source == "module timings" else f"; eager attention from {cm.attention_source}"
     return _with_lora(cm, f"profile {path.name} ({cm.gpu_name}, {cm.profile.get('created', '?')}, "
-                          f"{cm.profile.get('git_sha') or '?'})", model, gpu, config)
+                          f"{cm.profile.get('git_sha') or '?'}{attention})", model, gpu, config)
 
 
 def _with_lora(cm: CostModel, desc: str, model: ModelSpec, gpu: GPUSpec, config: EngineConfig) -> tuple[CostModel, str]:

@@ -9,7 +9,8 @@ A step's time is the real engine's cycle, schedule to next schedule, built from 
   eager     any step with a prefill chunk runs eager; its device time is
               linear(T tokens) + attention + LM head/sampler(sampled rows)
             where attention = decode rows at their mean context (as an eager step runs them) + each chunk's
-            attention at (new tokens, cached context) above the launch floor; host preparation is linear in
+            attention at (new tokens, cached context) above the launch floor (from the attention modules'
+            timings, or from the forward where those timed the host: attention_split.py); host preparation is linear in
             rows, tokens and block-table entries (fitted on the profile's eager steps)
 
   sync:   step = engine + host preparation + max(launch, device) + readback
@@ -29,6 +30,7 @@ import numpy as np
 
 from testbed.engine.outputs import SchedulerOutput
 from testbed.profiling.profile_file import FORMAT, ProfileError, read_profile
+from testbed.sim import attention_split
 from testbed.sim.cost_model import GRAMMAR_ROW_S, BlockMoveCost
 from testbed.specs.hardware import get_gpu_spec
 from testbed.sim.step_terms import DECODE_ASYNC, DECODE_SYNC, MIXED_ASYNC, MIXED_SYNC, Scales, combine
@@ -115,6 +117,11 @@ class ProfiledCostModel:
         if not any(v for row in ch["attention_s"] for v in row if v is not None):
             raise ProfileError(f"{name or 'profile'}: it measured no time in attention (made while graphed steps "
                                "hid the attention modules from the profiler); re-make it with `testbed profile`")
+        self.attention_source = "module timings"
+        if attention_split.implausible(ch, dr):  # they timed the host's issue: the forward says how much it is
+            chunk_attn, rows_attn = attention_split.from_forward(ch, dr)
+            ch, dr = {**ch, "attention_s": chunk_attn}, {**dr, "attention_s": rows_attn}
+            self.attention_source = "the forward (the module timings exceed what the device spends)"
         self.chunk_attn = Table2D(ch["tokens"], ch["context"], ch["attention_s"])
         self.rows_attn = Table2D(dr["batch"], dr["context"], dr["attention_s"])
         self.row_chunk = int(dr["chunk"])
