@@ -315,10 +315,8 @@ def bands(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else BANDS_FILE
     data = bands_from_fidelity(json.loads(Path(args.sim_json).read_text()), args.source)
     if args.merge and out.is_file():  # keep the bands of (cost model, model, GPU, TP) these runs do not cover
-        old = json.loads(out.read_text())
-        kept = {k: v for k, v in old["bands"].items() if k not in data["bands"]}
-        data = {"source": f"{args.source}; the rest ({', '.join(sorted(kept))}): {old['source']}",
-                "bands": {**kept, **data["bands"]}} if kept else data
+        old = json.loads(out.read_text())["bands"]
+        data["bands"] = {**{k: v for k, v in old.items() if k not in data["bands"]}, **data["bands"]}
     out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {len(data['bands'])} bands to {out}")
 

@@ -33,7 +33,8 @@ def band_key(kind: str, model: str, gpu: str, tp: int) -> str:
 
 def bands_from_fidelity(cases: list[dict], source: str) -> dict:
     """Bands from benchmarks/fidelity.py's `sim --json` output (per case: real and per-cost-model summaries, the
-    model, GPU and config): for each cost model and (model, GPU, TP), the largest |error| per metric."""
+    model, GPU and config): for each cost model and (model, GPU, TP), the largest |error| per metric, and
+    `source` (what the real runs were)."""
     from testbed.specs.hardware import get_gpu_spec
     from testbed.specs.presets import get_model_spec
     out: dict[str, dict] = {}
@@ -41,18 +42,18 @@ def bands_from_fidelity(cases: list[dict], source: str) -> dict:
         model, gpu = get_model_spec(case["model"]).name, get_gpu_spec(case["hardware"]).name
         tp = int(case["config"].get("tensor_parallel_size", 1))
         for kind, sim in case["sim"].items():
-            entry = out.setdefault(band_key(kind, model, gpu, tp), {"cases": [], "bounds": {}})
+            entry = out.setdefault(band_key(kind, model, gpu, tp), {"cases": [], "bounds": {}, "source": source})
             entry["cases"].append(case["case"])
             for key in METRICS:
                 real, pred = summary_value(case["real"], key), summary_value(sim, key)
                 if real and pred is not None:
                     err = abs(pred - real) / abs(real)
                     entry["bounds"][key] = max(entry["bounds"].get(key, 0.0), err)
-    return {"source": source, "bands": out}
+    return {"bands": out}
 
 
 def load_bands(path: Path = BANDS_FILE) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {"source": None, "bands": {}}
+    return json.loads(path.read_text()) if path.is_file() else {"bands": {}}
 
 
 def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None = None) -> dict:
@@ -71,7 +72,7 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
         entry = bands["bands"].get(band_key("roofline", model, gpu, tp))
         if entry is None:
             return {"basis": f"uncalibrated: no fidelity runs of the roofline for {model} on {gpu} at TP={tp}"}
-        return _measured(entry, bands["source"])
+        return _measured(entry)
     if isinstance(cost_model, ProfiledCostModel):
         cal = cost_model.profile.get("calibration")
         if cal:
@@ -81,7 +82,7 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
         shipped = shipped_profile(model, gpu, tp)
         entry = bands["bands"].get(band_key("profile", model, gpu, tp))
         if shipped is not None and entry is not None and Path(cost_model.name).resolve() == shipped.resolve():
-            return _measured(entry, bands["source"])
+            return _measured(entry)
         return {"basis": "unknown: no fidelity runs of this profile (benchmarks/fidelity.py measures them; "
                          "`testbed calibrate` fits a profile to a run of yours)"}
     if isinstance(cost_model, (RecordedCostModel, RecordedDPRun)):
@@ -89,6 +90,6 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
     return {"basis": "unknown"}
 
 
-def _measured(entry: dict, source: str | None) -> dict:
-    return {"basis": f"the largest error over {len(entry['cases'])} fidelity cases; {source}",
+def _measured(entry: dict) -> dict:
+    return {"basis": f"the largest error over {len(entry['cases'])} fidelity cases; {entry['source']}",
             "bounds": dict(entry["bounds"])}
