@@ -21,9 +21,9 @@ REAL = FIDELITY / "2026-11-24_795c0af_h200_llama-3.2-1b/azure-80"
 
 def test_the_shipped_bands_are_the_fidelity_benchmarks_largest_errors():
     """The H100 bands come from the graphed runs of 2026-11-26 (another machine than the profiles'), simulated
-    at 19136d3, the rest from the runs of 2026-11-24 (fidelity.py bands --merge); each band names its runs."""
+    at ca99c8b, the rest from the runs of 2026-11-24 (fidelity.py bands --merge); each band names its runs."""
     shipped = load_bands()
-    new = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-26_h100_19136d3.json").read_text()), "")["bands"]
+    new = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-26_h100_ca99c8b.json").read_text()), "")["bands"]
     old = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-24.json").read_text()), "")["bands"]
     strip = lambda bands: {k: {f: v for f, v in b.items() if f != "source"} for k, b in bands.items()}  # noqa: E731
     assert strip(shipped["bands"]) == strip({**{k: v for k, v in old.items() if k not in new}, **new})
