@@ -72,6 +72,26 @@ def test_the_fit_under_async_scheduling_finds_the_bound_it_sees():
     assert (fitted.host, fitted.decode) == (pytest.approx(1.3, rel=1e-2), pytest.approx(0.9, rel=1e-2))
 
 
+def test_a_noisy_run_keeps_the_scales_near_one_common_scale(monkeypatch):
+    """Steps timed with every component 10% slower and 5% noise per step: separate scales fitted freely explain
+    some of the noise (one run hardly tells host from decode); the shrunk fit stays nearer the common scale, at
+    the same error within 2%. Five noisy runs, so one lucky draw does not decide."""
+    import testbed.sim.rescale as rescale
+    cm = ProfiledCostModel.from_file(PROFILE)
+    clean = _timed_with(cm, Scales(1.1, 1.1, 1.1, 1.1), n=120)
+    spread = lambda s: max(abs(getattr(s, c) / 1.1 - 1) for c in COMPONENTS)  # noqa: E731
+    fits = {0.1: [], 0.0: []}
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        samples = [StepSample(s.kind, s.terms, s.seconds * (1 + 0.05 * rng.standard_normal())) for s in clean]
+        for shrink in fits:
+            monkeypatch.setattr(rescale, "SHRINK", shrink)
+            fitted = fit_scales(samples)
+            fits[shrink].append((spread(fitted), error_report(samples, fitted)["mape"]))
+    (shrunk_spread, shrunk_err), (free_spread, free_err) = (np.mean(fits[k], axis=0) for k in (0.1, 0.0))
+    assert shrunk_spread < 0.7 * free_spread and shrunk_err < 1.02 * free_err
+
+
 def test_an_unscaled_profile_predicts_as_it_did_and_a_scaled_one_round_trips(tmp_path):
     cm = ProfiledCostModel.from_file(PROFILE)
     steps = _steps(cm, 40, seed=3)

@@ -11,6 +11,13 @@ its throughput, is matched first and long steps weigh as much as the many short 
 which branch of each step's max (host- or device-bound) holds after every pass. A component that makes up less
 than MIN_SHARE of the run's predicted time keeps its scale: the run says nothing about it.
 
+One run rarely tells the components apart (host and decode time grow together from step to step), and scales
+fitted to its noise transfer badly to other loads and to async scheduling. So the scales are then held towards
+the one common scale that fits the run best, by a penalty SHRINK x (the fit's remaining error / the common
+scale's) x the squared change in each component's time: where the separate scales explain little beyond the
+common one they stay near it, and steps that a model with known scales made exactly (no error left) keep
+them exactly.
+
 A step's measured time is its cycle, schedule to next schedule (what the profile predicts), except before an idle
 gap (the engine waited for arrivals): then its own recorded duration.
 """
@@ -28,6 +35,7 @@ from testbed.sim.profiled import fit_nonnegative
 from testbed.sim.step_terms import COMPONENTS, DECODE_ASYNC, DECODE_SYNC, Scales, combine, design
 
 MIN_SHARE = 0.01
+SHRINK = 0.1  # chosen on the 2026-11-26 cross-machine runs (RESULTS, "Cross-machine"): 0.03-0.3 all did better than 0
 FAR = (0.5, 2.0)  # a scale outside this says more than 'another machine of the same kind'
 PASSES = 6
 POLISH_EVALS = 400
@@ -97,19 +105,18 @@ def _branch_nnls(samples: list[StepSample], start: Scales, meas: np.ndarray) -> 
     return scales
 
 
-def _polish(samples: list[StepSample], scales: Scales, meas: np.ndarray) -> Scales:
-    """Pattern search on the exact (piecewise) squared error: each component up or down by a factor while that
-    helps, the factor shrinking to 1e-5 (at most POLISH_EVALS evaluations). Branch-wise least squares can stop
-    where a branch flips."""
-    best, err = scales, _sse(samples, scales, meas)
-    free = [c for c, f in zip(COMPONENTS, _design_matrix(samples, scales)[2]) if f]  # the rest: the steps say little
+def _polish(objective, scales: Scales, free: list[str]) -> Scales:
+    """Pattern search on `objective` (the exact, piecewise squared error, or it penalised): each free component
+    up or down by a factor while that helps, the factor shrinking to 1e-5 (at most POLISH_EVALS evaluations).
+    Branch-wise least squares can stop where a branch flips."""
+    best, err = scales, objective(scales)
     step, evals = 0.25, 0
     while step > 1e-5 and evals < POLISH_EVALS:
         improved = False
         for c in free:
             for f in (1 + step, 1 / (1 + step)):
                 trial = dataclasses.replace(best, **{c: max(getattr(best, c) * f, 1e-3)})
-                e = _sse(samples, trial, meas)
+                e = objective(trial)
                 evals += 1
                 if e < err:
                     best, err, improved = trial, e, True
@@ -129,7 +136,28 @@ def fit_scales(samples: list[StepSample], base: Scales = Scales()) -> Scales:
         raise ValueError("every measured step must have a positive duration")
     starts = [base] + [Scales(*corner) for corner in itertools.product((0.5, 2.0), repeat=len(COMPONENTS))]
     fits = [base] + [_branch_nnls(samples, s, meas) for s in starts]  # never worse than where it started
-    return _polish(samples, min(fits, key=lambda f: _sse(samples, f, meas)), meas)
+    best = min(fits, key=lambda f: _sse(samples, f, meas))
+    free = [c for c, f in zip(COMPONENTS, _design_matrix(samples, best)[2]) if f]  # the rest: the steps say little
+    best = _polish(lambda s: _sse(samples, s, meas), best, free)
+    return _shrunk(samples, best, base, meas, free)
+
+
+def _shrunk(samples: list[StepSample], best: Scales, base: Scales, meas: np.ndarray, free: list[str]) -> Scales:
+    """`best` held towards the common scale (see the module docstring): the free components of `base` times the
+    one factor that fits the steps best. Never a larger error than `base`'s (then `best`, which has none larger)."""
+    pred = np.array([combine(s.kind, s.terms, base) for s in samples])
+    factor = float(pred @ meas / (pred @ pred))
+    common = dataclasses.replace(base, **{c: getattr(base, c) * factor for c in free})
+    err_best, err_common = _sse(samples, best, meas), _sse(samples, common, meas)
+    if err_best <= 0.0 or err_common <= 0.0:
+        return best
+    X = _design_matrix(samples, best)[0]
+    weight = dict(zip(COMPONENTS, SHRINK * err_best / err_common * (X ** 2).sum(axis=0)))
+
+    def penalised(s: Scales) -> float:
+        return _sse(samples, s, meas) + sum(weight[c] * (getattr(s, c) - getattr(common, c)) ** 2 for c in free)
+    out = min((_polish(penalised, start, free) for start in (best, common)), key=penalised)
+    return out if _sse(samples, out, meas) <= _sse(samples, base, meas) else best
 
 
 def samples_from_run(run, model: str, config, cost_model) -> list[StepSample]:
