@@ -1,6 +1,7 @@
 """CPU real mode against transformers on the bundled SmolLM2-135M in fp32.
 
-  python benchmarks/cpu.py [--repeats 3] [--threads N] [--skip-offline] [--skip-serve] [--out cpu.json]
+  python benchmarks/cpu.py [--repeats 3] [--threads N] [--skip-offline] [--skip-serve] [--breakdown] [--kernel]
+                            [--out cpu.json]
 
 1. Offline, in one process: `testbed.LLM.generate` and transformers' `generate` (the whole batch in one call,
    left-padded) on the same prompts, greedy, every request running to its token count; each round runs both,
@@ -8,6 +9,13 @@
    strings (tokenization and detokenization included) for 64 prompts x 12 tokens and 1 prompt x 32 tokens.
 2. Serving: `testbed serve` (fp32) with 64 concurrent streaming completions of 12 tokens from the official
    openai client against 127.0.0.1: the wall time of each round (median) and the mean time to first token.
+3. --breakdown: where the time of 1 prompt x 32 tokens goes, `repeats` runs of each: both engines with their
+   matmuls timed inside the run (testbed's linear layers, transformers' F.linear), and testbed once more with the
+   bf16 kernel reading only the first 64 rows of each weight (wrong tokens, the same ops around it): what the
+   other ops cost when the weights have not just streamed through the caches.
+4. --kernel: the matmuls of one model step alone, at 1, 2, 4 and 8 rows: SmolLM2's 121 weight shapes (q/k/v, o,
+   gate/up, down per layer; the LM head) with random bf16-valued weights, torch's float32 matmul on column-major
+   weights (the CPU layout) against the bf16 kernel; the median of `repeats` x 3 passes each.
 --threads N: torch intra-op threads of both engines (and OMP_NUM_THREADS of the server); default: torch's.
 """
 from __future__ import annotations
@@ -80,6 +88,82 @@ def offline(llm: LLM, hf, tok, n: int, tokens: int, repeats: int) -> dict:
     return res
 
 
+class _Timed:
+    """Wraps `owner.name` (a function) to add its wall time to `total` while active."""
+
+    def __init__(self, owner, name: str, limit_rows: int | None = None) -> None:
+        self.owner, self.name, self.raw, self.total, self.calls = owner, name, getattr(owner, name), 0.0, 0
+        self.limit_rows = limit_rows
+
+    def __call__(self, *args, **kwargs):
+        if self.limit_rows is not None:  # gemv_bf16(x, ldx, w, y, ldy, M, N, K, threads): only N's first rows
+            args = (*args[:6], min(args[6], self.limit_rows), *args[7:])
+        t = time.perf_counter()
+        out = self.raw(*args, **kwargs)
+        self.total += time.perf_counter() - t
+        self.calls += 1
+        return out
+
+    def __enter__(self):
+        setattr(self.owner, self.name, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.owner, self.name, self.raw)
+
+
+def breakdown(llm: LLM, hf, tok, repeats: int) -> dict:
+    """1 prompt x 32 tokens: each engine's total and its matmuls' share; testbed with 64-row weights."""
+    import torch.nn.functional as F
+
+    import testbed.worker.layers as layers
+    from testbed.kernels import cpu_gemv
+    texts, res = prompts(1), {"testbed": [], "transformers": [], "testbed_64_rows": []}
+    run_testbed(llm, texts, 32), run_transformers(hf, tok, texts, 32)  # warm-up
+    for _ in range(repeats):
+        with _Timed(layers, "linear") as mm:
+            total = run_testbed(llm, texts, 32)
+        res["testbed"].append({"total_s": total, "matmul_s": mm.total, "matmul_calls": mm.calls})
+        with _Timed(F, "linear") as mm:
+            total = run_transformers(hf, tok, texts, 32)
+        res["transformers"].append({"total_s": total, "matmul_s": mm.total, "matmul_calls": mm.calls})
+        if cpu_gemv.available():
+            with _Timed(cpu_gemv._lib, "gemv_bf16", limit_rows=64) as mm:
+                total = run_testbed(llm, texts, 32)
+            res["testbed_64_rows"].append({"total_s": total, "kernel_s": mm.total, "kernel_calls": mm.calls})
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def kernel(repeats: int) -> dict:
+    """Milliseconds of one pass over a SmolLM2 step's weights: torch float32 matmul against the bf16 kernel."""
+    import torch.nn.functional as F
+
+    from testbed.kernels import cpu_gemv
+    cfg = json.loads((default_model_dir() / "config.json").read_text())
+    hidden, inter, heads, kv = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                   "num_key_value_heads"))
+    head_dim = hidden // heads
+    shapes = [((heads + 2 * kv) * head_dim, hidden), (hidden, heads * head_dim), (2 * inter, hidden),
+              (hidden, inter)] * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
+    weights = [torch.randn(n, k).bfloat16().float().t().contiguous().t() for n, k in shapes]  # distinct: streamed
+    copies = [cpu_gemv.bf16_shadow(w) for w in weights]
+    res = {}
+    for rows in (1, 2, 4, 8):
+        xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
+        passes = {"torch_float32": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+                  "bf16_kernel": lambda: [cpu_gemv.gemv_bf16(xs[w.shape[1]], w) for w in copies]}
+        times: dict[str, list[float]] = {k: [] for k in passes}
+        for _ in range(3 * repeats):
+            for name, run in passes.items():
+                t = time.perf_counter()
+                run()
+                times[name].append(1e3 * (time.perf_counter() - t))
+        res[rows] = {name: statistics.median(v) for name, v in times.items()}
+    print(json.dumps({"kernel_ms": res}), flush=True)
+    return res
+
+
 def cpu_name() -> str:
     """The processor's model name (/proc/cpuinfo on Linux), else the machine type."""
     try:
@@ -149,6 +233,8 @@ def main() -> None:
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--kernel", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -159,6 +245,8 @@ def main() -> None:
            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
            "transformers": transformers.__version__, "python": platform.python_version(),
            "date": time.strftime("%Y-%m-%d")}
+    if args.kernel:
+        out["kernel_ms"] = kernel(args.repeats)
     if not args.skip_offline:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         folder = str(default_model_dir())
@@ -167,6 +255,8 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(folder, padding_side="left")
         tok.pad_token = tok.pad_token or tok.eos_token
         out["offline"] = [offline(llm, hf, tok, 64, 12, args.repeats), offline(llm, hf, tok, 1, 32, args.repeats)]
+        if args.breakdown:
+            out["breakdown"] = breakdown(llm, hf, tok, args.repeats)
         llm.shutdown()
     if not args.skip_serve:
         out["serve"] = serve(64, 12, args.repeats)
