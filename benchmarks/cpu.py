@@ -149,7 +149,7 @@ def kernel(repeats: int) -> dict:
     weights = [torch.randn(n, k).bfloat16().float().t().contiguous().t() for n, k in shapes]  # distinct: streamed
     copies = [cpu_gemv.bf16_shadow(w) for w in weights]
     res = {}
-    for rows in (1, 2, 4, 8):
+    for rows in (1, 2, 4, 8, 16):
         xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
         passes = {"torch_float32": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
                   "bf16_kernel": lambda: [cpu_gemv.gemv_bf16(xs[w.shape[1]], w) for w in copies]}
