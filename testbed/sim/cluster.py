@@ -29,6 +29,7 @@ from testbed.engine.fast_forward import fast_forward
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.engine.request import Request
+from testbed.sim.collector import collector_paused
 from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment
 from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor, add_beam_logprobs
@@ -284,6 +285,7 @@ class PipelinedReplica(ServingReplica):
             self.updated(step_so, eng.update(step_so, step_out, env.now), bool(queue))
 
 
+@collector_paused()
 def simulate(trace: list[TraceRequest], config: EngineConfig, cost_model: CostModel, num_gpu_blocks: int,
              max_model_len: int, vocab_size: int = 32000,
              on_progress: Callable[[float, int], None] | None = None, progress_interval_s: float = 5.0,

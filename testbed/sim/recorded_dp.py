@@ -28,6 +28,7 @@ from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import SchedulerOutput
 from testbed.workload.lora import trace_loras
 from testbed.sim.trace_requests import SimResult, trace_to_request
+from testbed.sim.collector import collector_paused
 from testbed.sim.environment import SimEnvironment
 from testbed.sim.executor import SimExecutor
 from testbed.sim.grammars import SimGrammars
@@ -139,6 +140,7 @@ def _diverged(msg: str) -> RuntimeError:
                         "flags or cache size? or a decision that depends on something the record does not hold)")
 
 
+@collector_paused()
 def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: RecordedDPRun, num_gpu_blocks: int,
                          max_model_len: int, vocab_size: int, num_cpu_blocks: int | None = None):
     """Run `trace` through DP replicas on the recorded timings (SimResult, as cluster.simulate)."""

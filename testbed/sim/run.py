@@ -1,8 +1,6 @@
 """`testbed simulate`: load a trace, size the cache, run the SimPy cluster, write the run directory."""
 from __future__ import annotations
 
-import contextlib
-import gc
 import sys
 import time
 from dataclasses import asdict
@@ -16,6 +14,7 @@ from testbed.specs.presets import ModelSpec, get_model_spec
 from testbed.runs.finish import finish_run, start_run, trace_record
 from testbed.sim.error_bands import expected_error
 from testbed.sim.cluster import simulate
+from testbed.sim.collector import collector_paused
 from testbed.sim.trace_requests import trace_to_request
 from testbed.sim.cost_model import kv_block_bytes, num_gpu_blocks
 from testbed.sim.factory import load_cost_model
@@ -53,20 +52,6 @@ def warn_rejections(cols: dict[str, list], trace: list, config: EngineConfig, bl
               or f"the waiting queue was full (--max-num-waiting {config.max_num_waiting})")
     warn(f"{len(rejected)} of {len(trace)} requests were rejected and not simulated (finish_reason 'rejected' in "
          f"requests.parquet); the first, {first.id!r}: {reason}")
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """The cyclic garbage collector off for the block: a run's records (a row per step, a sample per token)
-    live until it ends and hold no reference cycle, so the collector's full passes over them, which grow
-    with the run, would find nothing. It is back on (if it was) when the block ends."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 @collector_paused()
