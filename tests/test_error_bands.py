@@ -58,6 +58,9 @@ def test_simulate_states_the_band_of_its_cost_model_or_why_there_is_none(tmp_pat
                                                  {"mape": 0.05})))
     assert _simulate(tmp_path, "cal", "--cost-model", str(cal))["basis"].startswith("calibrated on RUN: per-step error "
                                                                                     "there 5.0%")
+    # a calibration comes from a sync run (`testbed calibrate` refuses async ones): an async simulation is told
+    assert "15-45% slow" in _simulate(tmp_path, "cal-async", "--cost-model", str(cal), "--async-scheduling")["basis"]
+    assert "15-45%" not in _simulate(tmp_path, "cal-sync", "--cost-model", str(cal))["basis"]
     roof = _simulate(tmp_path, "roof", "--cost-model", "roofline", "--model", "Llama-3.1-70B", "-tp", "4")
     assert roof["basis"].startswith("uncalibrated") and "bounds" not in roof
     assert _simulate(tmp_path, "rec", "--cost-model", f"recorded:{REAL}")["basis"].startswith("exact")

@@ -77,8 +77,13 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
         cal = cost_model.profile.get("calibration")
         if cal:
             after = cal.get("error_after", {})
-            return {"basis": f"calibrated on {cal.get('fitted_on')}: per-step error there {after.get('mape', 0):.1%} "
-                             "(mean absolute); no fidelity runs of this calibration"}
+            basis = (f"calibrated on {cal.get('fitted_on')}: per-step error there {after.get('mape', 0):.1%} "
+                     "(mean absolute); no fidelity runs of this calibration")
+            if cal.get("method") == "run" and cost_model.async_scheduling:
+                basis += ("; it was fitted on a run without --async-scheduling, and such calibrations predicted "
+                          "async runs 15-45% slow in benchmarks/fidelity.py's cross-machine runs (2026-11-26): "
+                          "the shipped profile did better there")
+            return {"basis": basis}
         shipped = shipped_profile(model, gpu, tp)
         entry = bands["bands"].get(band_key("profile", model, gpu, tp))
         if shipped is not None and entry is not None and Path(cost_model.name).resolve() == shipped.resolve():
