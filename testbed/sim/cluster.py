@@ -31,7 +31,7 @@ from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.engine.request import Request
 from testbed.sim.collector import collector_paused
 from testbed.sim.cost_model import CostModel
-from testbed.sim.environment import SimEnvironment
+from testbed.sim.environment import SimEnvironment, landing
 from testbed.sim.executor import SIM_TOKEN_ID, SimExecutor, add_beam_logprobs
 from testbed.sim.grammars import SimGrammars
 from testbed.sim.horizon import AdmissionHorizon
@@ -146,8 +146,7 @@ class ClusterSim:
 
     def step_end(self, so: SchedulerOutput, start: float) -> float:
         """When a step scheduled at `start` ends: where `yield env.timeout(start + d - env.now)` lands."""
-        end = start + self.cost_model.step_time(so)
-        return start + (end - start)
+        return landing(start, self.cost_model.step_time(so))
 
     def decode_end(self, b: int, structured: int) -> Callable[[float, int, int], float] | None:
         """step_end for decode steps of b rows (`structured` under a grammar), from (start, sum_context_tokens,
@@ -160,8 +159,7 @@ class ClusterSim:
         end = None
         if duration is not None:
             def end(start: float, sum_ctx: int, max_ctx: int) -> float:
-                e = start + duration(sum_ctx, max_ctx)
-                return start + (e - start)
+                return landing(start, duration(sum_ctx, max_ctx))
         self.decode_ends[key] = end
         return end
 

@@ -23,3 +23,10 @@ class SimEnvironment(simpy.Environment):
         event._ok, event._value = True, None  # what Event.succeed sets, without its scheduling at `now`
         heappush(self._queue, (t, NORMAL, next(self._eid), event))
         return event
+
+
+def landing(start: float, duration: float) -> float:
+    """Where a step of `duration` that starts at `start` ends in simulated time: where a replica that is at
+    `start` lands when it waits `yield env.timeout(start + duration - env.now)` (not always start + duration)."""
+    end = start + duration
+    return start + (end - start)

@@ -255,18 +255,13 @@ class ProfiledCostModel:
             return None
         wall, host = RowWalk(self.dec_wall, B), RowWalk(self.dec_host, B)
         tail = RowWalk(self.dec_tail.table, B) if self.dec_tail else None
-        h, d = self.scales.host, self.scales.decode
-        fixed, gram = h * self.engine_step(B), h * grammar
+        eng, scales = self.engine_step(B), self.scales
+        hosted = scales.host != scales.decode  # else combine reads no runner-host term: not looked up
 
-        def duration(sum_ctx: int, max_ctx: int) -> float:
+        def duration(sum_ctx: int, max_ctx: int) -> float:  # terms(so)'s DECODE_SYNC tuple, then combine
             ctx = sum_ctx / B - 1.0
-            w = wall(ctx)
-            if h == d:
-                dec = h * w
-            else:
-                rh = host(ctx)
-                dec = h * rh + d * (w - rh)
-            return fixed + dec + d * (tail(max_ctx - 1.0 - ctx) if tail else 0.0) + gram
+            return combine(DECODE_SYNC, (eng, wall(ctx), host(ctx) if hosted else 0.0,
+                                         tail(max_ctx - 1.0 - ctx) if tail else 0.0, grammar), scales)
         return duration
 
     def terms(self, so: SchedulerOutput, engine: float | None = None) -> tuple[int, tuple]:

@@ -16,6 +16,19 @@ def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
     return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _interval(xs: Sequence[float], x: float) -> int:
+    """The i (1 <= i < len(xs)) whose [xs[i-1], xs[i]] interpolates or extrapolates at x: bisect_left, clamped."""
+    i = bisect.bisect_left(xs, x)
+    return 1 if i < 1 else (len(xs) - 1 if i >= len(xs) else i)
+
+
+def _at(xs: Sequence[float], ys: Sequence[float], i: int, x: float) -> float:
+    """ys at x, linear along interval i of xs, floored at 0."""
+    x0 = xs[i - 1]
+    v = ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (xs[i] - x0)
+    return v if v > 0.0 else 0.0
+
+
 def _fill_row(xs: Sequence[float], ys: Sequence[float | None]) -> list[float]:
     """Holes at either end extrapolated linearly from the two nearest measured points (one point: constant);
     holes inside interpolated. ValueError if nothing was measured."""
@@ -30,7 +43,7 @@ def _fill_row(xs: Sequence[float], ys: Sequence[float | None]) -> list[float]:
         if y is not None:
             out.append(y)
             continue
-        i = min(max(bisect.bisect_left(kx, x), 1), len(known) - 1)
+        i = _interval(kx, x)
         (x0, y0), (x1, y1) = known[i - 1], known[i]
         out.append(max(0.0, _lerp(x, x0, x1, y0, y1)))
     return out
@@ -48,9 +61,7 @@ class Table1D:
         xs, ys = self.xs, self.ys
         if len(xs) == 1:
             return ys[0]
-        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-        v = ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return v if v > 0.0 else 0.0
+        return _at(xs, ys, _interval(xs, x), x)
 
 
 class Table2D:
@@ -77,7 +88,7 @@ class Table2D:
         if len(rows) == 1 or r <= rows[0]:
             row = filled[0]
         else:
-            i = min(max(bisect.bisect_left(rows, r), 1), len(rows) - 1)
+            i = _interval(rows, r)
             r0, r1 = rows[i - 1], rows[i]
             row = [_lerp(r, r0, r1, a, b) for a, b in zip(filled[i - 1], filled[i])]
         self.dense[r] = row
@@ -100,11 +111,7 @@ class Table2D:
             row = self.row(r)
         if len(cols) == 1:
             return row[0]
-        j = bisect.bisect_left(cols, c)
-        j = 1 if j < 1 else (len(cols) - 1 if j >= len(cols) else j)
-        c0 = cols[j - 1]
-        v = row[j - 1] + (row[j] - row[j - 1]) * (c - c0) / (cols[j] - c0)
-        return v if v > 0.0 else 0.0
+        return _at(cols, row, _interval(cols, c), c)
 
 
 class RowWalk:
@@ -123,11 +130,8 @@ class RowWalk:
             return row[0]
         j = self.j
         if not cols[j - 1] < c <= cols[j]:  # left the last column's interval: as bisect_left places it
-            j = bisect.bisect_left(cols, c)
-            self.j = j = 1 if j < 1 else (n - 1 if j >= n else j)
-        c0 = cols[j - 1]
-        v = row[j - 1] + (row[j] - row[j - 1]) * (c - c0) / (cols[j] - c0)
-        return v if v > 0.0 else 0.0
+            self.j = j = _interval(cols, c)
+        return _at(cols, row, j, c)
 
 
 class LastLookup:
