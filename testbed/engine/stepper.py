@@ -105,7 +105,7 @@ class EngineStepper:
             if rid not in core.requests or backend.compiling_for(rid) > limit:  # aborted while compiling, or too slow
                 compiling.discard(rid)
                 backend.forget([rid])
-                out = core.fail_grammar(rid, grammar_timeout_reason(core.config.structured_outputs_timeout), now)
+                out = core.fail_grammar(rid, grammar_timeout_reason(limit), now)
                 if out is not None:
                     outputs.append(out)
         return outputs

@@ -179,9 +179,10 @@ class RooflineCostModel:
         return self._fixed + GRAMMAR_ROW_S * so.num_structured_reqs, layers, head
 
 
-def recorded_grammar_events(path, starts: list[float]) -> dict[str, tuple[float, str | None, int]]:
+def recorded_grammar_events(path, starts: list[float] | None = None) -> dict[str, tuple[float, str | None, int | None]]:
     """A recorded run's grammar outcomes (its grammars.parquet, if any): request id -> (ready time, the failure's
-    reason or None, how many steps the run had scheduled by then), what sim/grammars.py replays."""
+    reason or None, how many steps the run had scheduled by then, or None without `starts`: a data-parallel run,
+    whose replicas each have their own steps), what sim/grammars.py replays."""
     import bisect
     from pathlib import Path
     grammars = Path(path) / "grammars.parquet"
@@ -190,7 +191,8 @@ def recorded_grammar_events(path, starts: list[float]) -> dict[str, tuple[float,
     import pandas as pd
     g = pd.read_parquet(grammars, columns=["request_id", "ready", "error"])
     errors = g["error"].astype(object).where(g["error"].notna(), None)
-    return {rid: (t, e, bisect.bisect_left(starts, t)) for rid, t, e in zip(g["request_id"], g["ready"], errors)}
+    return {rid: (t, e, None if starts is None else bisect.bisect_left(starts, t))
+            for rid, t, e in zip(g["request_id"], g["ready"], errors)}
 
 
 class RecordedCostModel:

@@ -29,6 +29,7 @@ from testbed.engine.outputs import SchedulerOutput
 from testbed.workload.lora import trace_loras
 from testbed.sim.trace_requests import SimResult, trace_to_request
 from testbed.sim.collector import collector_paused
+from testbed.sim.cost_model import recorded_grammar_events
 from testbed.sim.environment import SimEnvironment
 from testbed.sim.executor import SimExecutor
 from testbed.sim.grammars import SimGrammars
@@ -127,9 +128,7 @@ class RecordedDPRun:
             raise ValueError(f"{path}: manifest says data_parallel_size={dp} but steps name replicas "
                              f"{sorted(steps['replica'].unique())}")
         by = [steps[steps["replica"] == r] for r in range(dp)]
-        g = run.dp_table("grammars")
-        grammars = None if g is None else {
-            rid: (t, None if e is None or e != e else e, None) for rid, t, e in zip(g["request_id"], g["ready"], g["error"])}
+        grammars = recorded_grammar_events(path) or None
         return cls(str(path), cfg.get("dp_policy", ""), [s["start"].tolist() for s in by],
                    [s["duration"].tolist() for s in by], routes.sort_values("seq").to_dict("records"),
                    pubs.sort_values("seq").to_dict("records"), grammars)
