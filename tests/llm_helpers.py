@@ -82,35 +82,22 @@ def run_staggered(llm, prompts: Sequence[Sequence[int]], arrival_steps: Sequence
     raise AssertionError(f"requests not finished after {max_steps} steps")
 
 
-PEFT_PREFIX = "base_model.model.model.layers"
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
 def save_peft_adapter(folder: Path, hf, rank: int, targets: Sequence[str], alpha: float = 16.0, seed: int = 0,
                       std: float = 0.05) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Write a random LoRA adapter for the HF model `hf` in PEFT's format (adapter_config.json and
-    adapter_model.safetensors, PEFT's tensor names), both A and B random so it changes the outputs; returns
+    """Write a random LoRA adapter for the HF model `hf` in PEFT's format (the product's writer,
+    profiling/lora_measure.py), both A and B random so it changes the outputs; returns
     {HF weight name: (A [r, in], B [out, r])}."""
-    import json
-    from safetensors.torch import save_file
-    folder.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    params = dict(hf.named_parameters())
-    tensors, mats = {}, {}
+    from safetensors.torch import load_file
+
+    from testbed.profiling.lora_measure import PEFT_MODULES, write_random_adapter
+    write_random_adapter(hf.config, folder, rank, seed, targets=targets, alpha=alpha, std=std)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    mats = {}
     for i in range(hf.config.num_hidden_layers):
         for module in targets:
-            name = f"model.layers.{i}.{_PARENT[module]}.{module}.weight"
-            out, inp = params[name].shape
-            a = torch.randn(rank, inp, generator=g) * std
-            b = torch.randn(out, rank, generator=g) * std
-            key = f"{PEFT_PREFIX}.{i}.{_PARENT[module]}.{module}"
-            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
-            mats[name] = (a, b)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
-        "lora_dropout": 0.0, "task_type": "CAUSAL_LM", "base_model_name_or_path": "tiny"}))
+            key = f"base_model.model.model.layers.{i}.{PEFT_MODULES[module]}.{module}"
+            mats[f"model.layers.{i}.{PEFT_MODULES[module]}.{module}.weight"] = (
+                tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"])
     return mats
 
 

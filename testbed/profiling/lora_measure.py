@@ -14,7 +14,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,9 +25,16 @@ from testbed.profiling.synthetic_steps import StepFactory, decode_rows
 PROFILE_LORA = LoRARequest("profile", 1 << 30, "")  # the adapter the profile's steps run (its own id)
 
 
-def write_random_adapter(config, folder: Path, rank: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> str:
-    """A PEFT folder with a random adapter of `rank` on every projection of a model of this config (a HF config
-    dict or a ModelConfig; full checkpoint shapes, values N(0, 0.01))."""
+PEFT_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # projection -> its parent module
+
+
+def write_random_adapter(config, folder: Path, rank: int, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         targets: Sequence[str] = tuple(PEFT_MODULES), alpha: float | None = None,
+                         std: float = 0.01) -> str:
+    """A PEFT folder with a random adapter of `rank` on the `targets` projections of every layer of a model of
+    this config (a HF config, its dict, or a ModelConfig; full checkpoint shapes, A and B both N(0, std), so it
+    changes the outputs; lora_alpha `alpha`, default the rank)."""
     from safetensors.torch import save_file
 
     from testbed.worker.model import ModelConfig
@@ -39,14 +46,16 @@ def write_random_adapter(config, folder: Path, rank: int, seed: int = 0, dtype: 
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for i in range(cfg.num_hidden_layers):
-        for m, (inp, out) in dims.items():
-            key = f"base_model.model.model.layers.{i}.{'mlp' if m in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{m}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.01).to(dtype)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.01).to(dtype)
+        for m in targets:
+            inp, out = dims[m]
+            key = f"base_model.model.model.layers.{i}.{PEFT_MODULES[m]}.{m}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * std).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * std).to(dtype)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
-                                                           "target_modules": list(dims), "bias": "none"}))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank,
+                                                           "lora_alpha": rank if alpha is None else alpha,
+                                                           "target_modules": list(targets), "bias": "none"}))
     return str(folder)
 
 
