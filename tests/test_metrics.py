@@ -142,8 +142,9 @@ def test_values_move_as_vllms(server):
 
 def test_swap_preemption_shows_in_the_swap_families(tmp_path):
     """--preemption-mode swap: vLLM V0's swap gauges (requests swapped, CPU cache usage) and the counters of swap
-    preemptions and blocks moved, which a tight cache under concurrent requests makes move."""
-    from concurrent.futures import ThreadPoolExecutor
+    preemptions and blocks moved, which a tight cache under concurrent sequences makes move. The six sequences
+    are one request's (n=6), so they reach the engine together: six separate requests reached it far enough
+    apart, about one run in six, that they all fit and nothing was preempted."""
     with running_server("--emulate", "--cost-model", "zero", "--max-model-len", str(MAX_MODEL_LEN),
                         "--num-gpu-blocks", "12", "--preemption-mode", "swap", "--num-cpu-blocks", "64",
                         "--served-model-name", "smol", log_dir=tmp_path) as srv:
@@ -155,10 +156,9 @@ def test_swap_preemption_shows_in_the_swap_families(tmp_path):
             "kv_blocks_swapped_out": "counter", "kv_blocks_swapped_in": "counter"}
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
         prompt = "The quick brown fox jumps over the lazy dog. " * 4  # about 40 tokens: 5 blocks with its outputs
-        with ThreadPoolExecutor(6) as pool:
-            done = list(pool.map(lambda _: client.completions.create(model="smol", prompt=prompt, max_tokens=40,
-                                                                     extra_body={"ignore_eos": True}), range(6)))
-        assert all(c.usage.completion_tokens == 40 for c in done)
+        done = client.completions.create(model="smol", prompt=prompt, max_tokens=40, n=6,
+                                         extra_body={"ignore_eos": True})
+        assert len(done.choices) == 6 and done.usage.completion_tokens == 6 * 40
         page = scrape(srv)
         swaps = metric(page, "vllm:num_swap_preemptions_total")
         assert swaps > 0 and swaps == metric(page, "vllm:num_preemptions_total")
