@@ -2,7 +2,7 @@
 flags, arrivals (same seed) and KV-cache size.
 
   # on a GPU: build the model once, profile it (optional), replay every case, write the run directories
-  python benchmarks/fidelity.py real --model Llama-3.2-1B --out DIR [--profile-out PROFILE] [--cases a,b]
+  python benchmarks/fidelity.py real --model Llama-3.2-1B --out DIR [--profile-out PROFILE] [--cases a,b] [-tp 2]
   # anywhere (CPU): simulate each real run with each cost model and print the error table
   python benchmarks/fidelity.py sim DIR [DIR ...] [--profile PROFILE] [--json OUT] [--markdown OUT]
   python benchmarks/fidelity.py --sim-only          # the same over the committed runs (benchmarks/results/fidelity)
@@ -63,7 +63,7 @@ def real(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tarball = Path(args.tar) if args.tar else out.parent / f"{out.name}.tar.gz"
-    base = EngineConfig(max_model_len=args.max_model_len)
+    base = EngineConfig(max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size)
     t0 = time.perf_counter()
     executor = create_executor(args.model, base, "dummy")
     print(f"[fidelity] executor ready in {time.perf_counter() - t0:.0f} s: {executor.num_gpu_blocks} blocks", flush=True)
@@ -335,6 +335,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=None, help="timed runs per profile point (default 5)")
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the model is split over (the "
+                                                                            "TP=2 case: -tp 2 on 2 GPUs)")
     p.add_argument("--budget-s", type=float, default=540.0, help="skip the remaining cases after this many seconds")
     p.add_argument("--limit", type=int, default=None, help="at most this many requests per case (smoke tests)")
     p.add_argument("--quick-base", default=None, help="rescale this profile to the machine first (profile --quick)")

@@ -150,26 +150,36 @@ def testbed(args: list[str], log: Path, timeout: float = 900) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def serving(model: str, gpu: str, rate: float, limit: int, out: Path) -> dict:
+def serving(model: str, gpu: str, rate: float, limit: int, out: Path, res: dict, on_row=lambda: None) -> dict:
+    """Fills `res` (layout -> row) as each layout's runs end, calling on_row after each."""
     trace = str(ROOT / "traces" / "azure_conv_10min.jsonl")
     common = ["--request-rate", str(rate), "--limit", str(limit), "--max-model-len", "4096"]
-    res = {}
     for layout, flags in LAYOUTS.items():
-        real_dir, sim_dir = out / f"real-{layout}", out / f"sim-{layout}"
-        real = testbed(["replay", trace, "--model", model, "--load-format", "dummy", *flags, *common,
-                        "-o", str(real_dir)], out / f"real-{layout}.log")
-        sim = testbed(["simulate", trace, "--model", model, "--gpu", gpu, *flags, *common, "--num-gpu-blocks",
-                       str(json.loads((real_dir / "manifest.json").read_text())["num_gpu_blocks"]),
-                       "--no-progress", "-o", str(sim_dir)], out / f"sim-{layout}.log")
-        row = {"cost_model": sim["cost_model"]}
-        for key, q in (("output_throughput", None), ("ttft_s", "mean"), ("ttft_s", "p50"), ("tpot_s", "mean"),
-                       ("tpot_s", "p50")):
-            r, s = (x[key] if q is None else x[key][q] for x in (real, sim))
-            name = key if q is None else f"{key}_{q}"
-            row[name] = {"real": r, "sim": s, "error": None if not r else (s - r) / r}
+        try:
+            row = serving_row(model, gpu, trace, flags, common, layout, out)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            row = {"error": str(e)[-3000:]}
         res[layout] = row
         print(layout, json.dumps(row), flush=True)
+        on_row()
     return res
+
+
+def serving_row(model: str, gpu: str, trace: str, flags: list[str], common: list[str], layout: str, out: Path) -> dict:
+    """One layout's real replay and its simulation: the real and simulated metrics and the simulator's error."""
+    real_dir, sim_dir = out / f"real-{layout}", out / f"sim-{layout}"
+    real = testbed(["replay", trace, "--model", model, "--load-format", "dummy", *flags, *common,
+                    "-o", str(real_dir)], out / f"real-{layout}.log")
+    sim = testbed(["simulate", trace, "--model", model, "--gpu", gpu, *flags, *common, "--num-gpu-blocks",
+                   str(json.loads((real_dir / "manifest.json").read_text())["num_gpu_blocks"]),
+                   "--no-progress", "-o", str(sim_dir)], out / f"sim-{layout}.log")
+    row = {"cost_model": sim["cost_model"]}
+    for key, q in (("output_throughput", None), ("ttft_s", "mean"), ("ttft_s", "p50"), ("tpot_s", "mean"),
+                   ("tpot_s", "p50")):
+        r, s = (x[key] if q is None else x[key][q] for x in (real, sim))
+        name = key if q is None else f"{key}_{q}"
+        row[name] = {"real": r, "sim": s, "error": None if not r else (s - r) / r}
+    return row
 
 
 def main() -> int:
@@ -192,12 +202,17 @@ def main() -> int:
     gpu = args.gpu or get_gpu_spec(torch.cuda.get_device_name().removeprefix("NVIDIA ")).name
     res: dict = {"gpu": torch.cuda.get_device_name(), "model": spec.name, "date": time.strftime("%Y-%m-%d"),
                  "torch": torch.__version__}
+
+    def save() -> None:  # after every part, so a run cut short keeps what it measured
+        (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+
     one, two = in_child(parity_case, args.model, 1), in_child(parity_case, args.model, 2)
     res["parity"] = {"tokens_equal": [a["tokens"] == b["tokens"] for a, b in zip(one, two)],
                      "max_logprob_diff": max(float(np.max(np.abs(np.subtract(a["logprobs"], b["logprobs"]))))
                                              for a, b in zip(one, two) if a["tokens"] == b["tokens"]) if any(
                          a["tokens"] == b["tokens"] for a, b in zip(one, two)) else None}
     print(json.dumps(res["parity"]), flush=True)
+    save()
     if not args.parity_only:
         res["p2p"] = p2p_bench(spec.hidden_size)
         print(json.dumps(res["p2p"]["fit"]), flush=True)
@@ -207,8 +222,10 @@ def main() -> int:
                 res["cases"][layout] = in_child(engine_case, args.model, layout, args.num_requests)
             except (RuntimeError, TimeoutError, EOFError) as e:
                 res["cases"][layout] = {"error": str(e)}
-        res["serving"] = serving(args.model, gpu, args.rate, args.limit, out)
-    (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
+            save()
+        res["serving"] = {}
+        serving(args.model, gpu, args.rate, args.limit, out, res["serving"], on_row=save)
+    save()
     print(f"wrote {out / 'results.json'}")
     return 0 if all(res["parity"]["tokens_equal"]) else 1
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Every two-GPU number in RESULTS.md from one command on a host with 2 GPUs (2 H100s or 2 H200s):
+#   bash benchmarks/device_2gpu.sh PART [PART ...]
+# PARTs, each bounded in time (PART_TIMEOUT_S, default 600) and independent of the others:
+#   pp           benchmarks/pp.py: PP=2 against TP=2 against DP=2 (parity, P2P fit, decode step, throughput, serving)
+#   tp           benchmarks/tp.py: TP=1 against TP=2 with CUDA graphs, async scheduling (TP_CASES to change)
+#   tp-fidelity  benchmarks/fidelity.py real -tp 2: the TP=2 profile (what ships) and the Azure cases' real runs
+#   dp           benchmarks/dp.py: DP=1 on one GPU against DP=2 on two, past DP=1's saturation, with a new profile
+#   dp-policies  benchmarks/dp.py: DP=2 under every other --dp-policy at one rate (needs dp's profile)
+#   mooncake     benchmarks/dp.py: DP=2 with prefix caching on the Mooncake slice, prefix_affinity vs least_loaded
+#   lora         benchmarks/lora.py: the Triton LoRA kernels on the GPU, and throughput with 1, 4, 16 adapters
+# Everything lands under $OUT (default /tmp/device-out): JSON, logs and run directories.
+set -o pipefail
+export OUT=${OUT:-/tmp/device-out} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+mkdir -p $OUT
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+gpu=$(python3 -c "import torch; n = torch.cuda.get_device_name(); print('H100-SXM' if 'H100' in n else n.split()[-1])")
+MODEL=${MODEL:-Llama-3.1-8B}
+DP_MODEL=${DP_MODEL:-Llama-3.2-1B}
+bound() { local t=${PART_TIMEOUT_S:-600}; timeout -k 10 "$t" "$@"; local rc=$?; [ $rc = 124 ] && echo "[device_2gpu] timed out after $t s: $*"; return $rc; }
+for part in "$@"; do
+  t0=$(date +%s)
+  echo "[device_2gpu] $part: start"
+  case $part in
+    pp) bound python3 benchmarks/pp.py --model $MODEL --num-requests ${PP_REQUESTS:-128} --rate ${PP_RATE:-6} \
+          --limit ${PP_LIMIT:-150} --out $OUT/pp 2>&1 | grep -v Warning | tee $OUT/pp.log ;;
+    tp) bound python3 benchmarks/tp.py --model $MODEL --cases ${TP_CASES:-1ga,2ga} --skip-allreduce \
+          --out $OUT/tp.json 2>&1 | tee $OUT/tp.log | grep -E '^\{"case|decode|throughput|agreement' ;;
+    tp-fidelity) bound python3 benchmarks/fidelity.py real --model $MODEL -tp 2 --out /tmp/fid_tp2 \
+          --tar $OUT/runs_${MODEL}_${gpu}_tp2.tar.gz --profile-out $OUT/${MODEL}_${gpu}_tp2.json --no-progress \
+          --cases azure-burst,azure-80 --limit ${FID_LIMIT:-1000} --budget-s 400 2>&1 | tee $OUT/tp_fidelity.log ;;
+    dp) bound python3 benchmarks/dp.py --layouts 1x1 2x1 --model $DP_MODEL --rates ${DP_RATES:-40 80 160 400} \
+          --num-prompts ${DP_PROMPTS:-1500} --cost-model profile --budget-s 420 --out $OUT/dp 2>&1 | tee $OUT/dp.log | tail -40 ;;
+    dp-policies) for pol in round_robin kv_aware; do
+          bound python3 benchmarks/dp.py --layouts 2x1 --model $DP_MODEL --policy $pol --rates ${DP_POLICY_RATE:-160} \
+            --num-prompts ${DP_PROMPTS:-1500} --cost-model $OUT/dp/profile.json --out $OUT/dp-$pol 2>&1 \
+            | tee $OUT/dp-$pol.log | tail -12; done ;;
+    mooncake) for pol in prefix_affinity least_loaded; do
+          bound python3 benchmarks/dp.py --layouts 2x1 --model $DP_MODEL --policy $pol --trace traces/mooncake_synthetic_tail500.jsonl \
+            --rates ${MOONCAKE_RATE:-4} --num-prompts ${MOONCAKE_PROMPTS:-150} --warmup 4 \
+            --engine-args "--max-model-len 32768 --enable-prefix-caching" --out $OUT/mooncake-$pol 2>&1 \
+            | tee $OUT/mooncake-$pol.log | tail -12; done ;;
+    lora) bound python3 benchmarks/lora.py kernels --out $OUT/lora_kernels.json 2>&1 | tee $OUT/lora_kernels.log | tail -15
+          bound python3 benchmarks/lora.py throughput --model $MODEL --out $OUT/lora_throughput.json 2>&1 \
+            | tee $OUT/lora_throughput.log | tail -8 ;;
+    *) echo "[device_2gpu] unknown part $part"; exit 2 ;;
+  esac
+  echo "[device_2gpu] $part: done in $(( $(date +%s) - t0 )) s"
+done
