@@ -15,6 +15,7 @@ import sys
 import httpx
 import pytest
 
+from browser_helpers import chromium
 from server_helpers import running_server
 
 KEY = "openapi-key"
@@ -59,6 +60,15 @@ def test_document_is_served_and_states_errors(server):
         r = httpx.get(f"{server.url}{asset}", timeout=30)
         assert r.status_code == 200 and len(r.content) > 500, asset
     assert len(re.findall(r'(?:src|href)="/docs-assets/', docs.text)) == 3  # script, style, icon
+
+
+def test_docs_render_the_document_in_chromium_offline(server, tmp_path):
+    """/docs in headless Chromium (nothing but 127.0.0.1 reachable): Swagger UI lists the operations of the
+    OpenAPI 3.1 document, rather than a blank page or "Unable to render this definition"."""
+    dom = chromium(f"{server.url}/docs", tmp_path / "profile", "--dump-dom", budget_ms=10_000)
+    assert "Unable to render" not in dom, dom[-2000:]
+    shown = set(re.findall(r'data-path="([^"]+)"', dom))
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= shown, sorted(shown)
 
 
 def test_health_json_and_405_allow(server):

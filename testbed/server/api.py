@@ -34,7 +34,7 @@ from testbed.server.schemas import (APIError, ChatCompletionRequest, CompletionR
 from testbed.server.state import ServerState
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")
-DOCS_ASSETS = "/docs-assets"  # Swagger UI's files, served from the swagger-ui-bundle package: /docs works offline
+DOCS_ASSETS = "/docs-assets"  # Swagger UI's files, served from the fastapi-offline package: /docs works offline
 
 
 class ASCIIJSONResponse(JSONResponse):
@@ -93,18 +93,21 @@ class GuardMiddleware:
 
 def mount_docs(app: FastAPI) -> None:
     """/docs: Swagger UI over /openapi.json, its script, style and icon served from the installed
-    swagger-ui-bundle package (FastAPI's default loads them from a CDN, a blank page offline)."""
+    fastapi-offline package (FastAPI's default loads them from a CDN, a blank page offline). Its Swagger UI is
+    5.x, which renders the OpenAPI 3.1 document FastAPI writes (4.x refuses it: "Unable to render this
+    definition")."""
+    from importlib.resources import files
+
     from fastapi.openapi.docs import get_swagger_ui_html
     from fastapi.staticfiles import StaticFiles
-    from swagger_ui_bundle import swagger_ui_path
-    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(files("fastapi_offline") / "static")), name="docs-assets")
 
     @app.get("/docs", include_in_schema=False)
     async def _docs() -> Response:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="testbed API",
                                    swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
-                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png")
 
 
 class ThreadedBodyRoute(APIRoute):
