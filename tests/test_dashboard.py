@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -108,6 +109,10 @@ def test_comparison_equals_summaries_with_sim_vs_real_error(monkeypatch, runs_ro
     at.sidebar.multiselect(key="selected_runs").set_value(["real_base", "sim_base", "sim_dp2"]).run()
     shown = at.dataframe[1].value
     assert "summary key" not in shown.columns and "None" not in shown.to_string()  # no internal column, no None
+    # metric labels are never cut: their column is Streamlit's "large" (400 px), room for 50 characters of its
+    # 14 px font (about 8 px each), and the longest label is shorter
+    assert json.loads(at.dataframe[1].proto.columns)["metric"]["width"] == "large"
+    assert max(len(label) for label, _, _ in compare.COMPARE_METRICS) * 8 <= 400
     table = shown.set_index("metric")
     for name in ("real_base", "sim_base", "sim_dp2"):
         s, col = summary(runs_root, name), table[f"{name} [{'real' if name.startswith('real') else 'sim'}]"]
@@ -118,6 +123,12 @@ def test_comparison_equals_summaries_with_sim_vs_real_error(monkeypatch, runs_ro
             assert col[label] == compare.format_value(label, value * scale), (name, label)
     err = table["sim_base: sim-vs-real error vs real_base (%)"]
     assert err["TTFT p50 (ms)"] == compare.format_pct(100 * (1 / 1.1 - 1)) == "-9.1%"
+    # whether each error lies inside the simulation's expected error (its profile's band): yes, no or "-"
+    runs = compare.load_runs([str(runs_root / n) for n in ("real_base", "sim_base", "sim_dp2")])
+    inside = compare.compare_table(runs, runs[0]).set_index("metric")["sim_base: within expected error"]
+    band = table["sim_base: within expected error"]
+    assert list(band) == ["-" if v is pd.NA else "yes" if v else "no" for v in inside], list(band)
+    assert band["TPOT p50 (ms)"] == "yes" and set(band) <= {"yes", "no", "-"}
     assert err["TPOT p50 (ms)"] == "+0.0%"
     assert "sim_dp2: sim-vs-real error vs real_base (%)" in table.columns
     at.sidebar.selectbox(key="baseline").set_value("sim_base").run()
@@ -165,6 +176,8 @@ def test_launch_simulation_adds_a_run(monkeypatch, runs_root, tmp_path):
     at.selectbox(key="launch_model").set_value("Llama-3.2-1B")
     at.number_input(key="launch_limit").set_value(40)
     at.number_input(key="launch_dp").set_value(2)
+    at.number_input(key="launch_tp").set_value(2)
+    at.text_input(key="launch_cost_model").set_value("roofline")
     at.number_input(key="launch_burstiness").set_value(0.5)
     at.number_input(key="launch_slo_ttft").set_value(200.0)
     at.number_input(key="launch_blocks").set_value(3000)
@@ -178,6 +191,7 @@ def test_launch_simulation_adds_a_run(monkeypatch, runs_root, tmp_path):
     assert at.sidebar.multiselect(key="selected_runs").value == [new.name]
     manifest = json.loads((new / "manifest.json").read_text())
     assert manifest["config"]["data_parallel_size"] == 2 and manifest["trace"]["limit"] == 40
+    assert manifest["config"]["tensor_parallel_size"] == 2 and manifest["cost_model"].startswith("roofline")
     assert manifest["trace"]["burstiness"] == 0.5 and manifest["config"]["async_scheduling"] is True
     assert manifest["num_gpu_blocks"] == 3000 and json.loads((new / "summary.json").read_text())["slo"]["ttft_s"] == 0.2
     assert len(at.image) == 6  # a DP run: per-replica load drawn too

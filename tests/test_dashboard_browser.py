@@ -1,4 +1,5 @@
-"""The dashboard served by Streamlit on 127.0.0.1 and opened in headless Chromium: title and charts, no error box.
+"""The dashboard as `make dashboard PORT=...` serves it (Streamlit on 127.0.0.1), opened in headless Chromium:
+title, the comparison table's columns, charts, no error box.
 
 Chromium's --dump-dom / --screenshot run on virtual time, each with a budget of 15 s (the page must render
 within it: title, tables, charts). Virtual time does not wait for Streamlit's websocket, so while the
@@ -9,9 +10,12 @@ test-artifacts/dashboard.png (and the DOM at test-artifacts/dashboard.html).
 """
 from __future__ import annotations
 
+import os
+import re
 import shutil
-import socket
+import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,33 +26,27 @@ pytest.importorskip("streamlit")
 from test_dashboard import make_runs  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
 
 from testbed.dashboard.app import TITLE  # noqa: E402
-from testbed.dashboard.launch import _env, dashboard_command  # noqa: E402
+from testbed.dashboard.launch import _env  # noqa: E402
+
+from browser_helpers import CHROMIUM, chromium  # noqa: E402
+from server_helpers import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def chromium(url: str, profile: Path, *args: str, budget_ms: int = 15_000) -> str:
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-           "--disable-quic", "--no-first-run", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", "--window-size=1400,3000", *args, url]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
 
 
 @pytest.fixture()
 def server(tmp_path):
+    """The dashboard as `make dashboard RUNS=... PORT=...` starts it (the Makefile's recipe with this interpreter's
+    venv; its install step is skipped), on a free port."""
     root = make_runs(tmp_path / "runs")
     port = free_port()
+    stamp = tmp_path / "dashboard-installed"
+    stamp.touch()
     log = (tmp_path / "streamlit.log").open("w")
-    proc = subprocess.Popen(dashboard_command([str(root)], port), stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                            start_new_session=True)
+    proc = subprocess.Popen([shutil.which("make"), "-s", "dashboard", f"BIN={Path(sys.executable).parent}",
+                             f"DASH={stamp}", f"RUNS={root}", f"PORT={port}"], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -59,15 +57,15 @@ def server(tmp_path):
             except OSError:
                 pass
             assert proc.poll() is None, (tmp_path / "streamlit.log").read_text()
-            assert time.monotonic() < deadline, "streamlit did not answer /_stcore/health within 60 s"
+            assert time.monotonic() < deadline, f"`make dashboard PORT={port}` did not answer on it within 60 s"
             time.sleep(0.5)
         yield url
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)  # make, testbed dashboard and Streamlit: the group make leads
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
 
@@ -85,6 +83,13 @@ def test_dashboard_renders_in_chromium(server, tmp_path):
     assert 'data-testid="stImage"' in dom, f"no chart in the page after {attempts} tries (test-artifacts/dashboard.html)"
     assert 'data-testid="stDataFrame"' in dom or "stDataFrame" in dom
     assert "stException" not in dom and "stAlertContentError" not in dom, "the page shows an error box"
+    # the comparison table (the second grid; its accessible header cells carry the column names): the metric
+    # labels, the runs and the error column, and not the summary's internal JSON path
+    headers = [re.sub(r"<[^>]+>", "", h).strip() for h in re.findall(r'role="columnheader"[^>]*>(.*?)</th>', dom, re.S)]
+    comparison = headers[headers.index("metric"):]
+    assert comparison == ["metric", "real_base [real]", "sim_base [sim]", "sim_base: sim-vs-real error vs real_base (%)",
+                          "sim_base: within expected error"], headers
+    assert "summary key" not in headers and "summary key" not in dom
 
     shot = ARTIFACTS / "dashboard.png"
     shot.unlink(missing_ok=True)

@@ -137,13 +137,17 @@ def compare_view(chosen: list[compare.RunMeta], baseline: compare.RunMeta | None
     if len(chosen) < 2:
         st.info("Select two or more runs to see differences against the baseline.")
     table = compare.compare_table(chosen, baseline).drop(columns=["summary key"])  # the summary's JSON path: internal
-    values, diffs = list(table.columns[1:1 + len(chosen)]), list(table.columns[1 + len(chosen):])
-    shown = table.copy()
-    shown[values + diffs] = shown[values + diffs].astype(object)  # text: one precision per unit, "-" for none
+    bands = [c for c in map(compare.band_column, chosen) if c in table.columns]
+    values = list(table.columns[1:1 + len(chosen)])
+    diffs = [c for c in table.columns[1 + len(chosen):] if c not in bands]
+    shown, text = table.copy(), values + diffs + bands
+    shown[text] = shown[text].astype(object)  # text: one precision per unit, "-" for none
     for c in values:
         shown[c] = [compare.format_value(m, v) for m, v in zip(table["metric"], table[c])]
     for c in diffs:
         shown[c] = [compare.format_pct(v) for v in table[c]]
+    for c in bands:
+        shown[c] = [compare.format_within(v) for v in table[c]]
     st.dataframe(shown, hide_index=True, width="stretch", height=35 * (len(table) + 1) + 3,
                  column_config={"metric": st.column_config.TextColumn(width="large")})
     csv_button(table, "comparison.csv")

@@ -215,6 +215,12 @@ def format_pct(x) -> str:
     return "-" if x is None or pd.isna(x) else f"{x:+.1f}%"
 
 
+def format_within(x) -> str:
+    """A sim-vs-real error inside the simulation's expected error: "yes", "no", or "-" where no band covers it."""
+    import pandas as pd
+    return "-" if x is None or pd.isna(x) else ("yes" if x else "no")
+
+
 def _fmt(x, pct: bool = False) -> str:
     import pandas as pd
     if pd.isna(x):
