@@ -61,8 +61,15 @@ def take_from_run(args: argparse.Namespace, run, cfg):
 
 
 def subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    """The parser of the subcommand `command` (`testbed COMMAND ...`)."""
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    """The parser of the subcommand `command` (`testbed COMMAND ...`; "bench serve" for a nested one)."""
+    for word in command.split():
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+    return parser
+
+
+def command_name(args: argparse.Namespace) -> str:
+    """The subcommand that runs, as typed after `testbed` ("simulate", "bench serve")."""
+    return " ".join(filter(None, (args.command, getattr(args, "bench_command", None))))
 
 
 def given_dests(parser: argparse.ArgumentParser, argv: list[str], command: str) -> set[str]:
@@ -208,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; every expected failure is one line `testbed CMD: error: ...` and exit code 2."""
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
+    command = command_name(args)
     if extras:  # the subcommand's own one-line error, with the flag it most likely meant
-        print(unrecognized(parser, args.command, extras), file=sys.stderr)
+        print(unrecognized(parser, command, extras), file=sys.stderr)
         return 2
     if args.command == "simulate":
         args.given = given_dests(parser, list(sys.argv[1:] if argv is None else argv), args.command)
@@ -217,19 +225,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from testbed import COMMAND_ENV
     outer = os.environ.get(COMMAND_ENV)
-    os.environ[COMMAND_ENV] = f"testbed {args.command}"  # warnings, here and in the processes it starts
+    os.environ[COMMAND_ENV] = f"testbed {command}"  # warnings, here and in the processes it starts
     try:
         return args.func(args)
     except (ConfigError, ValueError, RuntimeError) as e:
-        print(f"testbed {args.command}: error: {e}", file=sys.stderr)
+        print(f"testbed {command}: error: {e}", file=sys.stderr)
     except BrokenPipeError:  # stdout closed early (`| head`): no traceback, and none at exit either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as e:  # a file that cannot be read or written: name it
         where = f"{e.filename}: " if e.filename else ""
-        print(f"testbed {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"testbed {command}: error: {where}{e.strerror or e}", file=sys.stderr)
     except KeyboardInterrupt:
-        print(f"testbed {args.command}: interrupted", file=sys.stderr)
+        print(f"testbed {command}: interrupted", file=sys.stderr)
         return 130
     finally:
         if outer is None:

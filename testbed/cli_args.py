@@ -27,6 +27,10 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
+class RawDescriptionDefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+    """DefaultsHelpFormatter that keeps a description's own line breaks (`serve` and `bench serve` show examples)."""
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """The CLI's parser: DefaultsHelpFormatter unless told otherwise (subcommands inherit the class)."""
 

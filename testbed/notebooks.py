@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m testbed.notebooks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("notebooks", nargs="+", help="notebook files (.py percent scripts) or folders of them")
-    ap.add_argument("--output", "-o", default="runs/experiments", help="folder for every notebook's outputs")
+    ap.add_argument("--output", "-o", default="runs/experiments", help="folder for every notebook's outputs (default: %(default)s)")
     ap.add_argument("-p", "--parameter", action="append", default=[], metavar="NAME=VALUE",
                     help="override a parameter (a Python literal: full=True, rates=[2,4]); repeatable")
     ap.add_argument("--timeout", type=float, default=900,

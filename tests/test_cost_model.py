@@ -112,7 +112,7 @@ def test_rank_shape_matches_param_count_and_splits():
     assert rank_shape(L8B, 16).num_kv_heads == 1  # tp > kv heads: replicated
     with pytest.raises(ValueError, match="cannot split"):
         rank_shape(L8B, 3)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
         rank_shape(L8B, 0)
 
 

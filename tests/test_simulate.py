@@ -233,7 +233,10 @@ def test_cli_malformed_trace_line_fails_with_file_and_line(tmp_path, capsys):
 @pytest.mark.parametrize("args, needle", [
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--model", "GPT-5"], "GPT-5"),
-    (["--trace-format", "lengths"], "request_rate"),
+    (["--trace-format", "lengths"], "--request-rate R"),
+    (["--request-rate", "-2"], "--request-rate must be > 0"),
+    (["--burstiness", "0"], "--burstiness must be"),
+    (["--model", "Llama-3.2-1B", "-tp", "3"], "--tensor-parallel-size 3 cannot split Llama-3.2-1B"),
 ])
 def test_cli_bad_flags_fail_with_a_clear_message(tmp_path, capsys, args, needle):
     rc, _, err = cli(capsys, SAMPLE, "--limit", 5, "-o", tmp_path / "x", *args)
@@ -415,6 +418,9 @@ def test_a_mistyped_flag_gets_the_subcommands_one_line_error_with_a_suggestion(c
     rc, _, err = cli(capsys, SAMPLE, "--zzz-unknown=3", "--limit", 5)
     assert rc == 2 and err.strip() == ("testbed simulate: error: unrecognized argument --zzz-unknown=3; "
                                        "`testbed simulate --help` lists the flags")
+    assert main(["bench", "serve", "--dataset", "random", "--num-promts", "3"]) == 2  # a nested subcommand's own
+    assert capsys.readouterr().err.strip() == ("testbed bench serve: error: unrecognized argument --num-promts (did "
+                                               "you mean --num-prompts?); `testbed bench serve --help` lists the flags")
 
 
 def test_every_flag_has_help_and_help_shows_defaults(capsys):
@@ -432,10 +438,20 @@ def test_every_flag_has_help_and_help_shows_defaults(capsys):
     missing = [f"{name} {a.option_strings or a.dest}" for name, sp in parsers(build_parser()) for a in sp._actions
                if not a.help and not isinstance(a, argparse._HelpAction)]
     assert not missing, missing
-    with pytest.raises(SystemExit):
-        main(["simulate", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert "most requests in one step (default: 256)" in text and "(default: H100-SXM)" in text
+    # a flag with a default shows it, through the help formatter each subcommand's parser uses
+    flags = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction, argparse._SubParsersAction)
+    hidden = [f"{name} {a.option_strings}" for name, sp in parsers(build_parser()) for a in sp._actions
+              if a.default not in (None, argparse.SUPPRESS) and not isinstance(a, flags)
+              and "default" not in sp._get_formatter()._get_help_string(a)]
+    assert not hidden, hidden
+    for command, shown in ((["simulate"], ["most requests in one step (default: 256)", "(default: H100-SXM)"]),
+                           (["serve"], ["port to listen on (default: 8000)", "address to bind (default: 127.0.0.1)",
+                                        "most requests in one step (default: 256)", "(default: H100-SXM)"]),
+                           (["bench", "serve"], ["gamma shape (1 = Poisson) (default: 1.0)"])):
+        with pytest.raises(SystemExit):
+            main([*command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(x in text for x in shown), (command, [x for x in shown if x not in text])
 
 
 def test_the_summary_restates_the_setup_and_speed(tmp_path, capsys):

@@ -91,7 +91,7 @@ def test_smollm2_tp2_is_refused_naming_the_head_count():
     """SmolLM2 has 9 query heads and 3 KV heads: TP=2 cannot split them (TP=3 is the size that works)."""
     from testbed.worker.smollm2 import default_model_dir
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 must divide the number of attention heads \(9\)"):
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 must divide the number of attention heads \(9\)"):
         LLM(str(default_model_dir()), tensor_parallel_size=2, max_model_len=128, **ENGINE)
     assert time.monotonic() - start < 60
     _assert_cleaned_up([])

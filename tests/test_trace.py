@@ -64,7 +64,7 @@ def test_mooncake_jsonl_with_hash_ids():
 def test_lengths_csv(name):
     src = FORMATS / name
     rows = [line.split(",") for line in src.read_text().splitlines()[1:]]
-    with pytest.raises(TraceError, match=rf"{name}:1: .*request_rate"):
+    with pytest.raises(TraceError, match=rf"{name}:1: .*--request-rate"):
         load_trace(src)
     reqs = load_trace(src, request_rate=10.0)
     assert len(reqs) == 300 and reqs[0].arrival_s == 0.0
@@ -209,7 +209,7 @@ MALFORMED = {
     "csv_missing_column": ("a.csv", "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,3\n", 1, "GeneratedTokens"),
     "csv_cell_count": ("l.csv", LEN + "5\n", 3, "expected 2 cells"),
     "lengths_non_numeric": ("l.csv", LEN + "5,x\n", 3, "num_decode_tokens must be an integer"),
-    "lengths_without_rate": ("l.csv", LEN, 1, "request_rate"),
+    "lengths_without_rate": ("l.csv", LEN, 1, "--request-rate"),
     "empty_file": ("t.jsonl", "", 1, "empty"),
     "whitespace_only": ("t.csv", "\n  \n", 1, "empty"),
     "header_only": ("l.csv", "num_prefill_tokens,num_decode_tokens\n", 1, "no requests"),

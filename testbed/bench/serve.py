@@ -28,10 +28,11 @@ if TYPE_CHECKING:  # the heavy imports wait until a benchmark runs, so building 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `bench` (with its `serve` subcommand) on the CLI's subparsers."""
+    from testbed.cli_args import RawDescriptionDefaultsHelpFormatter
     p = subparsers.add_parser("bench", help="benchmark a running server")
     sub = p.add_subparsers(dest="bench_command", required=True, help="what to benchmark")
     s = sub.add_parser("serve", help="replay a trace or dataset against `testbed serve` (or any OpenAI server)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=RawDescriptionDefaultsHelpFormatter)
     s.add_argument("trace", nargs="?", default=None, help="trace file (project JSONL, Azure CSV, Mooncake, lengths)")
     s.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)")
     s.add_argument("--endpoint", default="/v1/completions", help="completions path (default: %(default)s)")

@@ -34,9 +34,9 @@ SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout: for the error responses to g
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` (vLLM's flags) on the CLI's subparsers."""
-    from testbed.cli_args import add_engine_args, add_lora_modules_arg
+    from testbed.cli_args import RawDescriptionDefaultsHelpFormatter, add_engine_args, add_lora_modules_arg
     p = subparsers.add_parser("serve", help="OpenAI-compatible server: API server + engine-core process",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=RawDescriptionDefaultsHelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="model folder, .gguf file or preset name (with --load-format dummy); default: bundled SmolLM2")
     add_engine_args(p, None)

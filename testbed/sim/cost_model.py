@@ -35,11 +35,10 @@ def rank_shape(model: ModelSpec, tensor_parallel_size: int = 1) -> RankShape:
     """Per-rank shape; ValueError when `tensor_parallel_size` cannot split the model's heads."""
     tp, h, hd, kv = tensor_parallel_size, model.hidden_size, model.head_dim, model.num_key_value_heads
     if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        raise ValueError(f"--tensor-parallel-size must be an integer >= 1, got {tp!r}")
     if model.num_attention_heads % tp or (kv % tp and tp % kv):
-        raise ValueError(f"tensor_parallel_size={tp} cannot split {model.name}: it must divide "
-                         f"num_attention_heads={model.num_attention_heads}, and divide or be a multiple of "
-                         f"num_key_value_heads={kv}")
+        raise ValueError(f"--tensor-parallel-size {tp} cannot split {model.name}: it must divide its "
+                         f"{model.num_attention_heads} attention heads, and divide or be a multiple of its {kv} KV heads")
     heads_r, kv_r = model.num_attention_heads // tp, max(1, kv // tp)
     q, kvd = heads_r * hd, kv_r * hd
     linear = h * (q + 2 * kvd) + q * h + 3 * h * model.intermediate_size / tp

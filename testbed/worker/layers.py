@@ -280,11 +280,11 @@ class QKVParallelLinear(LinearBase):
                  bias: bool = False) -> None:
         rank, tp_size = get_tp()
         if total_num_heads % tp_size:
-            raise ValueError(f"tensor_parallel_size {tp_size} must divide the number of attention heads "
+            raise ValueError(f"--tensor-parallel-size {tp_size} must divide the number of attention heads "
                              f"({total_num_heads}); pick a divisor of {total_num_heads}")
         if tp_size >= total_num_kv_heads:
             if tp_size % total_num_kv_heads:
-                raise ValueError(f"tensor_parallel_size {tp_size} must be a multiple of the number of KV heads "
+                raise ValueError(f"--tensor-parallel-size {tp_size} must be a multiple of the number of KV heads "
                                  f"({total_num_kv_heads}) when larger than it")
             self.num_kv_heads, self.kv_head_start = 1, rank // (tp_size // total_num_kv_heads)
         else:

@@ -78,18 +78,15 @@ def load_trace(path, *, request_rate: float | None = None, burstiness: float = 1
     vLLM's `--request-rate`/`--burstiness`; length-only traces require it. `limit` keeps the
     first N requests."""
     if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}; got {fmt!r}")
+        raise ValueError(f"--trace-format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"limit must be a positive integer or None; got {limit!r}")
-    if request_rate is not None and not (request_rate > 0):  # also rejects NaN
-        raise ValueError(f"request_rate must be > 0 req/s (or inf: all at once); got {request_rate!r}")
-    if not (0 < burstiness < math.inf):
-        raise ValueError(f"burstiness must be a finite number > 0 (1 = Poisson); got {burstiness!r}")
+        raise ValueError(f"--limit must be a positive integer; got {limit!r}")
+    check_arrivals(request_rate, burstiness)
     path = Path(path)
     if path.is_dir():
         if fmt != "auto":
             raise ValueError(f"{path} is a run directory, read as the trace of the requests it recorded; "
-                             f"drop fmt={fmt!r} (or --trace-format)")
+                             f"drop --trace-format {fmt}")
         reqs = _load_run(path)
     else:
         data = path.read_bytes()  # FileNotFoundError names the path
@@ -105,7 +102,7 @@ def load_trace(path, *, request_rate: float | None = None, burstiness: float = 1
         fmt = _detect(path, lines) if fmt == "auto" else fmt
         if fmt == "lengths" and request_rate is None:
             raise TraceError(path, 1, "a length-only trace has no arrival times "
-                                      "(pass request_rate=..., e.g. --request-rate 5)")
+                                      "(give them a rate: --request-rate R, e.g. --request-rate 5)")
         reqs = {"jsonl": _load_jsonl, "azure": _load_azure, "mooncake": _load_mooncake,
                 "lengths": _load_lengths}[fmt](path, lines)
     if not reqs:
@@ -121,13 +118,19 @@ def load_trace(path, *, request_rate: float | None = None, burstiness: float = 1
     return reqs
 
 
+def check_arrivals(request_rate: float | None, burstiness: float) -> None:
+    """ValueError, in the flags' words, unless --request-rate (None: the trace's own arrivals) is > 0 (inf: all at
+    once) and --burstiness a finite number > 0."""
+    if request_rate is not None and not (request_rate > 0):  # also rejects NaN
+        raise ValueError(f"--request-rate must be > 0 req/s (or inf: all at once), got {request_rate!r}")
+    if not (0 < burstiness < math.inf):
+        raise ValueError(f"--burstiness must be a finite number > 0 (1 = Poisson), got {burstiness!r}")
+
+
 def gamma_arrivals(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
     """n arrival times starting at 0 with gamma inter-arrivals of mean 1/rate (inf: all at 0), shape
     `burstiness` (1 = Poisson); the same seed gives the same times in sim and in `bench serve`."""
-    if not rate > 0:
-        raise ValueError(f"--request-rate must be > 0 (or inf), got {rate}")
-    if not 0 < burstiness < math.inf:
-        raise ValueError(f"--burstiness must be a finite number > 0 (1 = Poisson), got {burstiness}")
+    check_arrivals(rate, burstiness)
     if math.isinf(rate):
         return [0.0] * n
     gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), size=n - 1)
