@@ -290,6 +290,33 @@ def test_huge_prompts_are_refused_before_tokenizing_and_delay_no_one(server):
     assert asyncio.run(scenario()) < 15
 
 
+def test_huge_chat_messages_are_refused_before_the_template(server, client, http):
+    """Chat messages whose text (content strings and text parts) is far beyond the context get the prompt's 400
+    naming `messages` at once, before the chat template and tokenizer run (7.7 MB took 5 to 33 s to be refused
+    here); /tokenize with them too. A normal chat is served, and with truncate_prompt_tokens a long chat is still
+    tokenized whole and cut."""
+    import openai
+    model = client.models.list().data[0].id
+    big = "The quick brown fox jumps over the lazy dog. " * 170_000
+    for messages in ([{"role": "user", "content": big}],
+                     [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": [{"type": "text", "text": big[:4_000_000]},
+                                                   {"type": "text", "text": big[4_000_000:]}]}]):
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+        took = time.monotonic() - t0
+        assert e.value.body["param"] == "messages" and "not tokenized" in e.value.body["message"], e.value.body
+        assert took < 3, f"the 400 took {took:.1f} s"
+    r = http.post("/tokenize", json={"model": model, "messages": [{"role": "user", "content": big}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    ok = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop") and ok.usage.completion_tokens >= 1
+    cut = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 20_000}],
+                                         max_tokens=1, extra_body={"truncate_prompt_tokens": 8})
+    assert cut.usage.prompt_tokens == 8
+
+
 def test_a_slow_schema_check_is_bounded_and_holds_no_one_up(tmp_path, server):
     """--structured-outputs-timeout: a schema whose check takes longer (63 levels deep: about 40 ms here,
     against a bound of 5 ms) gets a 400 naming the field, while requests sent with it are served; the same

@@ -17,14 +17,30 @@ from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 
 
+def message_texts(messages: list[ChatMessage]) -> list[str]:
+    """The text of every message: its content string, or its content parts of type text."""
+    out = []
+    for m in messages:
+        if isinstance(m.content, str):
+            out.append(m.content)
+        elif m.content:
+            out.extend(p["text"] for p in m.content if p.get("type") == "text" and isinstance(p.get("text"), str))
+    return out
+
+
 def render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+                bounded: bool = True) -> list[int]:
     """Token ids of the conversation through the model's chat template, given `chat_template_kwargs` as
-    variables (a request cannot replace the template itself); 400 on anything it cannot render."""
+    variables (a request cannot replace the template itself); 400 on anything it cannot render. `bounded`
+    (unless the prompt is to be truncated): messages whose text alone is too long to fit max_model_len tokens
+    are refused before the template runs (a chat template puts the messages' text in the prompt)."""
     tok = state.tokenizer
     if tok is None:
         raise bad_request("this model has no tokenizer (dummy weights), so no chat template; use /v1/completions "
                           "with prompt token ids", "messages")
+    if bounded:
+        state.check_text_fits(message_texts(messages), "the messages' text", "messages")
     try:
         text = apply_chat_template(tok, [m.model_dump(exclude_none=True) for m in messages], add_generation_prompt,
                                    continue_final_message, None, chat_template_kwargs)
@@ -66,7 +82,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     sp = await request_params(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, stop,
                               req.prompt_logprobs)
     prompt = await state.run_blocking(render_chat, state, req.messages, req.add_generation_prompt,
-                                      req.continue_final_message, req.chat_template_kwargs)
+                                      req.continue_final_message, req.chat_template_kwargs,
+                                      sp.truncate_prompt_tokens is None)
     prompt = truncate_prompts(state, [prompt], sp)[0]
     run = GenerationRun(state, new_id("chatcmpl"), [prompt], sp, req.priority, lora,
                         beam_search_params(state, req, sp, [prompt]))

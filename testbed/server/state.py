@@ -96,11 +96,19 @@ class ServerState:
         max_model_len tokens is refused before it is tokenized (a few megabytes take seconds), with a 400."""
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer (dummy weights): send prompt token ids instead", "prompt")
-        if bounded and len(text) > self.max_model_len and len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
-            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; the prompt of "
-                              f"{len(text)} characters is longer than that can be with this tokenizer, so it was not "
-                              "tokenized. Shorten it.", "prompt")
+        if bounded:
+            self.check_text_fits([text], "the prompt", "prompt")
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def check_text_fits(self, texts: list[str], what: str, param: str) -> None:
+        """A 400 naming `param` when `texts` together are too long to fit max_model_len tokens with this
+        tokenizer (max_prompt_bytes), checked before any tokenizing: a few megabytes take seconds."""
+        chars = sum(map(len, texts))
+        if chars > self.max_model_len and sum(
+                len(t.encode("utf-8", "surrogatepass")) for t in texts) > self.max_prompt_bytes:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens; {what} of "
+                              f"{chars} characters is longer than that can be with this tokenizer, so it was not "
+                              "tokenized. Shorten it.", param)
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.tokenizer is None:
