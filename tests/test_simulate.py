@@ -3,6 +3,7 @@ prefix caching on Mooncake, rejections, and every trace format through `testbed 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -213,6 +214,46 @@ def test_cli_entry_point_keeps_stdout_pure_json_with_a_progress_bar(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["num_requests"] == 30
+    # stderr is no terminal (a log file, a pipe): one plain line instead of a bar, nothing half-drawn
+    assert proc.stderr.startswith("testbed simulate: simulating 30 requests over "), proc.stderr
+    assert "\r" not in proc.stderr and "|" not in proc.stderr, proc.stderr
+
+
+def test_in_a_terminal_the_progress_bar_is_left_showing_the_end(tmp_path):
+    """On a terminal the bar stays when the simulation is done, drawn at its end: every request, all the
+    simulated time (not the last periodic report before the end)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+    main_fd, term = pty.openpty()
+    fcntl.ioctl(term, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "simulate", str(SAMPLE), "--format", "json",
+                             "-o", str(tmp_path / "t")], stdout=subprocess.PIPE, stderr=term, cwd=tmp_path)
+    os.close(term)
+    drawn = b""
+    while chunk := _read(main_fd):
+        drawn += chunk
+    os.close(main_fd)
+    assert proc.wait(timeout=120) == 0
+    n = json.loads(proc.stdout.read())["num_requests"]  # the whole trace: its last requests end after its last arrival
+    text = drawn.decode()
+    assert text.endswith("\r\n"), repr(text[-300:])  # left in place: the line ends, nothing erases it
+    last = text.rstrip().split("\r")[-1]
+    done = re.fullmatch(r"simulating (\d+)/(\d+) sim-s \|[^|]+\| (\d+)/(\d+) requests \[.*\]", last.strip())
+    assert done, last
+    assert done[1] == done[2] and abs(int(done[1]) - read_run(tmp_path / "t").summary["makespan_s"]) <= 1, last
+    assert int(done[3]) == int(done[4]) == n, last
+
+
+def _read(fd: int) -> bytes:
+    """What a pseudo-terminal's other end wrote, b"" once it is closed (Linux raises EIO then)."""
+    import os
+    try:
+        return os.read(fd, 65536)
+    except OSError:
+        return b""
 
 
 def test_cli_table_output_names_the_run_directory(tmp_path, capsys):

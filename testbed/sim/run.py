@@ -82,16 +82,17 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
     if progress and not sys.stderr.isatty():  # a log file: one plain line, no half-drawn bar
         print(f"testbed simulate: simulating {len(trace)} requests over {horizon:,.1f} s of trace time",
               file=sys.stderr, flush=True)
-    elif progress:  # a terminal: the bar, left in place when done
+    elif progress:  # a terminal: the bar, left in place when done, showing the end of the simulation
         from tqdm import tqdm
-        bar = tqdm(total=round(horizon, 1), unit="sim-s", desc="simulating", file=sys.stderr, leave=True, mininterval=0.5,
-                   bar_format="{desc} {n:.0f}/{total:.0f} sim-s |{bar}| {postfix} [{elapsed}<{remaining}]")
+        bar = tqdm(total=round(horizon, 1), unit="sim-s", desc=f"0/{len(trace)} requests", file=sys.stderr, leave=True,
+                   mininterval=0.5,
+                   bar_format="simulating {n:.0f}/{total:.0f} sim-s |{bar}| {desc} [{elapsed}<{remaining}]")
 
     def report(now: float, finished: int) -> None:
         if bar is not None:
             bar.total = max(bar.total, round(now, 1))
             bar.n = round(now, 1)
-            bar.set_postfix_str(f"{finished}/{len(trace)} done", refresh=False)
+            bar.set_description_str(f"{finished}/{len(trace)} requests", refresh=False)
             bar.update(0)
         if on_progress is not None:
             on_progress(now, max(horizon, now))
@@ -104,7 +105,8 @@ def run_simulation(trace_path: str, config: EngineConfig, *, model: str = "Llama
                           on_progress=report if (bar is not None or on_progress is not None) else None,
                           progress_interval_s=max(1.0, (trace[-1].arrival_s if trace else 1.0) / 200))
     wall = time.perf_counter() - t0
-    if bar is not None:
+    if bar is not None:  # the last periodic report may lie before the end: draw the end
+        report(result.sim_time, len(result.records.requests))
         bar.close()
     rec = result.records
     req_cols, step_cols = rec.request_columns(), rec.step_columns()
