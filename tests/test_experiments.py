@@ -118,8 +118,10 @@ def test_notebook_runner_errors_are_one_line(tmp_path, capfd):
     broken = tmp_path / "01_broken.py"
     broken.write_text('# %% tags=["parameters"]\noutput_dir = "x"\n\n# %%\nraise RuntimeError("boom")\n')
     assert main([str(broken), "-o", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "01_broken.py: a cell failed" in err and "boom" in err
+    # a line per executed cell (its parameters, the injected ones), none for the one that failed
+    assert [x.strip() for x in out.splitlines() if "cell" in x] == ["01_broken: cell 1/3 done", "01_broken: cell 2/3 done"]
     nb = nbformat.read(tmp_path / "out" / "01_broken" / "01_broken.ipynb", as_version=4)  # kept for reading
     assert outputs(nb)[-1] == ["error"]
     slow = tmp_path / "02_slow.py"

@@ -191,3 +191,15 @@ def test_the_package_top_level_is_a_table_of_contents():
     its top (the offline API's output classes, the CLI's shared flags, the notebooks' helpers)."""
     loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("cli.py", "__init__.py"))
     assert len(loose) <= 6, f"{len(loose)} top-level modules in testbed/ ({', '.join(loose)}): place them in a package"
+
+
+def test_nothing_points_outside_the_clone():
+    """A clone is all a user has: no README, doc, notebook, script or module refers to the `shared` folder
+    beside the repository, where the project's working notes live (no clone has it)."""
+    repo, needle = PACKAGE.parent, "../" + "shared"
+    skip = {".git", ".venv", "runs", "test-artifacts", "node_modules"}
+    texts = [p for p in repo.rglob("*") if p.is_file() and not skip & set(p.relative_to(repo).parts)
+             and p.suffix in {".md", ".py", ".toml", ".sh", ".cfg", ".txt", ".ipynb", ""}]
+    assert any(p.name == "README.md" for p in texts) and any(p.parent.name == "experiments" for p in texts)
+    outside = [str(p.relative_to(repo)) for p in texts if needle in p.read_text(errors="replace")]
+    assert not outside, outside
