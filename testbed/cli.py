@@ -54,9 +54,17 @@ def take_from_run(args: argparse.Namespace, run, cfg):
                and getattr(cfg, k) != v}
     for k, v in changes.items():
         taken.append(f"--{k.replace('_', '-')} {v}")
-    if taken:
-        print(f"testbed simulate: note: from {args.like}: {', '.join(taken)} (flags given here override)",
-              file=sys.stderr)
+    # what the run does not record (a `bench serve` run knows neither the server's GPU nor its engine flags)
+    unknown = [(what, used) for what, value, flag, used in
+               (("model", model, "model", f"--model {args.model}"), ("GPU", gpu, "gpu", f"--gpu {args.gpu}"),
+                ("engine flags", engine or None, None, "the engine flags given here or their defaults"))
+               if value is None and (flag is None or flag not in given)]
+    notes = [f"{', '.join(taken)} (flags given here override)"] if taken else []
+    if unknown:
+        notes.append(f"the run records no {' and no '.join(w for w, _ in unknown)}: simulating with "
+                     f"{' and '.join(u for _, u in unknown)} (give the run's own to match it)")
+    if notes:
+        print(f"testbed simulate: note: from {args.like}: {'; '.join(notes)}", file=sys.stderr)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 

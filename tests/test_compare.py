@@ -175,6 +175,12 @@ def test_like_takes_the_runs_model_gpu_and_engine_flags_unless_given(tmp_path, c
     m = read_run(tmp_path / "d").manifest
     assert rc == 0 and m["model"]["name"] == "Qwen3-0.6B" and m["config"]["max_num_seqs"] == 32
     assert m["config"]["enable_prefix_caching"] is True and "--max-num-seqs 32" in err
+    # a `bench serve` run knows its model, not the server's GPU or engine flags: the note says what stands in
+    rc, _, err = run_cli(capsys, "simulate", "--like", REAL, "--limit", 20, "-o", tmp_path / "e", "--no-progress")
+    assert rc == 0 and err.strip() == (
+        f"testbed simulate: note: from {REAL}: --model Llama-3.2-1B (flags given here override); the run records no "
+        "GPU and no engine flags: simulating with --gpu H100-SXM and the engine flags given here or their defaults "
+        "(give the run's own to match it)"), err
 
 
 def test_compare_as_json_and_csv_with_the_settings_that_differ(sim_like, tmp_path, capsys):
