@@ -10,8 +10,9 @@
    the numbers the simulator's transfer term takes (sim/pipeline.py: p2p_latency_s, p2p_bandwidth).
 3. Engine cases (dummy weights, max_model_len 4096), each in a process of its own so its GPU memory is gone
    before the next one profiles: pp2 (2 stages, eager), tp2 (2 ranks, CUDA graphs), dp2 (2 replicas, CUDA graphs).
-   Per case: the median decode step at batch 64 (512-token prompts; with PP, one batch's way through both stages)
-   except DP, and offline output tok/s on benchmarks/e2e.py's 256-request workload.
+   Per case: the decode cycle at batch 64 (512-token prompts; the time for each of the 64 requests to get a token,
+   from the pure decode steps' span: under PP two microbatches overlap, so no one step holds the batch) except
+   DP, and offline output tok/s on benchmarks/e2e.py's 256-request workload.
 4. Serving: `testbed replay` of the Azure conversation trace at one rate (`--rate`, `--limit` requests) for each
    layout, then `testbed simulate` of the same requests with the shipped profile (or the roofline where none
    ships), and the simulator's error on throughput and TTFT/TPOT mean and p50 (what RESULTS reports).
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from e2e import workload  # benchmarks/e2e.py: the same 256-request workload
-from tp import _fit, decode_step_ms, on_two_ranks  # benchmarks/tp.py: the same fit, decode-step measure, 2 ranks
+from tp import _fit, on_two_ranks  # benchmarks/tp.py: the same fit and 2 ranks
 from testbed import LLM, SamplingParams
 from testbed.specs.presets import get_model_spec
 
@@ -96,6 +97,22 @@ def parity_case(model: str, pp: int) -> list[dict]:
         llm.shutdown()
 
 
+def decode_cycle_ms(llm: LLM, batch: int, prompt_len: int = 512, out_len: int = 64) -> float:
+    """Time for every one of `batch` decoding requests to get one token: batch x (span of the pure decode steps,
+    first end to last end) / (tokens those steps made after the first). Under PP the batch queue splits the
+    requests into microbatches whose steps overlap, so no single step holds the batch; without PP this is the
+    mean decode step, gaps included."""
+    prompts = [[1000 + (i * 7 + j) % 20000 for j in range(prompt_len)] for i in range(batch)]
+    start = len(llm.engine.records.steps)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True), use_tqdm=False)
+    c = llm.engine.records.step_columns()
+    sel = slice(start, None)
+    dec = c["num_prefill_tokens"][sel] == 0
+    ends = (c["start"][sel] + c["duration"][sel])[dec]
+    tokens = c["num_decode_tokens"][sel][dec]
+    return float(batch * (ends[-1] - ends[0]) / tokens[1:].sum() * 1e3) if len(ends) > 1 else float("nan")
+
+
 def engine_case(model: str, layout: str, n_requests: int) -> dict:
     kw = {"pp2": dict(pipeline_parallel_size=2), "tp2": dict(tensor_parallel_size=2),
           "dp2": dict(data_parallel_size=2)}[layout]
@@ -106,7 +123,7 @@ def engine_case(model: str, layout: str, n_requests: int) -> dict:
     try:
         if layout != "dp2":
             res["num_gpu_blocks"] = llm.executor.num_gpu_blocks
-            res["decode_ms_b64"] = decode_step_ms(llm, 64)
+            res["decode_ms_b64"] = decode_cycle_ms(llm, 64)
         prompts, outs = workload(n_requests, get_model_spec(model).vocab_size)
         t = time.perf_counter()
         r = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs])
