@@ -64,13 +64,20 @@ def test_emulated_chat_works_with_the_bundled_tokenizer(emulated):
     assert "emulating Llama-3.2-1B with the bundled SmolLM2 tokenizer" in emulated.log_text()
 
 
-def test_emulation_refuses_a_recorded_timeline(tmp_path):
+@pytest.mark.parametrize("flags, error", [
+    (["--cost-model", "recorded:/nowhere"], "--cost-model recorded:/nowhere: emulation predicts each step"),
+    (["--gpu", "B200"], "unknown GPU 'B200'"),
+    (["--model", "none"], "unknown model 'none'"),
+])
+def test_what_cannot_be_emulated_is_one_line_before_the_engine_starts(flags, error):
+    """A recorded timeline, an unknown GPU or model: `testbed serve: error: ...` and exit 2, checked before the
+    engine process starts (whose traceback it printed before)."""
     import subprocess
     import sys
     r = subprocess.run([sys.executable, "-m", "testbed.cli", "serve", "--emulate", "--model", "Llama-3.2-1B",
-                        "--load-format", "dummy", "--cost-model", "recorded:/nowhere", "--port", "1"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "emulation predicts each step" in (r.stderr + r.stdout)
+                        "--load-format", "dummy", "--port", "1", *flags], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.startswith(f"testbed serve: error: {error}") and len(r.stderr.splitlines()) == 1, r.stderr
 
 
 def test_warnings_carry_the_running_commands_name(monkeypatch, capsys):

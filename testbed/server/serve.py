@@ -172,6 +172,8 @@ def engine_proc_config(args: argparse.Namespace, cfg, model: str):
     if args.emulate:
         if factory is not None:
             raise ConfigError("--emulate: give either --emulate or --executor-factory, not both")
+        from testbed.sim.emulator import check_emulation, emulated_model
+        check_emulation(emulated_model(model), args.gpu, args.cost_model)  # here: one line, not the engine's traceback
         factory, executor_args = "testbed.sim.emulator:create", {"gpu": args.gpu, "cost_model": args.cost_model}
     return EngineProcConfig(engine=cfg.to_dict(), model=model, load_format=args.load_format, dtype=args.dtype,
                             device=args.device, enforce_eager=args.enforce_eager, log_steps=args.log_steps,

@@ -20,22 +20,32 @@ from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.specs.presets import get_model_spec
 from testbed.sim.cost_model import kv_block_bytes, num_gpu_blocks
 from testbed.sim.executor import add_beam_logprobs
-from testbed.sim.factory import load_cost_model
+from testbed.sim.factory import check_cost_model_name, load_cost_model
 from testbed.specs.hardware import get_gpu_spec
 
 COST_MODELS = "'auto', 'roofline', 'zero' (no wait: the engine and API server alone) or a profile JSON"
 LATE_WINDOW = 200  # steps a falling-behind check looks at
 
 
+def check_emulation(model: str, gpu: str, cost_model: str) -> None:
+    """ValueError, in the flags' words, for what EmulatedExecutor cannot emulate: an unknown model preset or GPU, a
+    cost model that does not exist or replays a run. `testbed serve` checks before it starts the engine process."""
+    get_model_spec(model)
+    get_gpu_spec(gpu)
+    if cost_model.startswith("recorded:"):
+        raise ValueError(f"--cost-model {cost_model}: emulation predicts each step; use {COST_MODELS}")
+    if cost_model != "zero":
+        check_cost_model_name(cost_model)
+
+
 class EmulatedExecutor:
     def __init__(self, model: str, config: EngineConfig, gpu: str = "H100-SXM", cost_model: str = "auto",
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep) -> None:
+        check_emulation(model, gpu, cost_model)
         spec = get_model_spec(model)
         gpu_spec = get_gpu_spec(gpu)
         if cost_model == "zero":
             self.cost, self.cost_model = None, "zero"
-        elif cost_model.startswith("recorded:"):
-            raise ValueError(f"--cost-model {cost_model}: emulation predicts each step; use {COST_MODELS}")
         else:
             self.cost, self.cost_model = load_cost_model(cost_model, spec, gpu_spec, config)
         self.model_path = spec.name
@@ -145,4 +155,9 @@ def create(model: str | None, config: EngineConfig, gpu: str = "H100-SXM", cost_
            **_) -> EmulatedExecutor:
     """Executor factory for the engine-core process (`testbed serve --emulate`); `model` is a preset name
     (the bundled SmolLM2 folder maps to its preset)."""
-    return EmulatedExecutor(model or "SmolLM2-135M", config, gpu, cost_model)
+    return EmulatedExecutor(emulated_model(model), config, gpu, cost_model)
+
+
+def emulated_model(model: str | None) -> str:
+    """The preset `--emulate` times for `testbed serve`'s model (none given: SmolLM2-135M, the bundled model's)."""
+    return model or "SmolLM2-135M"

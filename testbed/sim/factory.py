@@ -25,6 +25,13 @@ def _preset_name(name: str) -> str:
         return name
 
 
+def check_cost_model_name(spec: str) -> None:
+    """ValueError unless `spec` can name a cost model: 'auto', 'roofline', 'recorded:RUN_DIR' or a file (a profile)."""
+    if spec not in ("auto", "roofline") and not spec.startswith("recorded:") and not Path(spec).is_file():
+        raise ValueError(f"--cost-model {spec!r}: not 'auto', 'roofline', 'recorded:RUN_DIR' or an existing profile "
+                         "file (testbed profile -o FILE writes one)")
+
+
 def load_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: EngineConfig) -> tuple[CostModel, str]:
     """The cost model `--cost-model` names, and a one-line description of it for the manifest and summary.
 
@@ -76,10 +83,8 @@ def _load_stage_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: En
         if recorded_pp > 1:
             return RecordedPipeline.from_run_dir(run_dir, recorded_pp), spec
         return RecordedCostModel.from_run_dir(run_dir), spec
+    check_cost_model_name(spec)
     path = Path(spec)
-    if not path.is_file():
-        raise ValueError(f"--cost-model {spec!r}: not 'auto', 'roofline', 'recorded:RUN_DIR' or an existing profile "
-                         "file (testbed profile -o FILE writes one)")
     cm = ProfiledCostModel.from_file(path, config.async_scheduling, config.enable_prefix_caching)
     if _preset_name(cm.model_name) != model.name or cm.tensor_parallel_size != tp:
         raise ValueError(f"--cost-model {spec}: profile is for {cm.model_name} TP={cm.tensor_parallel_size}, "

@@ -90,4 +90,4 @@ def get_model_spec(name: str) -> ModelSpec:
             return preset
     if key in _ALIASES:
         return MODEL_PRESETS[_ALIASES[key]]
-    raise ValueError(f"unknown model {name!r}; known shapes: {', '.join(MODEL_PRESETS)}")
+    raise ValueError(f"unknown model {name!r}; known shapes: {', '.join(MODEL_PRESETS)}; pick one with --model")
