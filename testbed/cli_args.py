@@ -32,11 +32,17 @@ class RawDescriptionDefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter, 
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """The CLI's parser: DefaultsHelpFormatter unless told otherwise (subcommands inherit the class)."""
+    """The CLI's parser: DefaultsHelpFormatter unless told otherwise, and a bad command line (an ambiguous or
+    missing flag, a value of the wrong type) is one line naming the command, not the usage block (subcommands
+    inherit the class)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        listed = "commands" if any(isinstance(a, argparse._SubParsersAction) for a in self._actions) else "flags"
+        self.exit(2, f"{self.prog}: error: {message}; `{self.prog} --help` lists the {listed}\n")
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_default: str) -> None:

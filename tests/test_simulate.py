@@ -459,6 +459,13 @@ def test_a_mistyped_flag_gets_the_subcommands_one_line_error_with_a_suggestion(c
     rc, _, err = cli(capsys, SAMPLE, "--zzz-unknown=3", "--limit", 5)
     assert rc == 2 and err.strip() == ("testbed simulate: error: unrecognized argument --zzz-unknown=3; "
                                        "`testbed simulate --help` lists the flags")
+    for bad, error in ((["--max-num", "3"], "ambiguous option: --max-num could match --max-num-seqs, "
+                                             "--max-num-batched-tokens, --max-num-waiting"),
+                       (["--max-num-seqs", "abc"], "argument --max-num-seqs: invalid int value: 'abc'")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["simulate", str(SAMPLE), *bad])
+        assert exit_.value.code == 2 and capsys.readouterr().err == (
+            f"testbed simulate: error: {error}; `testbed simulate --help` lists the flags\n")
     assert main(["bench", "serve", "--dataset", "random", "--num-promts", "3"]) == 2  # a nested subcommand's own
     assert capsys.readouterr().err.strip() == ("testbed bench serve: error: unrecognized argument --num-promts (did "
                                                "you mean --num-prompts?); `testbed bench serve --help` lists the flags")
