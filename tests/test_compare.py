@@ -1,6 +1,7 @@
 """`testbed compare`, `testbed simulate --like RUN_DIR` and `make demo`, on the committed real H200 run."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -203,3 +204,19 @@ def test_compare_piped_into_head_exits_quietly(sim_like):
     proc = subprocess.run(f"{sys.executable} -m testbed.cli compare {sim_like} {REAL} | head -1", shell=True,
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.startswith("Baseline:") and proc.stderr == "", proc.stderr
+
+
+def test_a_simulation_on_the_real_curve_leaves_both_visible():
+    """Notebook 1's and the dashboard's CDFs (plots.latency_cdfs): a recorded timeline lies on the real curve, and
+    neither hides the other: the real run dashed and translucent on top, the simulation solid through its gaps."""
+    import numpy as np
+    from matplotlib.image import imread
+
+    from testbed.runs.plots import latency_cdfs, series_of, to_png
+    samples = {k: np.random.default_rng(0).lognormal(-3, 0.5, 400) for k in ("ttft", "tpot", "e2e")}
+    fig = latency_cdfs([(s, samples) for s in series_of([("real", "real"), ("recorded", "sim")])])
+    img = (imread(io.BytesIO(to_png(fig)))[..., :3] * 255).round().astype(int)
+    near = lambda rgb: int((abs(img - rgb).max(axis=2) <= 3).sum())  # noqa: E731
+    sim, real = np.array((255, 127, 14)), np.array((31, 119, 180))  # C1, C0
+    assert near(sim) > 100, "the simulation is hidden under the real curve"  # 189 here; 0 under a solid real line
+    assert near(0.75 * real + 0.25 * sim) > 100, "the real curve does not lie on top of the simulation"  # 432 here
