@@ -376,15 +376,11 @@ def test_a_slow_grammar_compiles_while_other_requests_stream(server):
     assert max(gaps) < 0.5 * structured["took"], (max(gaps), structured["took"])
 
 
-def test_large_bodies_are_validated_off_the_event_loop(server):
-    """Four concurrent 7.9 MB token-id bodies (each 400: longer than the context) are parsed and validated on
-    threads from their bytes, so /health, probed every 20 ms meanwhile, keeps answering (on the event loop they
-    held it for about 1 s here)."""
-    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-    body = json.dumps({"model": model, "prompt": list(range(1000, 1_001_000)), "max_tokens": 1}).encode()
-
-    async def scenario() -> float:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as h:
+def post_while_probing_health(url: str, path: str, body: bytes, count: int) -> tuple[float, list[httpx.Response]]:
+    """POST `body` to `path` `count` times at once while /health is probed every 20 ms: (its slowest answer in
+    seconds, the POSTs' responses)."""
+    async def scenario() -> tuple[float, list[httpx.Response]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as h:
             worst, done = 0.0, asyncio.Event()
 
             async def probe() -> None:
@@ -395,11 +391,48 @@ def test_large_bodies_are_validated_off_the_event_loop(server):
                     worst = max(worst, time.monotonic() - t)
                     await asyncio.sleep(0.02)
             prober = asyncio.ensure_future(probe())
-            rs = await asyncio.gather(*[h.post("/v1/completions", content=body,
-                                               headers={"content-type": "application/json"}) for _ in range(4)])
+            rs = await asyncio.gather(*[h.post(path, content=body, headers={"content-type": "application/json"})
+                                        for _ in range(count)])
             done.set()
             await prober
-            assert all(r.status_code == 400 and r.json()["error"]["param"] == "prompt" for r in rs), rs[0].text
-            return worst
+            return worst, rs
+    return asyncio.run(scenario())
 
-    assert asyncio.run(scenario()) < 0.6
+
+def test_large_bodies_are_validated_off_the_event_loop(server):
+    """Four concurrent 7.9 MB token-id bodies (each 400: longer than the context) are parsed and validated on
+    threads from their bytes, so /health, probed every 20 ms meanwhile, keeps answering (on the event loop they
+    held it for about 1 s here)."""
+    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": list(range(1000, 1_001_000)), "max_tokens": 1}).encode()
+    worst, rs = post_while_probing_health(server.url, "/v1/completions", body, 4)
+    assert all(r.status_code == 400 and r.json()["error"]["param"] == "prompt" for r in rs), rs[0].text
+    assert worst < 0.6
+
+
+MESSAGES = [{"role": "user", "content": "hi"}] * 230_000
+SMALL_ITEMS = {  # about 6-8 MB each: hundreds of thousands of small values, all of them refused
+    "1.3M-text-prompts": ("/v1/completions", {"prompt": ["ab"] * 1_300_000, "max_tokens": 1}, "n"),
+    "800k-id-prompts": ("/v1/completions", {"prompt": [[5, 6]] * 800_000, "max_tokens": 1}, "n"),
+    "230k-chat-messages": ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}, "messages"),
+    "230k-messages-to-tokenize": ("/tokenize", {"messages": MESSAGES}, "messages"),
+    "400k-logit-bias": ("/v1/completions", {"prompt": "Hi", "max_tokens": 1,
+                                            "logit_bias": {str(i): 1.0 for i in range(400_000)}}, "logit_bias"),
+}
+
+
+@pytest.mark.parametrize("case", list(SMALL_ITEMS))
+def test_megabyte_bodies_of_small_items_hold_health_up_less_than_a_second(server, case):
+    """Three concurrent ~8 MB bodies made of hundreds of thousands of small lists, strings or messages: each gets
+    its 400 naming the field within seconds, and /health answers within a second throughout. Before, their
+    validation held the GIL (and so the event loop) for seconds: the prompt union built a failing member's error
+    from the whole list, a check before validation built the whole body as Python objects and walked it, the
+    garbage collector walked it again and again, /tokenize parsed on the loop, logit_bias was checked on the loop,
+    and a million text prompts were tokenized one by one (108 s) before their number was refused."""
+    path, body, param = SMALL_ITEMS[case]
+    t0 = time.monotonic()
+    worst, rs = post_while_probing_health(server.url, path, json.dumps(body).encode(), 3)
+    took = time.monotonic() - t0
+    for r in rs:
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
+    assert worst < 1.0 and took < 20, (worst, took)

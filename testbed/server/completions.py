@@ -9,21 +9,24 @@ from starlette.responses import JSONResponse, Response
 
 from testbed.server.schemas import CompletionRequest, bad_request
 from testbed.server.params import beam_search_params, request_params, truncate_prompts
-from testbed.server.serving import Choice, GenerationRun, floor_logprob as _floor, prompt_logprobs_json
+from testbed.server.serving import (Choice, GenerationRun, check_choice_count, floor_logprob as _floor,
+                                    prompt_logprobs_json)
 from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 
 
 def parse_prompts(state: ServerState, prompt, param: str = "prompt", add_special_tokens: bool = True,
-                  truncating: bool = False) -> tuple[list[list[int]], list[str | None]]:
+                  truncating: bool = False, n: int | None = 1) -> tuple[list[list[int]], list[str | None]]:
     """(token ids per prompt, text per prompt or None when given as ids); `param` names the field in errors;
-    `truncating` (truncate_prompt_tokens given): any length is tokenized, to be cut afterwards."""
+    `truncating` (truncate_prompt_tokens given): any length is tokenized, to be cut afterwards; `n` sequences a
+    prompt (None: pooling inputs), whose count is checked before anything is tokenized."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
         raise bad_request(f"the {param} is empty; give a string, a list of strings or token ids", param)
     elif isinstance(prompt[0], int):
         prompt = [prompt]
+    check_choice_count(len(prompt), n)
     ids, texts = [], []
     for p in prompt:
         if isinstance(p, str):
@@ -92,7 +95,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
     sp = await request_params(state, req, req.max_tokens, req.logprobs, stop, prompt_logprobs)
     parsed, texts = await state.run_blocking(parse_prompts, state, req.prompt, "prompt", True,
-                                             req.truncate_prompt_tokens is not None)
+                                             req.truncate_prompt_tokens is not None, sp.n)
     prompts = truncate_prompts(state, parsed, sp)
     texts = [t if len(p) == len(q) else None for t, p, q in zip(texts, prompts, parsed)]  # echo what was kept
     beam = beam_search_params(state, req, sp, prompts)

@@ -35,7 +35,7 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, request: R
     except InvalidParam as e:
         raise bad_request(str(e), e.param) from None
     prompts, _ = await state.run_blocking(parse_prompts, state, req.input, "input", req.add_special_tokens,
-                                          req.truncate_prompt_tokens is not None)
+                                          req.truncate_prompt_tokens is not None, None)
     prompts = truncate_prompts(state, prompts, pp)
     run = GenerationRun(state, new_id("embd"), prompts, pp, priority=req.priority, lora=lora)
     run.start()

@@ -27,6 +27,16 @@ LOGPROB_FLOOR = -9999.0  # -inf is not JSON
 MAX_CHOICES = 1024  # prompts x n of one HTTP request (each is a core request with its own detokenizer)
 
 
+def check_choice_count(num_prompts: int, n: int | None) -> None:
+    """A 400 when one request asks for more than MAX_CHOICES sequences: prompts x n (n None: pooling inputs, one
+    sequence each). Checked again before the prompts are tokenized, so a request of a million prompts is refused at
+    once rather than after tokenizing them all."""
+    if num_prompts * (n or 1) > MAX_CHOICES:
+        what = "inputs" if n is None else f"prompts x n={n} asks for {num_prompts * n} sequences"
+        raise bad_request(f"{num_prompts} {what}; this server takes at most {MAX_CHOICES} per request: split it",
+                          "input" if n is None else "n")
+
+
 def floor_logprob(lp: float) -> float:
     return max(lp, LOGPROB_FLOOR)
 
@@ -86,10 +96,7 @@ class GenerationRun:
         self.n = 1 if self.pooling else sp.n
         if not self.pooling and sp.stop and state.tokenizer is None:
             raise bad_request("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
-        if len(prompts) * self.n > MAX_CHOICES:
-            what = "inputs" if self.pooling else f"prompts x n={self.n} asks for {len(prompts) * self.n} sequences"
-            raise bad_request(f"{len(prompts)} {what}; this server takes at most {MAX_CHOICES} per request: split "
-                              "it", "input" if self.pooling else "n")
+        check_choice_count(len(prompts), None if self.pooling else self.n)
         for p in prompts:
             self._check_length(p, 0 if self.pooling else sp.max_tokens)
         self.choices: list[Choice] = []

@@ -25,6 +25,7 @@ from testbed.server.schemas import APIError, bad_request
 
 T = TypeVar("T")
 GRAMMAR_THREADS = 2
+LARGE_BODY = 1 << 20  # bytes: a request body validated on ServerState.body_pool
 
 if TYPE_CHECKING:
     from testbed.runtime.dp_client import DPEngineClient
@@ -53,6 +54,10 @@ class ServerState:
     # grammar checks: their own threads, so a slow schema holds up neither tokenization nor the event loop
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar"))
+    # large request bodies (over LARGE_BODY bytes) are validated here, one at a time: pydantic holds the GIL while it
+    # builds a body's objects, so concurrent ones would hand it to one another for seconds while the event loop waits
+    body_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="large-body"))
     structured_outputs_timeout: float = 5.0
     emulated: str | None = None  # --emulate: "GPU, cost model" (reported in /v1/models), else None
     loras: LoRARegistry = field(default_factory=LoRARegistry)  # the LoRA adapters served beside the base model
