@@ -24,7 +24,7 @@ for part in "$@"; do
   echo "[device_2gpu] $part: start"
   case $part in
     pp) bound python3 benchmarks/pp.py --model $MODEL --num-requests ${PP_REQUESTS:-128} --rate ${PP_RATE:-6} \
-          --limit ${PP_LIMIT:-150} --out $OUT/pp 2>&1 | grep -v Warning | tee $OUT/pp.log ;;
+          --limit ${PP_LIMIT:-150} ${PP_FLAGS} --out $OUT/pp 2>&1 | grep -v Warning | tee $OUT/pp.log ;;
     tp) bound python3 benchmarks/tp.py --model $MODEL --cases ${TP_CASES:-1ga,2ga} --skip-allreduce \
           --out $OUT/tp.json 2>&1 | tee $OUT/tp.log | grep -E '^\{"case|decode|throughput|agreement' ;;
     tp-fidelity) bound python3 benchmarks/fidelity.py real --model $MODEL -tp 2 --out /tmp/fid_tp2 \

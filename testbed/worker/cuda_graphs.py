@@ -30,6 +30,14 @@ Decode-only steps of at most the largest decode size replay a graph of the split
 steps up to the largest size replay a mixed graph; larger steps run eagerly, where the device time of so
 many tokens exceeds the host's issue time (benchmarks/graphs.py shows where that holds).
 
+A pipeline stage (worker/pipeline.py) captures its own layers the same way, each stage on its own: a stage
+after the first reads the previous stage's activations from one more static buffer (`intermediate`, [2, tokens,
+hidden]: hidden states and residual stream), into which the step's received message is copied before the
+replay; a stage before the last returns its (hidden, residual) for the send. The send and receive stay outside
+the graphs. The padding rows of `intermediate` hold whatever an earlier step left there (zeros at first): finite
+values, which pass through the stage's layers as finite values, as the padding tokens' embeddings do on the
+first stage.
+
 Capture sizes are token counts (vLLM's `cuda_graph_sizes`): decode graphs for those <= max_num_seqs,
 mixed graphs for all <= max_num_batched_tokens. The graphs share one memory pool and are captured
 largest first; each is warmed up before capture so no kernel compiles inside it.
@@ -81,7 +89,10 @@ class StaticInputs:
     """The device buffers every graph reads its step from (the largest step's size; graphs see prefixes)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device,
-                 lora: bool = False) -> None:
+                 lora: bool = False, stage_input: tuple[int, torch.dtype] | None = None) -> None:
+        # a later pipeline stage's input: the previous stage's (hidden states, residual), given (hidden size, dtype)
+        self.intermediate = None if stage_input is None else torch.zeros(
+            2, max_tokens, stage_input[0], dtype=stage_input[1], device=device)
         # each token's LoRA slot (-1: base), when LoRA is on
         self.lora_idx = torch.full((max_tokens,), -1, dtype=torch.long, device=device) if lora else None
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
@@ -129,21 +140,30 @@ def pad_into(buf: StaticInputs, x, num_tokens: int, num_seqs: int, decode: bool 
 
 
 class CudaGraphs:
-    """The captured graphs of one model runner (one TP rank): `replay(x)` runs a step through the graph
-    that fits it, or returns None (run it eagerly)."""
+    """The captured graphs of one model runner (one TP rank, or one pipeline stage): `replay(x)` runs a step
+    through the graph that fits it (`size_for`), or returns None (run it eagerly). `stage_input` (hidden size,
+    dtype): the model is a pipeline stage after the first, called with the previous stage's activations."""
 
-    def __init__(self, model: Callable, config: EngineConfig, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, model: Callable, config: EngineConfig, max_model_len: int, device: torch.device,
+                 stage_input: tuple[int, torch.dtype] | None = None) -> None:
         self.model = model
         self.decode_sizes, self.mixed_sizes = split_sizes(config)
         self.max_num_seqs = config.max_num_seqs
         max_tokens = max(self.decode_sizes + self.mixed_sizes, default=1)
         max_seqs = max([self.num_seqs(t) for t in self.mixed_sizes] + self.decode_sizes + [1])
         self.buf = StaticInputs(max_tokens, max_seqs, -(-max_model_len // config.block_size), device,
-                                config.enable_lora)
+                                config.enable_lora, stage_input)
         self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
         self.capture_bytes = 0
+
+    def _call(self, n: int):
+        """The model over the buffers' first n tokens (and, on a later pipeline stage, their activations)."""
+        b = self.buf
+        if b.intermediate is None:
+            return self.model(b.input_ids[:n], b.positions[:n])
+        return self.model(b.input_ids[:n], b.positions[:n], (b.intermediate[0, :n], b.intermediate[1, :n]))
 
     def num_seqs(self, num_tokens: int) -> int:
         """The sequences a mixed graph of num_tokens tokens holds: every step's, and the padding's owner."""
@@ -175,11 +195,11 @@ class CudaGraphs:
                 b.seq_lens[:seqs].fill_(1)
             b.set_context(is_decode, n, seqs)
             try:
-                self.model(b.input_ids[:n], b.positions[:n])  # warm up: compiles every kernel outside the graph
+                self._call(n)  # warm up: compiles every kernel outside the graph
                 sync()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool, capture_error_mode=capture_error_mode):
-                    out = self.model(b.input_ids[:n], b.positions[:n])
+                    out = self._call(n)
             finally:
                 reset_context()
             pool = g.pool() if pool is None else pool
@@ -204,13 +224,22 @@ class CudaGraphs:
             return False, next(s for s in self.mixed_sizes if s >= n)
         return None
 
-    def replay(self, x) -> torch.Tensor | None:
-        """Hidden states [T, hidden] of step x through its graph, or None when no graph fits it."""
-        fit = self.size_for(x)
-        if fit is None or not (self.decode or self.mixed):
+    def fits(self, x) -> bool:
+        """Whether step x replays a graph."""
+        return bool(self.decode or self.mixed) and self.size_for(x) is not None
+
+    def replay(self, x, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Hidden states [T, hidden] of step x through its graph (a pipeline stage before the last: its (hidden,
+        residual) for the next stage; a later stage takes the previous one's as `intermediate`), or None when no
+        graph fits it."""
+        if not self.fits(x):
             return None
-        is_decode, n = fit
+        is_decode, n = self.size_for(x)
+        T = x.input_ids.numel()
         pad_into(self.buf, x, n, n if is_decode else self.num_seqs(n), is_decode)
+        if self.buf.intermediate is not None:
+            self.buf.intermediate[0, :T].copy_(intermediate[0])
+            self.buf.intermediate[1, :T].copy_(intermediate[1])
         g, out = (self.decode if is_decode else self.mixed)[n]
         g.replay()
-        return out[:x.input_ids.numel()]
+        return tuple(o[:T] for o in out) if isinstance(out, tuple) else out[:T]

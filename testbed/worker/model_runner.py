@@ -151,7 +151,8 @@ class ModelRunner:
         last = torch.tensor([e - 1 for e in ends], device=self.device)
         set_context(False, cu_seqlens_q=cu)
         try:
-            hidden = self._stage_forward(torch.zeros(n, dtype=torch.long, device=self.device), positions)
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            hidden = self._stage_forward(n, None, lambda intermediate: self._model(ids, positions, intermediate))
             logits = None if hidden is None else self.model.compute_logits(
                 hidden[last].repeat(max(1, cfg.max_num_seqs // seqs), 1))
         finally:
@@ -349,10 +350,12 @@ class ModelRunner:
         """Capture every step kind and size of worker/cuda_graphs.py (decode batches, mixed and prefill
         steps up to the largest capture size); `forward` replays them from then on. Every tensor-parallel
         rank captures the same graphs, in the same order, their all-reduces inside (worker/tp_all_reduce.py);
+        a pipeline stage captures its own layers, its activations' send and receive left outside the graphs.
         `sync` waits for the device (torch.cuda.synchronize by default)."""
-        if self.stage is not None:
-            raise RuntimeError("pipeline-parallel stages run eager: their steps receive and send activations")
-        self.graphs = CudaGraphs(self.model, self.config, self.max_model_len, self.device)
+        stage_input = None
+        if self.stage is not None and not self.stage.state.is_first:
+            stage_input = (self.stage.hidden_size, self.stage.dtype)
+        self.graphs = CudaGraphs(self.model, self.config, self.max_model_len, self.device, stage_input)
         tp = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.graphs.capture(self.device, sync, "thread_local" if tp else "global")
 
@@ -361,18 +364,32 @@ class ModelRunner:
         """The decode batch sizes captured (none without graphs)."""
         return self.graphs.decode_sizes if self.graphs is not None else []
 
-    def _stage_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       pending: PendingActivations | None = None) -> torch.Tensor | None:
-        """The model (this pipeline stage's layers) under the context set by the caller: a later stage first takes
-        the previous stage's activations (`pending`, posted earlier, else received now), a stage before the last
-        sends its own to the next one and returns None."""
-        if self.stage is None:
+    def _model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               intermediate: tuple[torch.Tensor, torch.Tensor] | None):
+        """The model (this pipeline stage's layers) run op by op, under the attention context the caller set."""
+        if intermediate is None:
             return self.model(input_ids, positions)
+        return self.model(input_ids, positions, intermediate)
+
+    def _eager(self, x: StepInputs, intermediate: tuple[torch.Tensor, torch.Tensor] | None):
+        """The model run op by op under step x's attention context."""
+        set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q, lora_idx=x.lora_idx)
+        try:
+            return self._model(x.input_ids, x.positions, intermediate)
+        finally:
+            reset_context()
+
+    def _stage_forward(self, num_tokens: int, pending: PendingActivations | None, run: Callable):
+        """`run(intermediate)` (a graph replay or the eager model, over a step of num_tokens tokens) as this
+        pipeline stage: a later stage first takes the previous stage's activations (`pending`, posted earlier,
+        else received now), a stage before the last sends its own to the next one and returns None."""
+        if self.stage is None:
+            return run(None)
         state = self.stage.state
         intermediate = None
         if not state.is_first:
-            intermediate = (pending if pending is not None else self.stage.post_recv(input_ids.numel())).wait()
-        out = self.model(input_ids, positions, intermediate)
+            intermediate = (pending if pending is not None else self.stage.post_recv(num_tokens)).wait()
+        out = run(intermediate)
         if state.is_last:
             return out
         self.stage.send(*out)
@@ -382,14 +399,9 @@ class ModelRunner:
     def forward(self, x: StepInputs, pending: PendingActivations | None = None) -> torch.Tensor | None:
         """The decoder over the step's tokens (a captured graph when one fits): hidden states [T, hidden]; None on
         a pipeline stage before the last (its activations went to the next stage)."""
-        hidden = self.graphs.replay(x) if self.graphs is not None and not self.eager_steps else None
-        if hidden is None:
-            set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q, lora_idx=x.lora_idx)
-            try:
-                hidden = self._stage_forward(x.input_ids, x.positions, pending)
-            finally:
-                reset_context()
-        return hidden
+        graphed = self.graphs is not None and not self.eager_steps and self.graphs.fits(x)
+        run = self.graphs.replay if graphed else self._eager
+        return self._stage_forward(x.input_ids.numel(), pending, lambda intermediate: run(x, intermediate))
 
     def logit_slices(self, hidden: torch.Tensor, sample_idx: torch.Tensor):
         """(first row, logits [rows, vocab] or None off rank 0) of the rows `sample_idx` picks from `hidden`,

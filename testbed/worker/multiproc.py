@@ -269,12 +269,12 @@ class MultiprocExecutor:
             self.num_cpu_blocks = config.cpu_blocks(self.runner.block_bytes)  # the same on every rank
             self._send(CMD_ALLOC, arg=blocks, payload=np.array([self.num_cpu_blocks], dtype=np.int64).view(np.uint8))
             self.runner.allocate_kv_cache(blocks, self.num_cpu_blocks)
-            if self.device.type == "cuda" and not enforce_eager and pp > 1:
-                logger.warning("pipeline parallelism (--pipeline-parallel-size %d): every step runs eager on every "
-                               "stage, without CUDA graphs (a captured step cannot hold its activations' send and "
-                               "receive)", pp)
+            if self.device.type == "cuda" and not enforce_eager and pp > 1 and tp > 1:
+                logger.warning("--pipeline-parallel-size %d x --tensor-parallel-size %d: every step runs eager on "
+                               "every rank, without CUDA graphs (the in-graph all-reduce spans all ranks, not one "
+                               "stage's)", pp, tp)
             elif self.device.type == "cuda" and not enforce_eager:
-                self._capture()
+                self._capture(tp)
         except BaseException as e:
             self._startup_failed(e)
         self.num_gpu_blocks = blocks
@@ -284,11 +284,12 @@ class MultiprocExecutor:
         self.runner.broadcast_block_ops = self._broadcast_block_ops  # type: ignore[attr-defined]
         self.grammars = self.runner.sampler.processors.grammars  # rank 0 samples, so rank 0 compiles grammars
 
-    def _capture(self) -> None:
-        """Every rank captures the same CUDA graphs in lockstep, rank 0 watching the others whenever it waits
-        for its device (a rank that fails ends the capture within seconds, naming it). Only with the graph-safe
+    def _capture(self, tp: int) -> None:
+        """Every rank captures its CUDA graphs in lockstep, rank 0 watching the others whenever it waits for its
+        device (a rank that fails ends the capture within seconds, naming it): the same graphs on every
+        tensor-parallel rank, each pipeline stage its own layers. Tensor parallelism only with the graph-safe
         all-reduce: NCCL collectives are never captured."""
-        if not symmetric_available():
+        if tp > 1 and not symmetric_available():
             logger.warning("tensor-parallel ranks run eager: the symmetric-memory all-reduce CUDA graphs need is "
                            "unavailable (see the warning above)")
             return
