@@ -31,7 +31,7 @@ for part in "$@"; do
           --tar $OUT/runs_${MODEL}_${gpu}_tp2.tar.gz --profile-out $OUT/${MODEL}_${gpu}_tp2.json --no-progress \
           --cases azure-burst,azure-80 --limit ${FID_LIMIT:-1000} --reps ${FID_REPS:-5} --budget-s ${FID_BUDGET_S:-400} 2>&1 | tee $OUT/tp_fidelity.log ;;
     dp) bound python3 benchmarks/dp.py --layouts 1x1 2x1 --model $DP_MODEL --rates ${DP_RATES:-40 80 160 400} \
-          --num-prompts ${DP_PROMPTS:-1500} --cost-model profile --budget-s 420 --out $OUT/dp 2>&1 | tee $OUT/dp.log | tail -40 ;;
+          --num-prompts ${DP_PROMPTS:-1500} --cost-model ${DP_COST_MODEL:-profile} --budget-s ${DP_BUDGET_S:-420} --out $OUT/dp 2>&1 | tee $OUT/dp.log | tail -40 ;;
     dp-policies) for pol in round_robin kv_aware; do
           bound python3 benchmarks/dp.py --layouts 2x1 --model $DP_MODEL --policy $pol --rates ${DP_POLICY_RATE:-160} \
             --num-prompts ${DP_PROMPTS:-1500} --cost-model $OUT/dp/profile.json --out $OUT/dp-$pol 2>&1 \
