@@ -376,6 +376,34 @@ def test_a_slow_grammar_compiles_while_other_requests_stream(server):
     assert max(gaps) < 0.5 * structured["took"], (max(gaps), structured["took"])
 
 
+def test_a_grammar_past_its_bound_gets_a_400_and_holds_no_later_grammar_up(tmp_path):
+    """--structured-outputs-timeout 1: the issue's JSON schema of 3,000 optional properties (its compile takes about
+    20 s here) is rejected with a 400 naming the bound about a second into its compile; xgrammar cannot stop it, so
+    it finishes on its thread, abandoned: a small schema sent next is compiled beside it at once (before, it waited
+    on the one compile thread for the abandoned compile to end), and the server still stops cleanly."""
+    import openai
+    wide = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(3000)}}
+    small = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    with running_server("--structured-outputs-timeout", "1", log_dir=tmp_path, env={"OMP_NUM_THREADS": "1"}) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+
+        def structured(schema: dict) -> float:
+            t0 = time.monotonic()
+            r = client.chat.completions.create(
+                model=model, max_tokens=4, messages=[{"role": "user", "content": "JSON, please."}],
+                response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+            assert r.choices[0].message.content.lstrip().startswith("{"), r.choices[0].message.content
+            return time.monotonic() - t0
+
+        structured(small)  # the tokenizer's vocabulary is set up for grammars once, outside any bound
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError, match="--structured-outputs-timeout") as e:
+            structured(wide)
+        assert e.value.status_code == 400 and time.monotonic() - t0 < 8, time.monotonic() - t0
+        assert structured(small) < 4
+
+
 def post_while_probing_health(url: str, path: str, body: bytes, count: int) -> tuple[float, list[httpx.Response]]:
     """POST `body` to `path` `count` times at once while /health is probed every 20 ms: (its slowest answer in
     seconds, the POSTs' responses)."""

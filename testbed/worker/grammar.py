@@ -9,11 +9,14 @@ the end of its grammar (a stop token), its row is no longer constrained, as in v
 freely). The constraint's translation into xgrammar, and the front-ends' torch-free check of it, are in
 grammar_compile.py.
 
-Compiling against the tokenizer (seconds for a schema of a thousand optional properties) runs on a thread
-pool of the worker that samples (rank 0), as in vLLM V1: the engine's driver `submit`s a request's grammar
+Compiling against the tokenizer (seconds for a schema of a thousand optional properties) runs on threads
+of the worker that samples (rank 0), as in vLLM V1's pool: the engine's driver `submit`s a request's grammar
 when it is queued and `poll`s for finished compiles (EngineStepper), so no step waits for one; the time
 bound counts from when a request's compile begins (`compiling_for`), not its wait for a thread or for the
-one-time setup of the tokenizer's vocabulary. xgrammar releases the GIL while it compiles, so the step
+one-time setup of the tokenizer's vocabulary. A request forgotten mid-compile (past the bound, or aborted)
+leaves its compile to finish on its thread, since xgrammar cannot stop one, and frees its place: the next
+grammar starts at once instead of waiting out a 3,000-property schema's 20 s (up to MAX_ABANDONED such
+threads run at once; beyond, new compiles wait). xgrammar releases the GIL while it compiles, so the step
 loop goes on meanwhile. A request whose grammar was never submitted (a caller driving the model runner
 directly) compiles it at its first bitmask.
 """
@@ -22,13 +25,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
 
 from testbed.engine.params import StructuredOutputsParams
 from testbed.worker.grammar_compile import compile_constraint, xgrammar
+
+MAX_ABANDONED = 2  # compiles whose request was forgotten (past --structured-outputs-timeout) still running at once
 
 
 def unpack_bitmask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -58,8 +64,14 @@ class GrammarStates:
         self.started: dict[str, float] = {}  # request id -> when its compile began (time.monotonic), while compiling
         self.compiled: dict[str, Any] = {}  # request id -> CompiledGrammar, until its first bitmask
         self._threads = threads or max(1, (os.cpu_count() or 2) // 2)
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()  # one compiler (its tokenizer info) shared by the pool's threads
+        # compiles waiting for a thread; the number of threads compiling for a live request (at most _threads) and
+        # of those whose request was forgotten mid-compile (abandoned: xgrammar cannot be stopped, so the thread
+        # finishes and drops the result, no longer holding a place: at most MAX_ABANDONED at once)
+        self._queue: deque[tuple[str, Future, tuple]] = deque()
+        self._running: dict[Future, str] = {}
+        self._abandoned: set[Future] = set()
+        self._slots = threading.Lock()  # guards the four above
+        self._lock = threading.Lock()  # one compiler (its tokenizer info) shared by the compiling threads
         self._xgr = None
         self._compiler = None
         self._vocab = 0
@@ -70,14 +82,42 @@ class GrammarStates:
             self.compiled.pop(rid, None)
             self.started.pop(rid, None)
             f = self.compiling.pop(rid, None)
-            if f is not None:
-                f.cancel()  # a compile already running finishes on its thread; its result is dropped
+            if f is not None and not f.cancel():  # running: it finishes on its thread, its result dropped
+                with self._slots:
+                    if f in self._running:
+                        del self._running[f]
+                        self._abandoned.add(f)
+                    self._dispatch()
 
     def submit(self, request_id: str, so: StructuredOutputsParams, vocab_size: int, eos_token_id: int | None) -> None:
-        """Start compiling a request's grammar on the pool; `poll` reports it once done."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="grammar-compile")
-        self.compiling[request_id] = self._pool.submit(self._compile, so, vocab_size, eos_token_id, request_id)
+        """Start compiling a request's grammar on a thread of its own, once fewer than `threads` compile for live
+        requests and fewer than MAX_ABANDONED for forgotten ones; `poll` reports it once done."""
+        f: Future = Future()
+        self.compiling[request_id] = f
+        with self._slots:
+            self._queue.append((request_id, f, (so, vocab_size, eos_token_id, request_id)))
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Start queued compiles while there is room (the caller holds _slots)."""
+        while self._queue and len(self._running) < self._threads and len(self._abandoned) < MAX_ABANDONED:
+            rid, f, args = self._queue.popleft()
+            if not f.set_running_or_notify_cancel():
+                continue  # forgotten while it waited
+            self._running[f] = rid
+            threading.Thread(target=self._run, args=(f, args), name="grammar-compile", daemon=True).start()
+
+    def _run(self, f: Future, args: tuple) -> None:
+        try:
+            f.set_result(self._compile(*args))
+        except BaseException as e:  # noqa: BLE001 - reported by poll (InvalidParam) or raised by result()
+            f.set_exception(e)
+        finally:
+            with self._slots:
+                if self._running.pop(f, None) is None:
+                    self._abandoned.discard(f)
+                    self.started.pop(args[-1], None)
+                self._dispatch()
 
     def compiling_for(self, request_id: str) -> float:
         """Seconds the request's grammar has been compiling (0 while it waits for a thread or for the one-time
@@ -102,9 +142,11 @@ class GrammarStates:
         return out
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Cancel the compiles still waiting; running ones end on their (daemon) threads."""
+        with self._slots:
+            for _, f, _ in self._queue:
+                f.cancel()
+            self._queue.clear()
 
     def _compile(self, so: StructuredOutputsParams, vocab_size: int, eos_token_id: int | None,
                  request_id: str | None = None):
