@@ -35,16 +35,19 @@ class ServerProcess:
     """`python -m testbed.cli serve` in a subprocess; its output goes to a log file in `log_dir`
     (a pytest tmp dir, so old logs are pruned)."""
 
-    def __init__(self, *args: str, log_dir: Path, api_key: str | None = None, env: dict | None = None) -> None:
+    def __init__(self, *args: str, log_dir: Path, api_key: str | None = None, env: dict | None = None,
+                 key_in_env: bool = False) -> None:
+        """`api_key`: given as --api-key, or (`key_in_env`) as $VLLM_API_KEY, out of the process's command line."""
         self.port = free_port()
         self.api_key = api_key
         self.log_path = Path(tempfile.mkstemp(prefix="serve-", suffix=".log", dir=log_dir)[1])
         cmd = [sys.executable, "-m", "testbed.cli", "serve", "--port", str(self.port), *SMALL, *args]
-        if api_key:
+        if api_key and not key_in_env:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        env.pop("TESTBED_API_KEY", None)
-        env.pop("VLLM_API_KEY", None)
+        env = {**{k: v for k, v in os.environ.items() if k not in ("TESTBED_API_KEY", "VLLM_API_KEY")},
+               "PYTHONUNBUFFERED": "1", **(env or {})}
+        if api_key and key_in_env:
+            env["VLLM_API_KEY"] = api_key
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -25,7 +26,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server("--enable-prefix-caching", "--max-request-bytes", "100000", api_key=KEY,
+    # the key from vLLM's $VLLM_API_KEY, so it is not on the command line (test_401_api_key checks both)
+    with running_server("--enable-prefix-caching", "--max-request-bytes", "100000", api_key=KEY, key_in_env=True,
                         log_dir=tmp_path_factory.mktemp("serve")) as srv:
         yield srv
 
@@ -458,6 +460,8 @@ def test_openai_client_raises_bad_request(client):
 
 
 def test_401_api_key(server, http):
+    """The key, read from $VLLM_API_KEY (absent from the server's command line), guards every /v1 route."""
+    assert KEY.encode() not in Path(f"/proc/{server.proc.pid}/cmdline").read_bytes()
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
                     {"Authorization": f"Bearer {KEY}x"}):
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers=headers)
