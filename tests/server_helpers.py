@@ -113,6 +113,16 @@ def running_server(*args: str, log_dir: Path, **kwargs) -> Iterator[ServerProces
         assert code == 0, srv.log_text()
 
 
+def replica_pids(srv: ServerProcess) -> dict[int, int]:
+    """DP rank -> pid of the server's replica processes (its children running dp_engine_proc)."""
+    pids = {}
+    for child in Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split():
+        cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if b"testbed.runtime.dp_engine_proc" in cmd:
+            pids[json.loads(cmd[3])["rank"]] = int(child)
+    return pids
+
+
 def sse_events(lines) -> list:
     """Parsed `data:` payloads of an SSE body ('[DONE]' kept as the string)."""
     out = []

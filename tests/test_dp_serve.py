@@ -16,21 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import ServerProcess, metric, sse_events
+from server_helpers import ServerProcess, metric, replica_pids, sse_events
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.timeout(300)]
 
 PROMPT = "The capital of France is"
-
-
-def replica_pids(srv: ServerProcess) -> dict[int, int]:
-    """DP rank -> pid of the server's replica processes (its children running dp_engine_proc)."""
-    pids = {}
-    for child in Path(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read_text().split():
-        cmd = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        if b"testbed.runtime.dp_engine_proc" in cmd:
-            pids[json.loads(cmd[3])["rank"]] = int(child)
-    return pids
 
 
 def logged(path: Path) -> list[list]:

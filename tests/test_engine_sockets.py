@@ -16,16 +16,19 @@ Real processes on 127.0.0.1 and ipc; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
 from pathlib import Path
 
+import httpx
 import msgspec
 import openai
 import pytest
 import zmq
 
-from server_helpers import running_server
+from server_helpers import replica_pids, running_server
 from testbed.engine.config import EngineConfig
 from testbed.engine.params import PoolingParams, SamplingParams, StructuredOutputsParams
 from testbed.runtime import dp_protocol as D
@@ -63,9 +66,8 @@ def test_replicas_decoding_for_longer_than_the_heartbeat_timeout_stay_alive(tmp_
             "-dp", "2", "--dp-policy", "round_robin", "--max-model-len", "4096", "--num-gpu-blocks", "640",
             "--data-parallel-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
     with running_server(*args, log_dir=tmp_path) as srv:
-        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="none", timeout=120, max_retries=0)
-
         async def stream(i: int) -> tuple[int, str | None, float]:
+            client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="none", timeout=120, max_retries=0)
             t0 = time.monotonic()
             n, reason = 0, None
             async for chunk in await client.completions.create(
@@ -85,6 +87,17 @@ def test_replicas_decoding_for_longer_than_the_heartbeat_timeout_stay_alive(tmp_
             assert took > 2 * HEARTBEAT_TIMEOUT_S, f"the streams must outlast the timeout twice: {results}"
         log = srv.log_text()
         assert "is dead" not in log and "engine_dead" not in log, log
+
+        # the second case: the replica left after the other was killed decodes on past the timeout
+        os.kill(replica_pids(srv)[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{srv.url}/health", timeout=10).json().get("dead_engines") is None:
+            assert time.monotonic() < deadline, srv.log_text()
+            time.sleep(0.2)
+        n, reason, took = asyncio.run(stream(0))
+        assert reason == "length" and took > 2 * HEARTBEAT_TIMEOUT_S, (n, reason, took, srv.log_text())
+        health = httpx.get(f"{srv.url}/health", timeout=10).json()
+        assert health["dead_engines"].keys() == {"1"}, health
 
 
 def srv_model(srv) -> str:
