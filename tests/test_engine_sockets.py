@@ -183,3 +183,51 @@ def test_a_fuzz_of_raw_frames_kills_no_engine_process(tmp_path, monkeypatch, cap
                   "testbed serve: dropped a malformed frame on its output socket"):
         assert where in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_fuzz_of_raw_frames_at_the_single_engine_socket_kills_nothing(monkeypatch, capfd):
+    """The one socket a single-engine server listens on (its engine output socket, IPC in a private folder)
+    drops the same fuzz, with forged engine messages besides (an EngineError that would end every request, a
+    second Ready, empty Outputs), unsigned, under another secret or truncated: the client stays alive, the
+    engine core keeps serving and the drops are logged."""
+    from testbed.runtime.client import EngineClient
+    secret = "s3cret-for-this-test"
+    monkeypatch.setenv(SECRET_ENV, secret)
+    proc = EngineProcConfig(engine=EngineConfig(max_num_seqs=4, max_model_len=4096).to_dict(), model="Llama-3.2-1B",
+                            executor_factory="testbed.sim.emulator:create",
+                            executor_args={"gpu": "H200", "cost_model": "zero"})
+    client = EngineClient(proc)
+    forged = [P.EngineError("forged"), P.Ready(1, 16, 4096, 2, 128, 1),
+              P.Outputs([], P.SchedulerStats(0, 0, 0.0, 0, 0, 0, -1))]
+    enc, other, ours = msgspec.msgpack.Encoder(), Frames(secret + "-other", "fuzz"), Frames(secret, "fuzz")
+    frames = fuzz_frames(random.Random(1), secret)
+    frames += [[enc.encode(m)] for m in forged] + [[other.encode(m)] for m in forged]
+    frames += [[ours.encode(m)[:-1]] for m in forged]
+
+    async def serve_one() -> None:
+        s = client.add(f"q{time.monotonic_ns()}", [11, 12, 13], time.time(),
+                       sampling_params=SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+        while not (out := await asyncio.wait_for(s.get(), 30)).finished:
+            pass
+        assert out.finish_reason == "length", out
+
+    async def scenario() -> None:
+        try:
+            await asyncio.wait_for(client.start(), 120)
+            await serve_one()
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(client.out.getsockopt(zmq.LAST_ENDPOINT).decode())
+            for parts in frames:
+                sock.send_multipart(parts)
+            await asyncio.sleep(1.0)
+            sock.close()
+            assert client.proc.poll() is None and not client.is_dead, client.dead_reason
+            await serve_one()
+        finally:
+            await client.shutdown(timeout=10)
+
+    asyncio.run(scenario())
+    err = capfd.readouterr().err
+    assert "testbed serve: dropped a malformed frame on its engine output socket" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
