@@ -63,29 +63,30 @@ def reference_beam_search(prompt, width: int, max_tokens: int, eos: int | None, 
 
 
 def beam_request(rid: str, prompt, width: int, max_tokens: int, eos: int | None = None, ignore_eos: bool = False,
-                 arrival: float = 0.0) -> Request:
-    bp = BeamSearchParams(width, max_tokens, ignore_eos=ignore_eos)
+                 arrival: float = 0.0, length_penalty: float = 1.0) -> Request:
+    bp = BeamSearchParams(width, max_tokens, ignore_eos=ignore_eos, length_penalty=length_penalty)
     return Request(rid, list(prompt), bp.sampling_params(), arrival, eos_token_id=eos, beam_params=bp)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(width=st.integers(1, 4), max_tokens=st.integers(1, 9), prompt_len=st.integers(1, 9),
        block_size=st.sampled_from([1, 2, 4]), eos=st.none() | st.integers(0, VOCAB - 1), ignore_eos=st.booleans(),
-       others=st.integers(0, 4), num_blocks=st.integers(10, 36), swap=st.booleans(), prefix=st.booleans())
+       others=st.integers(0, 4), num_blocks=st.integers(10, 36), swap=st.booleans(), prefix=st.booleans(),
+       length_penalty=st.sampled_from([1.0, 0.0, 2.0, -1.0]))
 def test_beams_are_vllms_with_shared_blocks_under_pressure(width, max_tokens, prompt_len, block_size, eos, ignore_eos,
-                                                          others, num_blocks, swap, prefix):
+                                                          others, num_blocks, swap, prefix, length_penalty):
     """Beam groups next to plain requests on a small cache (preempted by swap or recompute, whole): every result
-    is the reference beam search's, every block holds what its table says (KV checked), and the pools are
-    clean at the end."""
+    is the reference beam search's at the drawn length_penalty, every block holds what its table says (KV
+    checked), and the pools are clean at the end."""
     engine = make_engine(num_blocks, 64, block_size=block_size, max_num_seqs=8, max_num_batched_tokens=32,
                          preemption_mode="swap" if swap else "recompute", num_cpu_blocks=40,
                          enable_prefix_caching=prefix)
     prompt = [(7 * i + 3) % VOCAB for i in range(prompt_len)]
-    arrivals = [(0, beam_request("g0", prompt, width, max_tokens, eos, ignore_eos)),
-                (1, beam_request("g1", prompt, width, max_tokens, eos, ignore_eos, arrival=1.0))]
+    arrivals = [(0, beam_request("g0", prompt, width, max_tokens, eos, ignore_eos, length_penalty=length_penalty)),
+                (1, beam_request("g1", prompt, width, max_tokens, eos, ignore_eos, 1.0, length_penalty))]
     arrivals += [(j, make_request(f"p{j}", prompt_len=10, max_tokens=12, arrival=float(j))) for j in range(others)]
     steps, outs = run_engine(engine, arrivals, ToyModelExecutor(block_size))
-    want = reference_beam_search(prompt, width, max_tokens, eos, ignore_eos)
+    want = reference_beam_search(prompt, width, max_tokens, eos, ignore_eos, length_penalty)
     for g in ("g0", "g1"):
         last = outs[g][-1]
         if last.finish_reason == "rejected":
@@ -171,9 +172,11 @@ def test_simulate_runs_beam_search_requests_from_a_trace(tmp_path, capsys):
     assert [r.beam_width for r in load_trace(trace)] == [4, None] * 4
     flags = ["--model", "Llama-3.2-1B", "--gpu", "H100", "--cost-model", "roofline", "--num-gpu-blocks", "60",
              "--block-size", "16", "--no-progress", "--format", "json"]
-    assert main(["simulate", str(trace), *flags, "--preemption-mode", "swap", "--num-cpu-blocks", "200",
+    # --swap-space sizes the CPU pool from the model's block bytes: 16 tokens x K, V x 16 layers x 8 KV heads x 64 x 2 B
+    assert main(["simulate", str(trace), *flags, "--preemption-mode", "swap", "--swap-space", str(200 * 2**19 / 2**30),
                  "-o", str(tmp_path / "swap")]) == 0
     swap = json.loads(capsys.readouterr().out)
+    assert json.loads((tmp_path / "swap" / "manifest.json").read_text())["num_cpu_blocks"] == 200
     assert swap["num_finished"] == 8 and swap["num_blocks_copied"] > 0 and swap["num_swap_preemptions"] > 0
     assert main(["simulate", str(trace), *flags, "-o", str(tmp_path / "recompute")]) == 0
     rec = json.loads(capsys.readouterr().out)

@@ -207,6 +207,28 @@ def test_tables_interpolate_fill_holes_and_extrapolate():
         Table2D([1], [1, 2], [[None, None]])
 
 
+def test_block_moves_are_charged_at_the_host_link_the_profile_measured():
+    """Swap preemption's and copy-on-write's KV block moves: each swapped block crosses the host link at the
+    bandwidth `testbed profile` measured (its host_device section), a copied one is read and written at the
+    measured device bandwidth; a profile without that measurement prices them at its GPU preset's, and one that
+    records no model shape refuses to price them."""
+    from testbed.specs.hardware import get_gpu_spec
+    prof = fake_profile()
+    prof["model"].update(num_key_value_heads=8, num_hidden_layers=16, hidden_size=2048, num_attention_heads=32)
+    prof["host_device"] = {"bandwidth": 5e9, "device_bandwidth": 2e12}
+    block = BS * 2 * 16 * 8 * 64 * 2  # K and V of 16 tokens, 16 layers, 8 KV heads of 64, bf16
+    so = F.step(decode_rows(4, 1024))
+    plain = ProfiledCostModel(prof).step_time(so)
+    so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy = [(0, 0), (1, 1)], [(2, 5)], [(3, 4)]
+    assert ProfiledCostModel(prof).step_time(so) - plain == pytest.approx(3 * block / 5e9 + 2 * block / 2e12, rel=1e-9)
+    del prof["host_device"]
+    h200 = get_gpu_spec("H200")
+    assert ProfiledCostModel(prof).step_time(so) - plain == pytest.approx(
+        3 * block / h200.host_bandwidth + 2 * block / h200.mem_bandwidth, rel=1e-9)
+    with pytest.raises(ProfileError, match="cannot be priced"):
+        ProfiledCostModel(fake_profile()).step_time(so)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 10_000), st.integers(3, 40), st.integers(1, 6))
 def test_nnls_satisfies_kkt(seed, m, n):
