@@ -185,3 +185,31 @@ def test_dp_lora_affinity_replays_exactly_and_keeps_each_adapter_on_one_replica(
     pd.testing.assert_frame_equal(rr[["replica", *REQUEST_OUTCOMES]], sr[["replica", *REQUEST_OUTCOMES]])
     placed = rr.dropna(subset=["lora"]).groupby("lora")["replica"].nunique()
     assert (placed == 1).all() and rr.dropna(subset=["lora"])["replica"].nunique() == 2
+
+
+def test_simulate_charges_the_lora_costs_a_profile_measured(tmp_path):
+    """--enable-lora with a profile that carries `testbed profile --enable-lora`'s LoRA table: the simulator's cost
+    model is the profile's plus those measurements (scaled to the run's --max-lora-rank), not the roofline terms;
+    a profile without the table gets the roofline terms, said so in the description."""
+    from test_profiled import F, fake_profile
+    from testbed.profiling.synthetic_steps import decode_rows
+    from testbed.sim.factory import load_cost_model
+    from testbed.sim.profiled import ProfiledCostModel
+    prof = fake_profile()
+    prof["lora"] = {"max_lora_rank": 8, "decode": {"tokens": [1, 8], "extra_s": [1e-4, 3e-4]},
+                    "chunk": {"tokens": [16, 64], "extra_s": [2e-4, 6e-4]}, "load_disk_s": 0.05, "load_host_s": 0.01}
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    model, gpu = get_model_spec("Llama-3.2-1B"), get_gpu_spec("H200")
+    cm, desc = load_cost_model(str(tmp_path / "p.json"), model, gpu, EngineConfig(enable_lora=True, max_lora_rank=16))
+    assert "LoRA as the profile measured it (rank 8)" in desc
+    base = ProfiledCostModel(prof)
+    so = F.step(decode_rows(8, 128))
+    assert cm.step_time(so) == base.step_time(so)  # base rows pay nothing
+    so.num_lora_tokens, so.num_loras = 8, 2
+    assert cm.step_time(so) - base.step_time(so) == pytest.approx(2 * 3e-4)  # rank 16: twice the rank-8 table
+    so.lora_loads = [LoRALoad(0, LoRARequest("a", 1), True), LoRALoad(1, LoRARequest("b", 2), False)]
+    assert cm.step_time(so) - base.step_time(so) == pytest.approx(2 * (3e-4 + 0.05 + 0.01))
+    del prof["lora"]
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    cm, desc = load_cost_model(str(tmp_path / "p.json"), model, gpu, EngineConfig(enable_lora=True, max_lora_rank=16))
+    assert "LoRA roofline terms (rank 16)" in desc and isinstance(cm.lora, LoRACost)
