@@ -1,9 +1,10 @@
 """LoRA adapters over the server with the official openai client: adapters started with --lora-modules and loaded or
-unloaded at run time are models of /v1/models, chosen by the `model` field, and generate what transformers
-generates with the adapter merged; unknown adapters are 404s and refused folders 400s, in OpenAI's error shape."""
+unloaded at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter through the client) are models of
+/v1/models, chosen by the `model` field, and generate what transformers generates with the adapter merged;
+unknown adapters are 404s and refused folders (too high a rank, other target modules, no config) 400s, in
+OpenAI's error shape."""
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
@@ -20,6 +21,9 @@ def setup(tmp_path_factory):
     mats = {"a1": (save_peft_adapter(root / "a1", hf, 8, ["q_proj", "o_proj", "down_proj"], seed=12, std=0.2), 2.0),
             "a2": (save_peft_adapter(root / "a2", hf, 16, ["v_proj", "gate_proj", "up_proj"], seed=13, std=0.2), 1.0)}
     save_peft_adapter(root / "big", hf, 32, ["q_proj"])
+    save_peft_adapter(root / "emb", hf, 8, ["q_proj"])  # then made to target the embeddings too
+    cfg = root / "emb" / "adapter_config.json"
+    cfg.write_text(cfg.read_text().replace('["q_proj"]', '["q_proj", "embed_tokens"]'))
     prompts = random_prompts([9, 12], 320, seed=14)
     refs = {}
     for name in (None, "a1", "a2"):
@@ -51,24 +55,25 @@ def test_adapters_load_serve_and_unload(server, client, setup):
     assert _tokens(client, "a1", prompts) == refs["a1"]
     assert _tokens(client, "base", prompts) == refs[None]
 
-    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(root / "a2")})
-    assert r.status_code == 200 and "a2" in r.text
+    # the load and unload endpoints through the openai client's own POST (its errors are OpenAI's shape)
+    out = client.post("/load_lora_adapter", body={"lora_name": "a2", "lora_path": str(root / "a2")}, cast_to=str)
+    assert "a2" in out
     assert [m.id for m in client.models.list().data] == ["base", "a1", "a2"]
     assert _tokens(client, "a2", prompts) == refs["a2"]
 
-    for body, status, words in [({"lora_name": "big", "lora_path": str(root / "big")}, 400, "exceeds --max-lora-rank"),
-                                ({"lora_name": "a2", "lora_path": str(root / "a2")}, 400, "already been loaded"),
-                                ({"lora_name": "x", "lora_path": str(root / "none")}, 400, "no adapter_config.json")]:
-        r = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body)
-        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    for name, folder, words in [("big", "big", "exceeds --max-lora-rank"), ("a2", "a2", "already been loaded"),
+                                ("emb", "emb", "'embed_tokens'"), ("x", "none", "no adapter_config.json")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.post("/load_lora_adapter", body={"lora_name": name, "lora_path": str(root / folder)}, cast_to=str)
+        assert e.value.status_code == 400 and words in e.value.body["message"], e.value.body
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt=prompts[0], max_tokens=2)
     assert e.value.body["code"] == "model_not_found" and "`a2`" in e.value.body["message"]
 
-    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a2"})
-    assert r.status_code == 200
+    assert "a2" in client.post("/unload_lora_adapter", body={"lora_name": "a2"}, cast_to=str)
     assert [m.id for m in client.models.list().data] == ["base", "a1"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="a2", prompt=prompts[0], max_tokens=2)
-    r = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a2"})
-    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.post("/unload_lora_adapter", body={"lora_name": "a2"}, cast_to=str)
+    assert e.value.body["type"] == "invalid_request_error"
