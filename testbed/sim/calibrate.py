@@ -54,8 +54,9 @@ def _constants(cm: ProfiledCostModel) -> RooflineConstants:
 
 
 def roofline_constants(profiles: Iterable[str | Path] | None = None) -> RooflineConstants:
-    """Medians of each constant over the profiles (default: every shipped one)."""
-    paths = list(profiles) if profiles is not None else sorted(PROFILES_DIR.glob("*.json"))
+    """Medians of each constant over the profiles (default: every shipped one of one GPU, `*_tp1.json`: the
+    constants describe one GPU's work; the roofline adds TP's all-reduces from their own measured fit)."""
+    paths = list(profiles) if profiles is not None else sorted(PROFILES_DIR.glob("*_tp1.json"))
     if not paths:
         raise ValueError("no profile to calibrate the roofline from")
     each = [_constants(ProfiledCostModel.from_file(p)) for p in paths]
@@ -65,7 +66,7 @@ def roofline_constants(profiles: Iterable[str | Path] | None = None) -> Roofline
 
 
 def per_profile(profiles: Iterable[str | Path] | None = None) -> dict[str, RooflineConstants]:
-    paths = list(profiles) if profiles is not None else sorted(PROFILES_DIR.glob("*.json"))
+    paths = list(profiles) if profiles is not None else sorted(PROFILES_DIR.glob("*_tp1.json"))
     return {Path(p).stem: _constants(ProfiledCostModel.from_file(p)) for p in paths}
 
 

@@ -96,5 +96,6 @@ def expected_error(cost_model, model: str, gpu: str, tp: int, bands: dict | None
 
 
 def _measured(entry: dict) -> dict:
-    return {"basis": f"the largest error over {len(entry['cases'])} fidelity cases; {entry['source']}",
+    n = len(entry["cases"])
+    return {"basis": f"the largest error over {n} fidelity case{'s' if n != 1 else ''}; {entry['source']}",
             "bounds": dict(entry["bounds"])}
