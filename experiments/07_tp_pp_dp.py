@@ -22,9 +22,10 @@
 # - DP runs independent replicas behind the least-loaded router (`testbed/engine/coordinator.py`).
 #
 # Each layout's KV cache is what its ranks have left after their weights (a PP stage holds its own layers, so
-# PP leaves more KV per GPU than TP at the same GPU count). No point here was measured: `benchmarks/pp.py`
-# measures PP=2 against TP=2 against DP=2 for the 8B shape on 2 GPUs; once its results are committed under
-# `measured`, the notebook shows them beside their simulations (part 2).
+# PP leaves more KV per GPU than TP at the same GPU count). No 70B point was measured. What was measured is the
+# same question at a size two GPUs hold: `benchmarks/pp.py` ran PP=2 against TP=2 against DP=2 for the Llama-3.1-8B
+# shape on 2 H100s (2026-11-26, `benchmarks/results/pp/`), and part 2 shows those serving runs beside their
+# simulations (TP=2 led there: a lower TPOT at the same rate).
 
 # %% tags=["parameters"]
 full = False  # True: the whole Azure conversation hour ($TESTBED_TRACES_DIR) at more rates

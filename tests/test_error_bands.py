@@ -21,13 +21,16 @@ REAL = FIDELITY / "2026-11-24_795c0af_h200_llama-3.2-1b/azure-80"
 
 def test_the_shipped_bands_are_the_fidelity_benchmarks_largest_errors():
     """The H100 bands come from the graphed runs of 2026-11-26 (another machine than the profiles'), simulated
-    at ca99c8b, the rest from the runs of 2026-11-24 (fidelity.py bands --merge); each band names its runs."""
+    at ca99c8b, the H100 TP=2 ones from that profile's own run, the rest from the runs of 2026-11-24 (fidelity.py
+    bands --merge); each band names its runs."""
     shipped = load_bands()
     new = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-26_h100_ca99c8b.json").read_text()), "")["bands"]
+    tp2 = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-26_h100_tp2.json").read_text()), "")["bands"]
     old = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-24.json").read_text()), "")["bands"]
     strip = lambda bands: {k: {f: v for f, v in b.items() if f != "source"} for k, b in bands.items()}  # noqa: E731
-    assert strip(shipped["bands"]) == strip({**{k: v for k, v in old.items() if k not in new}, **new})
-    assert all(k.endswith("H100-SXM_tp1") for k in new)
+    assert strip(shipped["bands"]) == strip({**{k: v for k, v in old.items() if k not in new}, **new, **tp2})
+    assert all(k.endswith("H100-SXM_tp1") for k in new) and all(k.endswith("H100-SXM_tp2") for k in tp2)
+    new = {**new, **tp2}
     assert all(("2026-11-26" in b["source"]) == (k in new) for k, b in shipped["bands"].items())
     one = shipped["bands"]["Llama-3.2-1B_H200_tp1"]
     assert set(one["bounds"]) == set(METRICS) and len(one["cases"]) == 9
