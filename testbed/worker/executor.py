@@ -78,8 +78,8 @@ def create_executor(model: str | None, engine_config: EngineConfig, load_format:
                     dtype: str = "auto", device: str | None = None, enforce_eager: bool = False):
     """The executor for these flags (model None = the bundled SmolLM2). On a GPU every step up to the
     largest capture size replays a CUDA graph (worker/cuda_graphs.py) unless enforce_eager, on every
-    tensor-parallel rank too (captured in lockstep, the symmetric-memory all-reduces inside the graphs); pipeline
-    stages run eager."""
+    tensor-parallel rank too (captured in lockstep, the symmetric-memory all-reduces inside the graphs) and on each
+    pipeline stage of one GPU (its own layers); pipeline stages with TP inside run eager."""
     model = resolve_model(model, load_format)
     if engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size > 1:
         from testbed.worker.multiproc import MultiprocExecutor

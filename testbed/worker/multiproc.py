@@ -3,8 +3,8 @@
 With pipeline_parallel_size P > 1 there are P x tensor_parallel_size ranks, P stages of TP ranks
 (worker/pipeline.py): rank 0 holds the last stage (LM head, sampling), the first stage's ranks are workers, and
 activations go from stage to stage by point-to-point sends. Every rank still gets every step's command; a stage
-runs its layers on what the previous stage sent. Pipeline stages run eager (no CUDA graphs: a captured step
-would hold its send and receive); each stage's TP all-reduces use NCCL then.
+runs its layers on what the previous stage sent. A pipeline stage of one GPU replays CUDA graphs of its own layers
+(the send and receive outside them); with TP inside a stage, steps run eager and the stage's all-reduces use NCCL.
 
 Rank 0 lives in the executor's process and drives the others: per step it writes one command with the
 step's packed inputs (token ids, positions, slots, block tables, lengths) into a ring in shared host

@@ -89,7 +89,8 @@ def init_tp_all_reduce(max_tokens: int, hidden_size: int, dtype: torch.dtype, de
         return False
     state = get_parallel_state()
     if state is not None and state.pp_size > 1:  # every rank knows: none takes part in the collective below
-        logger.info("pipeline parallelism: each stage's tensor-parallel all-reduces use NCCL (its steps run eager)")
+        if state.tp_size > 1:
+            logger.info("pipeline parallelism: each stage's tensor-parallel all-reduces use NCCL (its steps run eager)")
         return False
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in ("auto", "nccl"):
