@@ -8,7 +8,8 @@
 #   dp           benchmarks/dp.py: DP=1 on one GPU against DP=2 on two, past DP=1's saturation, with a new profile
 #   dp-policies  benchmarks/dp.py: DP=2 under every other --dp-policy at one rate (needs dp's profile)
 #   mooncake     benchmarks/dp.py: DP=2 with prefix caching on the Mooncake slice, prefix_affinity vs least_loaded
-#   lora         benchmarks/lora.py: the Triton LoRA kernels on the GPU, and throughput with 1, 4, 16 adapters
+#   lora         benchmarks/lora.py: the Triton LoRA kernels on the GPU (eager and in a graph), throughput with 1, 4,
+#                16 adapters against the base, and the base in an engine without LoRA
 # Everything lands under $OUT (default /tmp/device-out): JSON, logs and run directories.
 set -o pipefail
 export OUT=${OUT:-/tmp/device-out} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
@@ -43,7 +44,9 @@ for part in "$@"; do
             | tee $OUT/mooncake-$pol.log | tail -12; done ;;
     lora) bound python3 benchmarks/lora.py kernels --out $OUT/lora_kernels.json 2>&1 | tee $OUT/lora_kernels.log | tail -15
           bound python3 benchmarks/lora.py throughput --model $MODEL --out $OUT/lora_throughput.json 2>&1 \
-            | tee $OUT/lora_throughput.log | tail -8 ;;
+            | tee $OUT/lora_throughput.log | tail -8
+          bound python3 benchmarks/lora.py throughput --model $MODEL --lora-off --out $OUT/lora_throughput_off.json 2>&1 \
+            | tee $OUT/lora_throughput_off.log | tail -3 ;;
     *) echo "[device_2gpu] unknown part $part"; exit 2 ;;
   esac
   echo "[device_2gpu] $part: done in $(( $(date +%s) - t0 )) s"

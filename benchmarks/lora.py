@@ -3,11 +3,13 @@ adapters against the base model; on a CPU, the real runs notebook 08 plots besid
 
     python benchmarks/lora.py kernels [--out FILE]                 # GPU: Triton shrink/expand vs torch, times
     python benchmarks/lora.py throughput --model M [--load-format dummy] [--adapters 1 4 16] [--out FILE]
+    python benchmarks/lora.py throughput --model M [--load-format dummy] --lora-off  # the base, LoRA off
     python benchmarks/lora.py cpu-runs --out-dir benchmarks/results/lora/DATE_SHA_cpu   # notebook 08's real points
 
 `kernels` checks lora_shrink/lora_expand (BGMV: each token against its own slot) on random slot mixes with base
 rows, Llama-3.1-8B's projection shapes and rank 16, against kernels/lora.py's torch path, and times both (CUDA
-events, median), also as one replayed CUDA graph. `throughput` makes random PEFT adapters of rank 16 on every
+events, median), also as one replayed CUDA graph, whose output is checked after a new slot mix is copied into its
+index buffer; it exits 1 when any check fails. `throughput` makes random PEFT adapters of rank 16 on every
 projection for the model's shape (in a temporary folder), then generates the same prompts (fixed lengths, greedy,
 ignore_eos) with the base model, and with the prompts spread evenly over N adapters and --max-loras N: output
 tokens per second of each, and each against the base. `cpu-runs` replays a Zipf-popular adapter trace on the
@@ -73,13 +75,22 @@ def cmd_kernels(args) -> dict:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 lora_expand(y, lora_shrink(x, a, idx), b, idx, slices)
+            # the replay reads each token's slot from idx's memory (a static buffer, as the engine's graphs): a new
+            # mix of slots and base rows copied into it is what the replay must compute
+            idx.copy_(torch.randint(-1, slots, (tokens,), device=dev, generator=g))
+            y.copy_(y0)
+            graph.replay()
+            want = lora_apply_ref(y0.clone(), x, a, b, lora_plan(idx), slices)
+            graph_err = (y.float() - want.float()).abs().max().item()
+            graph_ok = graph_err <= 2e-2 * max(1.0, want.float().abs().max().item())
             graph_ms = _time_ms(graph.replay)
-            out[f"{name} T={tokens}"] = {"max_abs_error": err, "ok": ok, "triton_ms": triton_ms,
-                                         "triton_graph_ms": graph_ms, "torch_ms": torch_ms}
-            print(f"{name:14s} T={tokens:5d}  err {err:.2e} {'ok' if ok else 'FAIL'}  triton {triton_ms:.3f} ms  "
-                  f"graph {graph_ms:.3f} ms  torch {torch_ms:.3f} ms", flush=True)
+            out[f"{name} T={tokens}"] = {"max_abs_error": err, "graph_max_abs_error": graph_err, "ok": ok and graph_ok,
+                                         "triton_ms": triton_ms, "triton_graph_ms": graph_ms, "torch_ms": torch_ms}
+            print(f"{name:14s} T={tokens:5d}  err {err:.2e} {'ok' if ok else 'FAIL'}  graph (new slots) err "
+                  f"{graph_err:.2e} {'ok' if graph_ok else 'FAIL'}  triton {triton_ms:.3f} ms  graph {graph_ms:.3f} ms  "
+                  f"torch {torch_ms:.3f} ms", flush=True)
     if not all(v["ok"] for v in out.values()):
-        print("FAILED: the Triton kernels disagree with the torch path", file=sys.stderr)
+        print("FAILED: the Triton kernels (eager or replayed in a graph) disagree with the torch path", file=sys.stderr)
     return out
 
 
@@ -90,11 +101,26 @@ def write_adapters(hf_config: dict, folder: Path, n: int, seed: int = 0) -> list
     return [write_random_adapter(hf_config, folder / f"adapter{i}", RANK, seed + i, torch.bfloat16) for i in range(n)]
 
 
+def _throughput(llm, prompts, params, loras) -> dict:
+    """Output tokens per second of one timed generate call."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    dt = time.perf_counter() - t0
+    return {"output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt, "seconds": dt}
+
+
 def cmd_throughput(args) -> dict:
     from testbed import LLM, LoRARequest, SamplingParams
     from testbed.worker.loader import model_config
     prompts = [[1000 + (7 * i + j) % 20000 for j in range(args.input_len)] for i in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    if args.lora_off:  # the base model in an engine without LoRA: what base rows would cost with no LoRA at all
+        llm = LLM(args.model, load_format=args.load_format, skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs)
+        llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+        result = {"base, LoRA off": _throughput(llm, prompts, params, None)}
+        print(f"base, LoRA off {result['base, LoRA off']['output_tok_s']:10.1f} tok/s", flush=True)
+        llm.shutdown()
+        return result
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = write_adapters(model_config(args.model, args.load_format), Path(tmp), max(args.adapters))
@@ -107,11 +133,7 @@ def cmd_throughput(args) -> dict:
             loras = None if n == 0 else [LoRARequest(f"a{i % n}", 1 + i % n, paths[i % n]) for i in range(len(prompts))]
             if n:  # warm the adapters' loads out of the timing
                 llm.generate(prompts[:n], params, use_tqdm=False, lora_request=loras[:n])
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-            dt = time.perf_counter() - t0
-            tok = sum(len(o.outputs[0].token_ids) for o in outs)
-            results[name] = {"output_tok_s": tok / dt, "seconds": dt}
+            results[name] = _throughput(llm, prompts, params, loras)
         base = results["base"]["output_tok_s"]
         for name, r in results.items():
             r["vs_base"] = r["output_tok_s"] / base
@@ -170,6 +192,9 @@ def main() -> int:
     t.add_argument("--input-len", type=int, default=256)
     t.add_argument("--output-len", type=int, default=128)
     t.add_argument("--max-num-seqs", type=int, default=256)
+    t.add_argument("--lora-off", action="store_true",
+                   help="only the base model, in an engine started without --enable-lora (run it beside the default "
+                        "command: with LoRA on, base rows should cost the same)")
     t.add_argument("--out", default=None)
     c = sub.add_parser("cpu-runs")
     c.add_argument("--out-dir", required=True)
@@ -188,7 +213,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True))
     else:
         print(json.dumps(result, indent=2, sort_keys=True, default=str))
-    return 0
+    return 1 if args.cmd == "kernels" and not all(v["ok"] for v in result.values()) else 0
 
 
 if __name__ == "__main__":
