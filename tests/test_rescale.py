@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import Phase, given, settings, strategies as st
 
@@ -126,14 +127,16 @@ def _simulate(tmp_path: Path, profile: Path, name: str, *extra: str) -> Path:
     return out
 
 
-def test_calibrate_finds_the_scales_a_run_was_made_with(tmp_path, capsys):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_calibrate_finds_the_scales_a_run_was_made_with(tmp_path, capsys, dp):
     """A simulated run stands in for a machine whose host is 30% slower and decode steps 10% slower than the profile's:
     calibrating the unscaled profile on that run's recorded steps finds those scales (decision parity makes
-    every replayed batch the run's)."""
+    every replayed batch the run's). A data-parallel run is replayed routed as recorded, and every step of each
+    of its replicas is paired with its own time: a step paired with another's, or a replica left out, fails."""
     true = Scales(host=1.3, gemm=0.8, attention=1.0, decode=1.1)
     machine = tmp_path / "machine.json"
     machine.write_text(json.dumps(json.loads(PROFILE.read_text()) | {"scales": true.to_dict()}))
-    run = _simulate(tmp_path, machine, "run")
+    run = _simulate(tmp_path, machine, "run", "-dp", str(dp))
     capsys.readouterr()
     out = tmp_path / "calibrated.json"
     assert main(["calibrate", str(run), "--cost-model", str(PROFILE), "-o", str(out)]) == 0
@@ -142,12 +145,16 @@ def test_calibrate_finds_the_scales_a_run_was_made_with(tmp_path, capsys):
     prof = json.loads(out.read_text())
     for c in ("host", "decode"):  # this profile's mixed steps are launch-bound (host): their GEMMs go unseen
         assert prof["scales"][c] == pytest.approx(getattr(true, c), rel=1e-3), (c, prof["scales"])
-    assert prof["calibration"]["error_after"]["mape"] < 1e-3 < prof["calibration"]["error_before"]["mape"]
+    cal = prof["calibration"]
+    assert cal["error_after"]["mape"] < 1e-3 < cal["error_before"]["mape"]
+    steps = pd.read_parquet(run / "steps.parquet", columns=["replica", "num_reqs"])
+    assert steps["replica"].nunique() == dp == cal["data_parallel_size"]
+    assert cal["error_after"]["steps"] == (steps["num_reqs"] > 0).sum()
 
 
 def test_calibrate_refuses_what_it_cannot_use(tmp_path, capsys):
     run = _simulate(tmp_path, PROFILE, "run")
-    dp = _simulate(tmp_path, PROFILE, "dp", "-dp", "2")
+    dp_async = _simulate(tmp_path, PROFILE, "dp", "-dp", "2", "--async-scheduling")
     asyn = _simulate(tmp_path, PROFILE, "async", "--async-scheduling")
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -155,7 +162,7 @@ def test_calibrate_refuses_what_it_cannot_use(tmp_path, capsys):
     out = tmp_path / "o.json"
     cases = [([str(run), "--cost-model", str(PROFILES_DIR / "Qwen3-0.6B_H200_tp1.json")], "profile is for Qwen3-0.6B"),
              ([str(run), "--cost-model", "roofline"], "calibrate rescales a profile"),
-             ([str(dp)], "data-parallel run"),
+             ([str(dp_async)], "async-scheduling"),
              ([str(asyn)], "async-scheduling"),
              ([str(bare)], "bare")]
     capsys.readouterr()

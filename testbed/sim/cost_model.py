@@ -194,6 +194,12 @@ def recorded_grammar_events(path, starts: list[float] | None = None) -> dict[str
             for rid, t, e in zip(g["request_id"], g["ready"], errors)}
 
 
+def recorded_cycles(starts: list[float], durations: list[float]) -> list[float]:
+    """Each recorded step's cycle: from its schedule to the next step's (the last step: its own duration). A
+    replay that gives step k this long schedules step k+1 at its recorded time."""
+    return [b - a for a, b in zip(starts, starts[1:])] + durations[-1:]
+
+
 class RecordedCostModel:
     """Decision parity: replays the step timeline a real run recorded (its steps.parquet).
 
@@ -205,7 +211,7 @@ class RecordedCostModel:
     def __init__(self, starts: list[float], durations: list[float]) -> None:
         if not starts or len(starts) != len(durations):
             raise ValueError("a recorded timeline needs one start and one duration per step (and at least one step)")
-        self.durations = [b - a for a, b in zip(starts, starts[1:])] + [durations[-1]]
+        self.durations = recorded_cycles(starts, durations)
         self.step = 0
         # request id -> (when its grammar outcome reached the scheduler, None or why it failed, the index of the
         # first step scheduled after it): the run's grammars.parquet, replayed by the simulator (sim/grammars.py)

@@ -40,13 +40,18 @@ from testbed.workload.trace import TraceRequest
 CHECKED_STATS = ("num_waiting", "num_running", "num_free_blocks", "num_blocks", "num_waiting_tokens", "num_added")
 
 
-class _Durations:
-    """One replica's recorded step durations, in order (its cost model in this replay)."""
+StepHook = Callable[[int, int, SchedulerOutput], None]  # (replica, its step index, the batch)
 
-    def __init__(self, durations: list[float]) -> None:
-        self.durations, self.k = durations, 0
+
+class _Durations:
+    """One replica's recorded step durations, in order (its cost model in this replay); `on_step` sees each batch."""
+
+    def __init__(self, r: int, durations: list[float], on_step: StepHook | None = None) -> None:
+        self.r, self.durations, self.on_step, self.k = r, durations, on_step, 0
 
     def step_time(self, so: SchedulerOutput) -> float:
+        if self.on_step is not None:
+            self.on_step(self.r, self.k, so)
         d = self.durations[self.k]
         self.k += 1
         return d
@@ -141,8 +146,10 @@ def _diverged(msg: str) -> RuntimeError:
 
 @collector_paused()
 def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: RecordedDPRun, num_gpu_blocks: int,
-                         max_model_len: int, vocab_size: int, num_cpu_blocks: int | None = None):
-    """Run `trace` through DP replicas on the recorded timings (SimResult, as cluster.simulate)."""
+                         max_model_len: int, vocab_size: int, num_cpu_blocks: int | None = None,
+                         on_step: StepHook | None = None):
+    """Run `trace` through DP replicas on the recorded timings (SimResult, as cluster.simulate); `on_step(r, k, so)`
+    is called with every batch `so`, replica r's step k, as it is executed (calibrate pairs it with the record)."""
     dp = config.data_parallel_size
     if dp != rec.num_replicas:
         raise ValueError(f"--data-parallel-size {dp}, but {rec.path} recorded {rec.num_replicas} replicas; use "
@@ -158,7 +165,7 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
     env = SimEnvironment()
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False,
                           num_cpu_blocks=num_cpu_blocks) for r in range(dp)]
-    executors = [SimExecutor(_Durations(d)) for d in rec.durations]
+    executors = [SimExecutor(_Durations(r, d, on_step)) for r, d in enumerate(rec.durations)]
     grammars = SimGrammars(engines, rec.grammars)
     coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks,
                           lora_capacity=config.max_cpu_loras)

@@ -1,7 +1,8 @@
 """A profile rescaled to another machine of its kind: per-component scales fitted to steps measured there.
 
 `testbed calibrate RUN_DIR`: the run's own step timeline is replayed (`recorded:`, so every batch is the one the
-run formed: decision parity), the profile's terms of each step (step_terms.py) are paired with the time the step
+run formed: decision parity; a data-parallel run's replicas each on their own timeline, every request routed as
+the coordinator routed it, recorded_dp.py), the profile's terms of each step (step_terms.py) are paired with the time the step
 took, and the scales of the host, GEMM, attention and decode components are fitted to those pairs. The result
 is the profile with `scales` (used by ProfiledCostModel) and a `calibration` record of what was fitted, on what,
 and the per-step error before and after.
@@ -19,7 +20,9 @@ common one they stay near it, and steps that a model with known scales made exac
 them exactly.
 
 A step's measured time is its cycle, schedule to next schedule (what the profile predicts), except before an idle
-gap (the engine waited for arrivals): then its own recorded duration.
+gap (the engine waited for arrivals): then its own recorded duration. The steps of all replicas of a data-parallel
+run are fitted together; a DP replica's host work per step (publishing its outputs, polling for inputs, in its own
+process) is not a single engine's, so a profile calibrated on one layout predicts that layout.
 """
 from __future__ import annotations
 
@@ -160,39 +163,64 @@ def _shrunk(samples: list[StepSample], best: Scales, base: Scales, meas: np.ndar
     return out if _sse(samples, out, meas) <= _sse(samples, base, meas) else best
 
 
+class StepPairing:
+    """The measured steps of a replay on a run's recorded timelines: `note(r, k, so)` pairs replica r's step k, the
+    batch `so` the replay formed for it, with the profile's terms under `cost_model` (a ProfiledCostModel) and the
+    time the step took, its cycle (schedule to the replica's next schedule; `starts`, `durations`: per replica, as
+    steps.parquet records them) unless that held an idle wait (IDLE_GAP_S past its own duration)."""
+
+    def __init__(self, cost_model, starts: list[list[float]], durations: list[list[float]]) -> None:
+        from testbed.sim.cost_model import recorded_cycles
+        self.cost_model, self.durations = cost_model, durations
+        self.cycles = [recorded_cycles(s, d) for s, d in zip(starts, durations)]
+        self.samples: list[StepSample] = []
+
+    def note(self, r: int, k: int, so) -> None:
+        if so.requests:
+            cycle, own = self.cycles[r][k], self.durations[r][k]
+            kind, terms = self.cost_model.terms(so)
+            self.samples.append(StepSample(kind, terms, cycle if cycle <= own + IDLE_GAP_S else own))
+
+
 def samples_from_run(run, model: str, config, cost_model) -> list[StepSample]:
-    """Replay a single-replica run (a read Run of `model` with engine `config`) from its recorded timeline and
-    pair each step's terms under `cost_model` (a ProfiledCostModel) with the time the step took."""
+    """Replay a run (a read Run of `model` with engine `config`: one replica, or data-parallel replicas with the
+    coordinator's record) from its recorded timelines and pair each step of every replica with its terms under
+    `cost_model` (a ProfiledCostModel) and the time it took (StepPairing)."""
     from testbed.sim.cluster import simulate
     from testbed.sim.cost_model import RecordedCostModel
     from testbed.sim.like import run_cache
+    from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
     from testbed.specs.presets import get_model_spec
     from testbed.workload.trace import load_trace
 
-    recorded = RecordedCostModel.from_run_dir(run.path)  # refuses async runs, whose steps overlap
-    own = run.steps(columns=["duration"])["duration"].tolist()
     blocks, max_len = run_cache(run)
     config = dataclasses.replace(config, num_gpu_blocks=blocks, max_model_len=max_len)
-    samples: list[StepSample] = []
+    spec = get_model_spec(model)
+    max_len = max_len or spec.max_position_embeddings
+    cpu_blocks = run.manifest.get("num_cpu_blocks")
+    trace = load_trace(str(run.path), seed=config.seed)
+    if config.data_parallel_size > 1:  # every replica on its own timeline, routed as recorded
+        rec = RecordedDPRun.from_run_dir(run.path)  # refuses async runs, whose steps overlap
+        pairing = StepPairing(cost_model, rec.starts, rec.durations)
+        simulate_recorded_dp(trace, config, rec, blocks, max_len, spec.vocab_size, cpu_blocks, on_step=pairing.note)
+        return pairing.samples  # the replay ran every recorded step of every replica, or raised
+    recorded = RecordedCostModel.from_run_dir(run.path)  # refuses async runs, whose steps overlap
+    steps = run.steps(columns=["start", "duration"])
+    pairing = StepPairing(cost_model, [steps["start"].tolist()], [steps["duration"].tolist()])
 
-    class Pairing:
-        """The recorded time of each step (so the batches stay the run's), with the profile's terms noted."""
+    class Paired:
+        """The recorded time of each step (so the batches stay the run's), the step noted with the pairing."""
 
         def step_time(self, so) -> float:
-            i = recorded.step
-            cycle = recorded.step_time(so)
-            if so.requests:
-                kind, terms = cost_model.terms(so)
-                samples.append(StepSample(kind, terms, cycle if cycle <= own[i] + IDLE_GAP_S else own[i]))
-            return cycle
+            k, seconds = recorded.step, recorded.step_time(so)  # raises when the replay outruns the record
+            pairing.note(0, k, so)
+            return seconds
 
-    spec = get_model_spec(model)
-    trace = load_trace(str(run.path), seed=config.seed)
-    simulate(trace, config, Pairing(), blocks, max_len or spec.max_position_embeddings, vocab_size=spec.vocab_size)
+    simulate(trace, config, Paired(), blocks, max_len, vocab_size=spec.vocab_size, num_cpu_blocks=cpu_blocks)
     if recorded.step != len(recorded.durations):
         raise ValueError(f"{run.path}: the replay used {recorded.step} of the run's {len(recorded.durations)} recorded "
                          "steps: its decisions diverged from the run's (was it made by another version?)")
-    return samples
+    return pairing.samples
 
 
 def rescaled_profile(profile: dict, scales: Scales, record: dict, before: dict, after: dict) -> dict:
@@ -206,9 +234,12 @@ def rescaled_profile(profile: dict, scales: Scales, record: dict, before: dict, 
     return out
 
 
-def calibrated_profile(profile: dict, scales: Scales, source: str, before: dict, after: dict) -> dict:
-    """A copy of `profile` carrying the scales fitted to the run at `source`, and the record of the fit."""
-    return rescaled_profile(profile, scales, {"method": "run", "fitted_on": source}, before, after)
+def calibrated_profile(profile: dict, scales: Scales, source: str, before: dict, after: dict,
+                       data_parallel_size: int = 1) -> dict:
+    """A copy of `profile` carrying the scales fitted to the run at `source` (of `data_parallel_size` replicas),
+    and the record of the fit."""
+    return rescaled_profile(profile, scales, {"method": "run", "fitted_on": source,
+                                              "data_parallel_size": data_parallel_size}, before, after)
 
 
 def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict, dict]:
@@ -228,9 +259,6 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict
         raise ValueError(f"{run_dir}: the run records no model or GPU preset, or no engine flags; calibrate takes a "
                          "`testbed replay` run directory of a preset model on a preset GPU")
     config = EngineConfig(**engine)
-    if config.data_parallel_size > 1:
-        raise ValueError(f"{run_dir}: a data-parallel run; calibrate on a single-replica run (e.g. `testbed replay` "
-                         "without -dp) of the same engine")
     if cost_model in ("roofline",) or cost_model.startswith("recorded:"):
         raise ValueError(f"--cost-model {cost_model}: calibrate rescales a profile; give 'auto' or a profile file")
     cm, _ = load_cost_model(cost_model, get_model_spec(model), get_gpu_spec(gpu), config)
@@ -241,7 +269,8 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict
     before = error_report(samples, cm.scales)
     scales = fit_scales(samples, cm.scales)
     after = error_report(samples, scales)
-    return calibrated_profile(cm.profile, scales, str(run_dir), before, after), before, after
+    return (calibrated_profile(cm.profile, scales, str(run_dir), before, after, config.data_parallel_size),
+            before, after)
 
 
 def cmd_calibrate(args) -> int:
@@ -274,7 +303,8 @@ def print_fit(scales: dict, before: dict, after: dict) -> None:
 
 def add_calibrate_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="rescale a profile to this machine from the steps a real run recorded")
-    p.add_argument("run_dir", help="a `testbed replay` run directory (one replica, without --async-scheduling)")
+    p.add_argument("run_dir", help="a `testbed replay` run directory (one replica or -dp N, without "
+                   "--async-scheduling), of the layout the profile will simulate")
     p.add_argument("--cost-model", default="auto",
                    help="the profile to rescale: 'auto' (the one shipped for the run's model, GPU and TP) or a file")
     p.add_argument("--output", "-o", required=True, help="the calibrated profile JSON to write")
