@@ -113,8 +113,12 @@ def test_smollm2_beam_search_matches_transformers(smol, hf_smol, smol_prompts, w
     import copy
     from testbed import BeamSearchParams
     picked, new = [0, 8], 6
+    copied = lambda: int(smol.engine.records.step_columns()["blocks_copied"].sum())  # noqa: E731
+    before = copied()
     outs = smol.beam_search([{"prompt_token_ids": smol_prompts[i]} for i in picked],
                             BeamSearchParams(beam_width=width, max_tokens=new, ignore_eos=True))
+    # the beams forked inside blocks they shared (the prompts end mid-block): the worker ran those copies on write
+    assert all(len(smol_prompts[i]) % smol.config.block_size for i in picked) and copied() > before
     config = copy.deepcopy(hf_smol.generation_config)
     config.eos_token_id, config.pad_token_id = None, 0  # ignore EOS, as the beams do
     for i, out in zip(picked, outs):
