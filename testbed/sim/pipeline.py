@@ -25,9 +25,9 @@ batch takes host + the sum of the stages and P-1 transfers; a full pipeline fini
 slowest stage with its transfer). Bubbles are the time a stage waits (free[r] < leave[r-1]): while the pipeline
 fills, and whenever fewer than P batches are in flight.
 
-The transfer defaults to the GPU preset's link (for H200 and H100, the bandwidth and latency benchmarks/tp.py
-measured for the all-reduce over NVLink between two GPUs of one host); `benchmarks/pp.py` measures the send/recv
-itself, and `p2p_bandwidth` / `p2p_latency_s` take its numbers.
+The transfer is the GPU preset's send/recv where `benchmarks/pp.py` measured one (H100: 42.2 us + bytes / 380.5
+GB/s over NVLink between two GPUs of one host), else its all-reduce link (H200: the bandwidth and latency
+benchmarks/tp.py measured for the all-reduce over NVLink); `p2p_bandwidth` / `p2p_latency_s` override both.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ class PipelineCostModel:
         self.base, self.pp = base, pipeline_parallel_size
         self.parts = pp_partition(model.num_hidden_layers, pipeline_parallel_size)
         self.shares = [n / model.num_hidden_layers for n in self.parts]
-        bw = p2p_bandwidth if p2p_bandwidth is not None else gpu.interconnect_bandwidth
-        lat = p2p_latency_s if p2p_latency_s is not None else gpu.allreduce_latency_s
+        bw = next(x for x in (p2p_bandwidth, gpu.p2p_bandwidth, gpu.interconnect_bandwidth) if x is not None)
+        lat = next(x for x in (p2p_latency_s, gpu.p2p_latency_s, gpu.allreduce_latency_s) if x is not None)
         if not bw > 0 or not lat >= 0:
             raise ValueError(f"p2p_bandwidth must be > 0 and p2p_latency_s >= 0, got {bw}, {lat}")
         self.p2p_latency_s, self.p2p_bandwidth = lat, bw

@@ -16,6 +16,7 @@ model uses instead).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Achieved / datasheet on the H200 we measured; applied to the other GPUs' datasheet peaks.
@@ -44,6 +45,10 @@ class GPUSpec:
     allreduce_latency_s: float     # fixed cost of one all-reduce
     source: str = ""
     host_bandwidth: float = PCIE5_X16 * PINNED_COPY_FRACTION  # B/s per direction, pinned host <-> device copies
+    # one point-to-point send/recv between two GPUs of a host (pipeline stages' activations), where measured;
+    # None: the all-reduce's link numbers stand in
+    p2p_bandwidth: float | None = None
+    p2p_latency_s: float | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("memory_bytes", "mem_bandwidth", "matmul_flops", "interconnect_bandwidth", "host_bandwidth"):
@@ -72,8 +77,10 @@ GPU_PRESETS: dict[str, GPUSpec] = {g.name: g for g in [
                    "symmetric-memory bf16 all-reduce inside CUDA graphs between 2 H200s over NVLink fitted as "
                    "7.44 us + bytes / 244.8 GB/s (benchmarks/tp.py, 2026-11-26); 141 GB datasheet (CUDA reports "
                    "~150.1e9 B); host link PCIe 5.0 x16 64 GB/s x 0.83 (pinned copies): estimate"),
-    _scaled("H100-SXM", 80, 3.35, 989, MEASURED_ALLREDUCE_BW / 1e9,
-            "NVLink 4 all-reduce as measured between 2 H200s (same NVLink generation)", MEASURED_ALLREDUCE_LATENCY_S),
+    dataclasses.replace(
+        _scaled("H100-SXM", 80, 3.35, 989, MEASURED_ALLREDUCE_BW / 1e9,
+                "NVLink 4 all-reduce as measured between 2 H200s (same NVLink generation)", MEASURED_ALLREDUCE_LATENCY_S),
+        p2p_bandwidth=380.5e9, p2p_latency_s=42.2e-6),  # NCCL send/recv between 2 H100s: benchmarks/pp.py, f4fe111
     _scaled("A100-80GB", 80, 2.039, 312, 300, "NVLink 3", 10e-6, PCIE4_X16),
     _scaled("L4", 24, 0.3, 121, 32, "PCIe 4 x16", 25e-6, PCIE4_X16),
 ]}
