@@ -367,7 +367,16 @@ def test_cli_warns_when_the_configuration_rejects_requests(tmp_path, capsys):
     rc, _, err = cli(capsys, SAMPLE, "--limit", 20, "--max-model-len", 400, "-o", tmp_path / "b")
     n = read_run(tmp_path / "b").requests()["finish_reason"].eq("rejected").sum()
     assert rc == 0 and 0 < n < 20 and f"warning: {n} of 20 requests were rejected" in err
-    assert "exceeds max_model_len (400)" in err
+    assert "exceeds max_model_len (400)" in err and "rejected in the run" not in err
+    # the run directory as the trace: its rejected requests are rejected again, and said to be, without the
+    # output length a run directory's rejected request is read back with (more than any engine allows)
+    rc, _, err = cli(capsys, tmp_path / "b", "--max-model-len", 400, "-o", tmp_path / "b2")
+    assert rc == 0 and f"warning: {n} of 20 requests were rejected" in err, err
+    assert f"{n} of them (the first, " in err and "were rejected in the run the trace was read from" in err, err
+    assert "max_tokens" not in err and "the first other" not in err, err
+    rc, _, err = cli(capsys, tmp_path / "b", "--max-model-len", 300, "-o", tmp_path / "b3")  # and new ones
+    assert rc == 0 and f"{n} of them (the first, " in err and "; the first other, " in err, err
+    assert "exceeds max_model_len (300)" in err and "1099511627776" not in err, err
     rc, _, err = cli(capsys, SAMPLE, "--limit", 20, "-o", tmp_path / "c")
     assert rc == 0 and "rejected" not in err
 

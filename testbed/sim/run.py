@@ -23,7 +23,7 @@ from testbed.sim.pipeline import PipelineCostModel
 from testbed.specs.partition import pipeline_manifest
 from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
 from testbed.workload.lora import trace_loras
-from testbed.workload.trace import load_trace
+from testbed.workload.trace import REJECTED_OUTPUT_TOKENS, load_trace
 
 
 def check_vocabulary(trace: list, trace_path, spec: ModelSpec) -> None:
@@ -41,17 +41,26 @@ def check_vocabulary(trace: list, trace_path, spec: ModelSpec) -> None:
 def warn_rejections(cols: dict[str, list], trace: list, config: EngineConfig, blocks: int, max_model_len: int,
                     vocab_size: int) -> None:
     """Say on stderr how many requests the engine rejected and why (the first one's reason); `cols`: the
-    request columns of the run's records."""
+    request columns of the run's records. A request a run directory's trace kept as rejected there (asking for
+    REJECTED_OUTPUT_TOKENS, which every engine refuses) is said to be that, not given the reason the sentinel makes."""
     rejected = [rid for rid, why in zip(cols["request_id"], cols["finish_reason"]) if why == "rejected"]
     if not rejected:
         return
-    first = next(tr for tr in trace if tr.id == rejected[0])
-    loras = trace_loras([tr.lora for tr in trace], config)
-    reason = (EngineCore(config, blocks, max_model_len, num_cpu_blocks=0).rejection_reason(
-              trace_to_request(first, vocab_size, config.seed, loras))
-              or f"the waiting queue was full (--max-num-waiting {config.max_num_waiting})")
-    warn(f"{len(rejected)} of {len(trace)} requests were rejected and not simulated (finish_reason 'rejected' in "
-         f"requests.parquet); the first, {first.id!r}: {reason}")
+    by_id = {tr.id: tr for tr in trace}
+    again = [rid for rid in rejected if by_id[rid].output_tokens == REJECTED_OUTPUT_TOKENS]
+    new = [by_id[rid] for rid in rejected if by_id[rid].output_tokens != REJECTED_OUTPUT_TOKENS]
+    msg = f"{len(rejected)} of {len(trace)} requests were rejected and not simulated (finish_reason 'rejected' in " \
+          "requests.parquet)"
+    if again:
+        msg += (f"; {len(again)} of them (the first, {again[0]!r}) were rejected in the run the trace was read from, "
+                "and are rejected again as they were there")
+    if new:
+        loras = trace_loras([tr.lora for tr in trace], config)
+        reason = (EngineCore(config, blocks, max_model_len, num_cpu_blocks=0).rejection_reason(
+                  trace_to_request(new[0], vocab_size, config.seed, loras))
+                  or f"the waiting queue was full (--max-num-waiting {config.max_num_waiting})")
+        msg += f"; the first{' other' if again else ''}, {new[0].id!r}: {reason}"
+    warn(msg)
 
 
 @collector_paused()
