@@ -181,8 +181,50 @@ def greedy_outputs(llm: LLM, vocab: int) -> list[dict]:
     return res
 
 
-def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: int) -> dict:
-    """One engine: `case` is the TP size, then g (CUDA graphs) or e (eager), then a for async scheduling."""
+def kernel_breakdown(llm: LLM, batch: int = 64, steps: int = 20, prompt_len: int = 512) -> dict:
+    """Where a decode step of `batch` requests spends its time on rank 0: the device time of each kernel over
+    `steps` pure decode steps (torch.profiler over CUPTI, which lists the kernels a CUDA graph replays too)
+    against the steps' wall time. A step whose kernels add up to much less than its wall time waits on the host
+    or on its peers; the largest kernels say what the device spends the rest on."""
+    from torch.profiler import ProfilerActivity, profile
+    for i in range(batch):
+        llm.add_request(f"kb{i}", [1000 + (i * 7 + j) % 20000 for j in range(prompt_len)],
+                        SamplingParams(temperature=0, max_tokens=steps + 32, ignore_eos=True))
+    recs = llm.engine.records
+    while True:  # until every prompt is prefilled and the steps are pure decodes of the whole batch
+        start = len(recs.steps)
+        llm.step()
+        c = recs.step_columns()
+        if len(c["num_reqs"]) > start and c["num_prefill_tokens"][-1] == 0 and c["num_reqs"][-1] == batch:
+            break
+    start = len(recs.steps)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    c = recs.step_columns()
+    ends = c["start"][start:] + c["duration"][start:]
+    n = len(ends)
+    for i in range(batch):
+        llm.abort_request(f"kb{i}")
+    while llm.has_unfinished_requests():
+        llm.step()
+    kernels = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        t = getattr(e, "self_cuda_time_total", 0.0) if t is None else t
+        if t > 0:
+            kernels.append((t / 1e3 / max(n, 1), e.count / max(n, 1), e.key[:100]))
+    kernels.sort(reverse=True)
+    return {"steps": n, "step_ms": float((ends[-1] - c["start"][start]) / n * 1e3) if n else None,
+            "device_busy_ms": sum(k[0] for k in kernels),
+            "top": [{"ms_per_step": k[0], "calls_per_step": k[1], "kernel": k[2]} for k in kernels[:20]]}
+
+
+def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: int, breakdown: bool = False) -> dict:
+    """One engine: `case` is the TP size, then g (CUDA graphs) or e (eager), then a for async scheduling;
+    `breakdown`: also the kernel breakdown of a decode step at batch 64."""
     spec = get_model_spec(model)
     tp, eager, async_ = int(case[0]), case[1] == "e", case.endswith("a")
     t0 = time.perf_counter()
@@ -200,6 +242,12 @@ def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: 
     for b in (1, 64, 256):
         res[f"decode_ms_b{b}"] = decode_step_ms(llm, b)
     res["mixed_512_ms"] = mixed_step_ms(llm)
+    if breakdown:
+        try:
+            res["kernels_b64"] = kernel_breakdown(llm)
+        except Exception as e:  # a diagnostic: the case's other numbers stand without it
+            res["kernels_b64"] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(res["kernels_b64"]), flush=True)
     prompts, outs = workload(n_requests, spec.vocab_size)
     sps = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outs]
     torch.cuda.synchronize()
@@ -219,12 +267,13 @@ def _case_main(args: tuple, conn: Connection) -> None:
     conn.send(engine_case(*args[:-1]))
 
 
-def engine_case_in_process(model: str, case: str, n_requests: int, mnbt: int, timeout: float) -> dict:
+def engine_case_in_process(model: str, case: str, n_requests: int, mnbt: int, timeout: float,
+                           breakdown: bool = False) -> dict:
     """`engine_case` in a fresh spawned process with a wall-clock bound: the GPU memory its engine held is
     released when the process ends, so every case sees the same free memory whatever ran before it."""
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_case_main, args=((model, case, n_requests, mnbt, timeout), send),
+    proc = ctx.Process(target=_case_main, args=((model, case, n_requests, mnbt, breakdown, timeout), send),
                        name=f"tp-case-{case}")
     proc.start()
     send.close()
@@ -272,6 +321,8 @@ def main() -> None:
                     help="TP size + g (CUDA graphs) or e (eager) [+ a: async scheduling], comma-separated")
     ap.add_argument("--case-timeout", type=float, default=240)
     ap.add_argument("--skip-allreduce", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="each case: the kernels of a decode step at batch 64 "
+                                                             "(device time per kernel against the step's wall time)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     spec = get_model_spec(args.model)
@@ -286,7 +337,7 @@ def main() -> None:
     for c in args.cases.split(","):
         try:
             cases[c] = engine_case_in_process(args.model, c, args.num_requests, args.max_num_batched_tokens,
-                                              args.case_timeout)
+                                              args.case_timeout, args.breakdown)
         except (RuntimeError, TimeoutError) as e:
             print(f"case {c}: {e}", file=sys.stderr, flush=True)
             cases[c] = {"error": str(e)}
