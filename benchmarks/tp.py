@@ -198,11 +198,13 @@ def kernel_breakdown(llm: LLM, batch: int = 64, steps: int = 20, prompt_len: int
         if len(c["num_reqs"]) > start and c["num_prefill_tokens"][-1] == 0 and c["num_reqs"][-1] == batch:
             break
     start = len(recs.steps)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             llm.step()
-        torch.cuda.synchronize()
+        sync()
     c = recs.step_columns()
     ends = c["start"][start:] + c["duration"][start:]
     n = len(ends)
