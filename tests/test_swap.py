@@ -111,3 +111,45 @@ def test_a_shortage_waits_for_a_request_its_in_flight_token_ends_rather_than_swa
                for _, r in arrivals)
     assert engine.scheduler.num_preemptions == 0 and not any(so.blocks_to_swap_out for so in steps)
     engine.block_manager.check_invariants()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), layers=st.integers(1, 3), num_blocks=st.integers(2, 12), num_cpu=st.integers(1, 12),
+       chunk=st.integers(1, 5), staged=st.booleans())
+def test_the_cache_engine_moves_each_block_whole_in_any_order_and_chunk(data, layers, num_blocks, num_cpu, chunk,
+                                                                       staged):
+    """The worker's block moves (gathered and scattered per layer, on a GPU through a staging buffer of `chunk`
+    blocks and one copy per run of CPU blocks, on the CPU straight into the pool) against moving every block's
+    K and V of every layer one by one: the same device and CPU contents after a random step of swap out, swap
+    in and copy on write."""
+    import torch
+
+    from testbed.worker.cache_engine import CacheEngine
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 1 << 16)))
+    caches = [tuple(torch.randn(num_blocks, 2, 3, 4, generator=g) for _ in range(2)) for _ in range(layers)]
+    want = [tuple(t.clone() for t in kv) for kv in caches]
+    engine = CacheEngine(caches, num_cpu, staged=staged)
+    engine.chunk = chunk
+    cpu_want = torch.zeros_like(engine.cpu_cache)
+    perm = lambda n, k: data.draw(st.permutations(range(n)))[:k]  # noqa: E731  k distinct ids in random order
+    k = data.draw(st.integers(0, min(num_blocks, num_cpu)))
+    out = list(zip(perm(num_blocks, k), perm(num_cpu, k)))
+    back = list(zip(perm(num_cpu, k), perm(num_blocks, k)))
+    j = data.draw(st.integers(0, num_blocks // 2))
+    ids = perm(num_blocks, 2 * j)
+    cow = list(zip(ids[:j], ids[j:]))
+    engine.run(out, back, cow)  # one step's moves: out, in, copy, in that order (in may refill a block out read)
+    for d, c in out:
+        for layer, kv in enumerate(want):
+            for w, t in enumerate(kv):
+                cpu_want[c, layer, w] = t[d]
+    for c, d in back:
+        for layer, kv in enumerate(want):
+            for w, t in enumerate(kv):
+                t[d] = cpu_want[c, layer, w]
+    for s, d in cow:
+        for kv in want:
+            for t in kv:
+                t[d] = t[s]
+    assert torch.equal(engine.cpu_cache, cpu_want)
+    assert all(torch.equal(a, b) for kv, kw in zip(caches, want) for a, b in zip(kv, kw))

@@ -247,9 +247,9 @@ SWAP_PROBE_BLOCKS = 64  # blocks per measured move: one long request's worth at 
 
 
 def measure_block_moves(runner, reps: int) -> dict:
-    """Median times of moving SWAP_PROBE_BLOCKS KV blocks (every other device block, so no two are adjacent and
-    each moves on its own, as a fragmented cache's do) out to a pinned CPU pool, back in, and within the device;
-    and the bandwidths they give (bytes of blocks moved / time; a device copy reads and writes each)."""
+    """Median times of moving SWAP_PROBE_BLOCKS KV blocks (every other device block, none adjacent, as a fragmented
+    cache's are) out to a pinned CPU pool, back in, and within the device, as the worker's CacheEngine moves a
+    step's blocks; and the bandwidths they give (bytes of blocks moved / time; a device copy reads and writes each)."""
     from testbed.worker.cache_engine import CacheEngine
     n = max(1, min(SWAP_PROBE_BLOCKS, runner.num_gpu_blocks // 2))
     engine = CacheEngine(runner.kv_caches, n)
