@@ -116,6 +116,29 @@ def test_recorded_timeline_of_an_async_run_is_refused(tmp_path, capsys):
     rc, out, err = cli(capsys, SAMPLE, "--limit", "20", "--cost-model", f"recorded:{run_dir}", "-o", tmp_path / "x")
     assert rc == 2 and "--async-scheduling" in err, err
 
+def test_requests_that_arrive_together_replay_in_the_order_they_were_queued(tmp_path, capsys):
+    """A burst (every request at 0 s) writes its requests as they end, not as they were queued; read back with
+    --like, the ties keep the order the engine received them (requests.parquet's seq), so the run's own recorded
+    timeline replays the same batches instead of diverging."""
+    trace = tmp_path / "burst.jsonl"
+    with open(trace, "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"id": f"b{i}", "arrival_s": 0.0, "input_tokens": 40 + 37 * (i % 5),
+                                "output_tokens": 4 + 13 * ((i * 7) % 6)}) + "\n")
+    run, again = tmp_path / "run", tmp_path / "again"
+    rc, _, err = cli(capsys, trace, "--model", "Llama-3.2-1B", "--gpu", "H100", "--max-num-seqs", "4",
+                     "--max-num-batched-tokens", "128", "-o", run)
+    assert rc == 0, err
+    rows = pd.read_parquet(run / "requests.parquet")
+    assert rows["request_id"].tolist() != [f"b{i}" for i in range(24)]  # written as they ended
+    assert sorted(rows["seq"]) == list(range(24)) and rows.set_index("request_id")["seq"]["b5"] == 5
+    rc, _, err = cli(capsys, "--like", run, "--cost-model", f"recorded:{run}", "-o", again)
+    assert rc == 0, err
+    cols = ["num_reqs", "num_prefill_tokens", "num_decode_tokens", "sum_context_tokens", "num_waiting"]
+    pd.testing.assert_frame_equal(pd.read_parquet(run / "steps.parquet")[cols],
+                                  pd.read_parquet(again / "steps.parquet")[cols])
+
+
 
 # ---- data parallelism, prefix caching, rejections --------------------------------------------------------
 @pytest.mark.parametrize("dp", [2, 4])

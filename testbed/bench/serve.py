@@ -122,7 +122,7 @@ def build_records(results: list[RequestResult], requests: list[BenchRequest], t0
                 if t0_wall <= row[1] <= t_end_wall:
                     rec.steps.append((row[0], row[1] - t0_wall, *row[2:]))
         server_reqs = {row[0]: row for path in sorted(d.glob("requests*.jsonl")) for row in _read_jsonl(path)}
-    for res, req in zip(results, requests):
+    for i, (res, req) in enumerate(zip(results, requests)):
         srv = server_reqs.get(f"{res.server_id}-0") if res.server_id else None
         first_sched = srv[4] - t0_wall if srv is not None and srv[4] is not None else None
         first = res.send_s + res.ttft if res.ttft is not None else None
@@ -130,7 +130,7 @@ def build_records(results: list[RequestResult], requests: list[BenchRequest], t0
                              first, res.send_s + res.latency,
                              res.prompt_tokens if res.prompt_tokens is not None else req.input_tokens,
                              res.output_tokens, res.cached_tokens, srv[10] if srv is not None else 0,
-                             res.finish_reason))
+                             res.finish_reason, i))
         rec.itl.extend(res.itl)
     return rec
 

@@ -152,10 +152,10 @@ class EngineCore:
 
     def add_request(self, req: Request, now: float) -> EngineCoreOutput | None:
         """Queue a request; returns a finished 'rejected' output instead when it cannot be served."""
-        self.num_added += 1
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}; ids must be unique among live requests")
-        req.replica = self.replica
+        req.replica, req.seq = self.replica, self.num_added
+        self.num_added += 1
         reason = self.rejection_reason(req)
         if reason is not None:
             req.status = RequestStatus.FINISHED_REJECTED

@@ -15,8 +15,11 @@ from typing import Any
 
 from testbed.engine.request import Request
 
-REQUEST_COLUMNS = ("request_id", "replica", "priority", "arrival", "first_scheduled", "first_token", "finish",
-                   "input_tokens", "output_tokens", "cached_tokens", "preemptions", "finish_reason")
+BASE_REQUEST_COLUMNS = ("request_id", "replica", "priority", "arrival", "first_scheduled", "first_token", "finish",
+                        "input_tokens", "output_tokens", "cached_tokens", "preemptions", "finish_reason")
+# seq: the order the engine (a replica, under DP) received its requests, 0 up: requests that arrive at the same
+# instant are queued, and replayed, in this order (rows are written as requests end). Runs written before it lack it.
+REQUEST_COLUMNS = BASE_REQUEST_COLUMNS + ("seq",)
 BASE_STEP_COLUMNS = ("replica", "start", "duration", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
                      "sum_context_tokens", "sum_attn_pairs", "kv_blocks_used", "kv_blocks_total", "num_waiting",
                      "num_running", "num_preempted")
@@ -56,7 +59,7 @@ class Recorder:
         self.requests.append((
             req.request_id, req.replica, req.priority, req.arrival_time, req.first_scheduled_time,
             req.first_token_time, req.finish_time, req.num_prompt_tokens, len(req.output_token_ids),
-            max(req.num_cached_tokens, 0), req.num_preemptions, req.status.finish_reason))
+            max(req.num_cached_tokens, 0), req.num_preemptions, req.status.finish_reason, req.seq))
         if req.lora_request is not None:
             self.loras[req.request_id] = req.lora_request.lora_name
 

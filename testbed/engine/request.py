@@ -63,7 +63,7 @@ class Request:
         "status", "stop_reason", "num_preemptions", "block_hashes", "first_scheduled_time",
         "first_token_time", "last_token_time", "finish_time", "replica", "max_tokens", "logprobs",
         "num_tokens", "length_limit", "token_stops", "num_pending", "prompt_logprobs", "structured",
-        "pooling_params", "lora_request", "beam_params", "beams", "beams_done", "beam", "group", "in_flight",
+        "pooling_params", "lora_request", "beam_params", "beams", "beams_done", "beam", "group", "in_flight", "seq",
     )
 
     def __init__(
@@ -122,6 +122,7 @@ class Request:
         self.last_token_time: float | None = None
         self.finish_time: float | None = None
         self.replica = 0
+        self.seq = -1  # the order its engine received it (EngineCore.add_request), recorded for replays
         if pooling:
             self.max_tokens = 0  # prompt only: its pooled hidden states are the output
         else:

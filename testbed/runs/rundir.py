@@ -33,8 +33,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from testbed.runs.arrow_columns import column
-from testbed.engine.metrics import (BASE_STEP_COLUMNS, BLOCK_STEP_COLUMNS, PIPELINE_STEP_COLUMNS,
-                                    GRAMMAR_COLUMNS, PUBLICATION_COLUMNS,
+from testbed.engine.metrics import (BASE_REQUEST_COLUMNS, BASE_STEP_COLUMNS, BLOCK_STEP_COLUMNS,
+                                    PIPELINE_STEP_COLUMNS, GRAMMAR_COLUMNS, PUBLICATION_COLUMNS,
                                     REQUEST_COLUMNS, ROUTE_COLUMNS, STEP_COLUMNS, Recorder)
 
 if TYPE_CHECKING:  # reading tables imports pandas; writing a run needs only pyarrow
@@ -44,7 +44,7 @@ FILES = ("manifest.json", "requests.parquet", "steps.parquet", "summary.json")
 _REQ_TYPES = {"request_id": pa.string(), "replica": pa.int32(), "priority": pa.int64(), "arrival": pa.float64(),
               "first_scheduled": pa.float64(), "first_token": pa.float64(), "finish": pa.float64(),
               "input_tokens": pa.int64(), "output_tokens": pa.int64(), "cached_tokens": pa.int64(),
-              "preemptions": pa.int32(), "finish_reason": pa.string()}
+              "preemptions": pa.int32(), "finish_reason": pa.string(), "seq": pa.int64()}
 _STEP_TYPES = {c: (pa.float64() if c in ("start", "duration") else pa.int64())
                for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS}
 _OPTIONAL_TABLES = {  # file -> (Recorder attribute, columns, float columns, string columns): written when not empty
@@ -237,7 +237,7 @@ def _records_problem(path: str | Path) -> str | None:
     """Why a run's parquet records are unusable (unreadable, truncated, lacking columns), or None.
     Reads each file's footer and schema, not its rows (a data-parallel run's tables too, when present)."""
     p = Path(path)
-    tables = [("requests.parquet", REQUEST_COLUMNS), ("steps.parquet", BASE_STEP_COLUMNS)]  # block moves: optional
+    tables = [("requests.parquet", BASE_REQUEST_COLUMNS), ("steps.parquet", BASE_STEP_COLUMNS)]  # seq, block moves: optional
     tables += [(name, columns) for name, (_, columns, *_) in _OPTIONAL_TABLES.items() if (p / name).exists()]
     for name, columns in tables:
         try:

@@ -332,15 +332,20 @@ def _load_azure(path, lines) -> list[TraceRequest]:
 
 def _load_run(path: Path) -> list[TraceRequest]:
     """The requests a run directory recorded (testbed.runs.rundir), with their ids, arrivals, priorities and the
-    input and output tokens they were served with. A request the engine rejected is kept, asking for
+    input and output tokens they were served with, in arrival order (ties in the order the engine received them,
+    its `seq`, so a replay queues them as the run did). A request the engine rejected is kept, asking for
     REJECTED_OUTPUT_TOKENS (more than any max_model_len), so a replay sees it arrive and rejects it too, whatever
     the run's reason was (a data-parallel run routed it first); one that failed or was aborted before its first
     token has no output length to reproduce and is left out."""
     from testbed.runs.rundir import RunDirError, read_run
     run = read_run(path)
-    lora = ["lora"] if "lora" in run.request_column_names() else []  # runs with LoRA adapters have it
+    names = run.request_column_names()
+    lora = ["lora"] if "lora" in names else []  # runs with LoRA adapters have it
+    seq = ["replica", "seq"] if "seq" in names else []  # runs written before it: requests in the order they ended
     req = run.requests(columns=["request_id", "arrival", "input_tokens", "output_tokens", "priority",
-                                "finish_reason", *lora])
+                                "finish_reason", *lora, *seq])
+    if seq:  # requests that arrived at the same instant were queued in the order their engine received them
+        req = req.sort_values(["arrival", "replica", "seq"], kind="stable")
     rejected = req["finish_reason"] == "rejected"
     req = req[((req["output_tokens"] >= 1) | rejected) & (req["input_tokens"] >= 1)].copy()
     req.loc[rejected, "output_tokens"] = REJECTED_OUTPUT_TOKENS
