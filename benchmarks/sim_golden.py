@@ -10,9 +10,10 @@ digest of the content of steps.parquet and requests.parquet (and of the DP table
 Usage:  python benchmarks/sim_golden.py save DIR     (on the reference commit)
         python benchmarks/sim_golden.py check DIR    (exit 1 and name the cases that differ)
 The reference of the simulator-speed work (6f3747a) is in benchmarks/results/2026-11-26_6f3747a/golden.json; the
-current one is benchmarks/results/2026-11-26_ab984d9/golden.json (saved once the H100 profiles' eager attention
-came from the forward, ca99c8b; fd719fe's, b94ceec's and 6f3747a's are earlier references): `check
-benchmarks/results/2026-11-26_ab984d9` compares the working tree with it.
+current one is benchmarks/results/2026-11-26_c6b5e19/golden.json (saved once requests.parquet gained its seq
+column; against ab984d9's reference every summary and steps.parquet was identical and requests.parquet differed by
+that column only; ab984d9's, fd719fe's, b94ceec's and 6f3747a's are earlier references): `check
+benchmarks/results/2026-11-26_c6b5e19` compares the working tree with it.
 """
 from __future__ import annotations
 
