@@ -184,3 +184,20 @@ def test_simulate_runs_beam_search_requests_from_a_trace(tmp_path, capsys):
     import pandas as pd
     reqs = pd.read_parquet(tmp_path / "swap" / "requests.parquet")
     assert (reqs["output_tokens"] == 40).all()  # a beam search's output is its best beam's
+
+
+def test_at_a_temperature_the_drawn_token_is_a_candidate_too():
+    """temperature > 0: each beam's row draws its token from the tempered distribution, and vLLM's logprobs of the
+    row include the drawn token whatever its rank, so it is one more candidate beside the top 2 x beam_width, with
+    its own logprob; at temperature 0 the drawn token is the top one and adds nothing."""
+    from testbed.engine.beam_search import Beam, candidates, step_beams
+    sp = BeamSearchParams(2, 4, temperature=0.7).sampling_params()
+    assert sp.temperature == 0.7 and sp.logprobs == 4
+    parent = Beam([], [], 0.0)
+    top = [(3, -0.2), (5, -1.9)]
+    assert candidates([parent], [(9, (-6.5, 7, top))]) == [(0, 3, -0.2), (0, 5, -1.9), (0, 9, -6.5)]
+    assert candidates([parent], [(3, (-0.2, 1, top))]) == [(0, 3, -0.2), (0, 5, -1.9)]
+    # with width 3 the drawn token's beam is kept, third, carrying the logprobs it was chosen among
+    beams, done = step_beams([parent], [(9, (-6.5, 7, top))], 3, 4, None, True, 1.0)
+    assert [(b.token_ids, b.cum_logprob) for _, b in beams] == [([3], -0.2), ([5], -1.9), ([9], -6.5)] and not done
+    assert beams[2][1].logprobs == [{3: -0.2, 5: -1.9, 9: -6.5}]
