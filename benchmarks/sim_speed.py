@@ -114,7 +114,7 @@ def dp_case(trace: list[TraceRequest], replicas: int, policy: str) -> dict:
     steps = len(res.records.steps)
     return {"policy": policy, "requests": len(trace), "replicas": replicas, "wall_s": wall, "cpu_s": cpu,
             "steps": steps, "fast_forwarded_steps": res.fast_forwarded_steps, "simulated_s": res.sim_time,
-            "steps_per_s": steps / wall, "finished": sum(1 for r in res.records.requests if r[-1] == "length")}
+            "steps_per_s": steps / wall, "finished": res.records.request_columns()["finish_reason"].count("length")}
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from server_helpers import ServerProcess, metric, replica_pids, sse_events
+from testbed.engine.metrics import REQUEST_COLUMNS
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.timeout(300)]
 
@@ -119,7 +120,8 @@ def test_round_robin_streams_aborts_and_survives_a_dead_replica(tmp_path):
                 assert time.monotonic() < deadline, "replica 0 never ended the aborted request"
                 await asyncio.sleep(0.1)
             row = next(row for row in logged(logs / "requests.0.jsonl") if row[0] == rid)
-            assert row[1] == 0 and row[-1] == "abort" and row[8] < 240, row
+            reason = REQUEST_COLUMNS.index("finish_reason")
+            assert row[1] == 0 and row[reason] == "abort" and row[8] < 240, row
             assert not any(row[0] == rid for row in logged(logs / "requests.1.jsonl"))
 
             # a replica dies: its request ends with an error, the other replica's finishes, new ones succeed

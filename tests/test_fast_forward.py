@@ -114,7 +114,7 @@ def test_fast_forward_leaves_the_state_stepping_leaves_after_every_stretch(scena
             now = ordinary_step(stepping, now)
             assert ordinary_step(skipping, end) == now
     assert snapshot(skipping) == snapshot(stepping)
-    assert all(row[-1] == "length" for row in stepping.records.requests if row[-1] != "rejected")
+    assert all(r == "length" for r in stepping.records.request_columns()["finish_reason"] if r != "rejected")
 
 
 def test_a_stretch_stops_before_an_arrival_a_finish_and_a_preemption():
@@ -140,7 +140,8 @@ def test_a_stretch_goes_on_past_a_finish_with_the_smaller_batch_unless_told_to_s
         k, t, finished = fast_forward(core, now, math.inf, step_end, TOKEN, stop_after_finish=stop)
         assert finished and "b" not in core.requests
         assert k == (4 if stop else 8) and (("c" in core.requests) == stop)
-        assert [(row[0], row[8], row[-1]) for row in core.records.requests] == [("b", 5, "length")] + (
+        cols = core.records.request_columns()
+        assert list(zip(cols["request_id"], cols["output_tokens"], cols["finish_reason"])) == [("b", 5, "length")] + (
             [] if stop else [("c", 9, "length")])
 
 

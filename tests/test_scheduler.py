@@ -261,4 +261,4 @@ def test_a_grammar_that_fails_rejects_its_request_and_records_why():
     assert (out.finished, out.finish_reason, out.stop_reason) == (True, "rejected", "structured_outputs: too slow")
     assert engine.fail_grammar("json", "again", 2.0) is None and not engine.has_unfinished_requests()
     assert engine.records.grammars == [("json", 0, 1.5, "structured_outputs: too slow")]
-    assert engine.records.requests[0][-1] == "rejected" and engine.scheduler.num_waiting == 0
+    assert engine.records.request_columns()["finish_reason"] == ["rejected"] and engine.scheduler.num_waiting == 0

@@ -67,7 +67,7 @@ def test_a_request_that_fails_ends_with_an_error_and_the_others_finish(async_sch
     assert bm.get_computed_blocks(make_request("again", tokens=MARK + [9] * 8))[1] == 0  # its blocks left the cache
     assert bm.get_computed_blocks(make_request("a", 8))[1] == 4
     rec = {r[0]: r for r in zip(*engine.records.request_columns().values())}
-    assert rec["bad"][-1] == "error"
+    assert engine.records.request_columns()["finish_reason"][list(rec).index("bad")] == "error"
     # the engine goes on: a later request is served
     assert engine.add_request(make_request("c", 8, max_tokens=2), 99.0) is None
     assert [t for o in _run(stepper)["c"] for t in o.new_token_ids] == [FIXED_TOKEN] * 2
