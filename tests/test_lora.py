@@ -97,13 +97,13 @@ def test_bad_adapters_are_refused_with_reasons(tmp_path):
 def test_a_padded_lora_step_equals_the_eager_one():
     """The CUDA-graph layout with LoRA on, on the CPU: a step mixing two adapter slots and base rows, padded into
     the graphs' static buffers (the slot index padded with -1), gives the eager step's hidden rows; a step with no
-    adapter leaves the whole index at -1, so a graph captured with LoRA serves it unchanged."""
+    adapter leaves the whole index at -1, and the graphs captured without the LoRA kernels serve it the same."""
     import dataclasses
     import random
 
     from test_cuda_graphs import BS, TINY, attach_cache, make_step
     from testbed.engine.config import EngineConfig
-    from testbed.worker.context import reset_context, set_context
+    from testbed.worker.context import get_context, reset_context, set_context
     from testbed.worker.cuda_graphs import CudaGraphs, pad_into
     from testbed.worker.loader import build_model, init_dummy_weights
     from testbed.worker.lora import WorkerLoRA
@@ -146,3 +146,15 @@ def test_a_padded_lora_step_equals_the_eager_one():
     y = make_step(random.Random(2), tables, {}, [4, 3], 64)
     pad_into(graphs.buf, y, n, graphs.num_seqs(n))
     assert (graphs.buf.lora_idx[:n] == -1).all()
+    # such a step replays the graph captured without the LoRA kernels (each size is captured both ways), whose
+    # context runs no adapter, and gives what the graph with them gives over an index of -1
+    assert graphs.lora_variants == (True, False)
+    out = {}
+    for with_lora in graphs.lora_variants:
+        graphs.buf.set_context(False, n, graphs.num_seqs(n), with_lora)
+        try:
+            assert (get_context().lora_idx is None) != with_lora
+            out[with_lora] = model(graphs.buf.input_ids[:n], graphs.buf.positions[:n])
+        finally:
+            reset_context()
+    assert torch.allclose(out[True][:7], out[False][:7], atol=1e-5, rtol=1e-5)

@@ -20,10 +20,11 @@ Padding (`pad_into`), the invariant every graph relies on:
   it, 256 empty sequences cost a 512-token step of Llama-3.1-8B 18% on an H100).
 Their hidden rows are never read: sampling and pooling index real rows only.
 
-With LoRA on, every graph is captured with the LoRA kernels in it, reading each token's adapter slot from a
-static index buffer (`lora_idx`) and the adapters from the layers' preallocated slot tensors, which loads
-overwrite in place: a step fills the index with its tokens' slots (-1 for base rows and the padding, which
-then add nothing), and the same graph serves any mix of adapters.
+With LoRA on, every size is captured twice (vLLM's cudagraph_specialize_lora). Once with the LoRA kernels in
+it, reading each token's adapter slot from a static index buffer (`lora_idx`) and the adapters from the layers'
+preallocated slot tensors, which loads overwrite in place: a step fills the index with its tokens' slots (-1 for
+base rows and the padding, which then add nothing), and the same graph serves any mix of adapters. Once without
+them, for the steps in which no row runs an adapter: those pay nothing for LoRA, as in an engine without it.
 
 Decode-only steps of at most the largest decode size replay a graph of the split-K decode kernel instead
 (batch buckets, one token per sequence), which is faster than the extend kernel on q_len 1 rows; other
@@ -103,11 +104,12 @@ class StaticInputs:
         self.cu_seqlens_q = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.num_live = torch.ones(1, dtype=torch.int32, device=device)  # sequences with queries (mixed graphs)
 
-    def set_context(self, is_decode: bool, num_tokens: int, num_seqs: int) -> None:
-        """The attention context of a graph of this size, over prefixes of the buffers."""
+    def set_context(self, is_decode: bool, num_tokens: int, num_seqs: int, lora: bool = True) -> None:
+        """The attention context of a graph of this size, over prefixes of the buffers (`lora` False: no adapter
+        runs in it)."""
         set_context(is_decode, self.slot_mapping[:num_tokens], self.block_tables[:num_seqs],
                     self.seq_lens[:num_seqs], self.cu_seqlens_q[:num_seqs + 1], None if is_decode else self.num_live,
-                    None if self.lora_idx is None else self.lora_idx[:num_tokens])
+                    None if self.lora_idx is None or not lora else self.lora_idx[:num_tokens])
 
 
 def pad_into(buf: StaticInputs, x, num_tokens: int, num_seqs: int, decode: bool = False) -> None:
@@ -153,8 +155,10 @@ class CudaGraphs:
         max_seqs = max([self.num_seqs(t) for t in self.mixed_sizes] + self.decode_sizes + [1])
         self.buf = StaticInputs(max_tokens, max_seqs, -(-max_model_len // config.block_size), device,
                                 config.enable_lora, stage_input)
-        self.decode: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.mixed: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, with the LoRA kernels) -> (graph, its output); with LoRA on, each size both ways
+        self.lora_variants = (True, False) if self.buf.lora_idx is not None else (False,)
+        self.decode: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mixed: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
         self.capture_bytes = 0
 
@@ -183,8 +187,9 @@ class CudaGraphs:
         b = self.buf
         b.cu_seqlens_q.copy_(torch.arange(b.cu_seqlens_q.numel(), dtype=torch.int32, device=device))
         pool = None
-        plan = [(False, t) for t in reversed(self.mixed_sizes)] + [(True, s) for s in reversed(self.decode_sizes)]
-        for is_decode, n in plan:
+        plan = ([(False, t, lora) for t in reversed(self.mixed_sizes) for lora in self.lora_variants]
+                + [(True, s, lora) for s in reversed(self.decode_sizes) for lora in self.lora_variants])
+        for is_decode, n, lora in plan:
             seqs = n if is_decode else self.num_seqs(n)
             if not is_decode:  # a valid padded layout: one sequence of n fresh tokens, the rest empty
                 b.cu_seqlens_q[1:seqs + 1].fill_(n)
@@ -193,7 +198,7 @@ class CudaGraphs:
                 b.num_live.fill_(1)
             else:
                 b.seq_lens[:seqs].fill_(1)
-            b.set_context(is_decode, n, seqs)
+            b.set_context(is_decode, n, seqs, lora)
             try:
                 self._call(n)  # warm up: compiles every kernel outside the graph
                 sync()
@@ -203,7 +208,7 @@ class CudaGraphs:
             finally:
                 reset_context()
             pool = g.pool() if pool is None else pool
-            (self.decode if is_decode else self.mixed)[n] = (g, out)
+            (self.decode if is_decode else self.mixed)[n, lora] = (g, out)
         b.seq_lens.zero_()
         sync()
         self.capture_s = time.perf_counter() - t0
@@ -240,6 +245,7 @@ class CudaGraphs:
         if self.buf.intermediate is not None:
             self.buf.intermediate[0, :T].copy_(intermediate[0])
             self.buf.intermediate[1, :T].copy_(intermediate[1])
-        g, out = (self.decode if is_decode else self.mixed)[n]
+        lora = x.lora_idx is not None and self.buf.lora_idx is not None
+        g, out = (self.decode if is_decode else self.mixed)[n, lora]
         g.replay()
         return tuple(o[:T] for o in out) if isinstance(out, tuple) else out[:T]
