@@ -226,7 +226,7 @@ def test_qkv_rejects_tp_not_dividing_heads():
     with tp_override(0, 6), pytest.raises(ValueError, match="multiple of the number of KV heads"):
         QKVParallelLinear(48, 4, 12, 4)
     config = LlamaConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
-    with tp_override(0, 3), pytest.raises(ValueError, match="tensor_parallel_size 3"):
+    with tp_override(0, 3), pytest.raises(ValueError, match="--tensor-parallel-size 3"):
         LlamaForCausalLM(config)
 
 
