@@ -48,6 +48,7 @@ for part in "$@"; do
             | tee $OUT/lora_throughput.log | tail -8
           bound python3 benchmarks/lora.py throughput --model $MODEL --lora-off --out $OUT/lora_throughput_off.json 2>&1 \
             | tee $OUT/lora_throughput_off.log | tail -3 ;;
+    swap) bound python3 benchmarks/swap.py --moves $MODEL 2>&1 | tee $OUT/swap_moves.log | tail -8 ;;
     *) echo "[device_2gpu] unknown part $part"; exit 2 ;;
   esac
   echo "[device_2gpu] $part: done in $(( $(date +%s) - t0 )) s"
