@@ -11,6 +11,7 @@
 #   mooncake     benchmarks/dp.py: DP=2 with prefix caching on the Mooncake slice, prefix_affinity vs least_loaded
 #   lora         benchmarks/lora.py: the Triton LoRA kernels on the GPU (eager and in a graph), throughput with 1, 4,
 #                16 adapters against the base, and the base in an engine without LoRA
+#   swap         benchmarks/swap.py --moves: the worker's KV block moves (swap out, in, copy on write) on one GPU
 # Everything lands under $OUT (default /tmp/device-out): JSON, logs and run directories.
 set -o pipefail
 export OUT=${OUT:-/tmp/device-out} PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}
