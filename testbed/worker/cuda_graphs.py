@@ -143,7 +143,7 @@ def pad_into(buf: StaticInputs, x, num_tokens: int, num_seqs: int, decode: bool 
 
 class CudaGraphs:
     """The captured graphs of one model runner (one TP rank, or one pipeline stage): `replay(x)` runs a step
-    through the graph that fits it (`size_for`), or returns None (run it eagerly). `stage_input` (hidden size,
+    through the graph that fits it, or returns None (run it eagerly). `stage_input` (hidden size,
     dtype): the model is a pipeline stage after the first, called with the previous stage's activations."""
 
     def __init__(self, model: Callable, config: EngineConfig, max_model_len: int, device: torch.device,
@@ -165,9 +165,8 @@ class CudaGraphs:
     def _call(self, n: int):
         """The model over the buffers' first n tokens (and, on a later pipeline stage, their activations)."""
         b = self.buf
-        if b.intermediate is None:
-            return self.model(b.input_ids[:n], b.positions[:n])
-        return self.model(b.input_ids[:n], b.positions[:n], (b.intermediate[0, :n], b.intermediate[1, :n]))
+        inter = None if b.intermediate is None else (b.intermediate[0, :n], b.intermediate[1, :n])
+        return self.model(b.input_ids[:n], b.positions[:n], inter)
 
     def num_seqs(self, num_tokens: int) -> int:
         """The sequences a mixed graph of num_tokens tokens holds: every step's, and the padding's owner."""
@@ -229,17 +228,14 @@ class CudaGraphs:
             return False, next(s for s in self.mixed_sizes if s >= n)
         return None
 
-    def fits(self, x) -> bool:
-        """Whether step x replays a graph."""
-        return bool(self.decode or self.mixed) and self.size_for(x) is not None
-
     def replay(self, x, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Hidden states [T, hidden] of step x through its graph (a pipeline stage before the last: its (hidden,
         residual) for the next stage; a later stage takes the previous one's as `intermediate`), or None when no
         graph fits it."""
-        if not self.fits(x):
+        fit = self.size_for(x)
+        if fit is None or not (self.decode or self.mixed):
             return None
-        is_decode, n = self.size_for(x)
+        is_decode, n = fit
         T = x.input_ids.numel()
         pad_into(self.buf, x, n, n if is_decode else self.num_seqs(n), is_decode)
         if self.buf.intermediate is not None:

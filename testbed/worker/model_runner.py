@@ -152,7 +152,7 @@ class ModelRunner:
         set_context(False, cu_seqlens_q=cu)
         try:
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            hidden = self._stage_forward(n, None, lambda intermediate: self._model(ids, positions, intermediate))
+            hidden = self._stage_forward(n, None, lambda intermediate: self.model(ids, positions, intermediate))
             logits = None if hidden is None else self.model.compute_logits(
                 hidden[last].repeat(max(1, cfg.max_num_seqs // seqs), 1))
         finally:
@@ -364,18 +364,11 @@ class ModelRunner:
         """The decode batch sizes captured (none without graphs)."""
         return self.graphs.decode_sizes if self.graphs is not None else []
 
-    def _model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-               intermediate: tuple[torch.Tensor, torch.Tensor] | None):
-        """The model (this pipeline stage's layers) run op by op, under the attention context the caller set."""
-        if intermediate is None:
-            return self.model(input_ids, positions)
-        return self.model(input_ids, positions, intermediate)
-
     def _eager(self, x: StepInputs, intermediate: tuple[torch.Tensor, torch.Tensor] | None):
-        """The model run op by op under step x's attention context."""
+        """The model (this pipeline stage's layers) run op by op under step x's attention context."""
         set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q, lora_idx=x.lora_idx)
         try:
-            return self._model(x.input_ids, x.positions, intermediate)
+            return self.model(x.input_ids, x.positions, intermediate)
         finally:
             reset_context()
 
@@ -399,9 +392,12 @@ class ModelRunner:
     def forward(self, x: StepInputs, pending: PendingActivations | None = None) -> torch.Tensor | None:
         """The decoder over the step's tokens (a captured graph when one fits): hidden states [T, hidden]; None on
         a pipeline stage before the last (its activations went to the next stage)."""
-        graphed = self.graphs is not None and not self.eager_steps and self.graphs.fits(x)
-        run = self.graphs.replay if graphed else self._eager
-        return self._stage_forward(x.input_ids.numel(), pending, lambda intermediate: run(x, intermediate))
+        graphs = None if self.eager_steps else self.graphs
+
+        def run(intermediate):
+            out = None if graphs is None else graphs.replay(x, intermediate)
+            return self._eager(x, intermediate) if out is None else out
+        return self._stage_forward(x.input_ids.numel(), pending, run)
 
     def logit_slices(self, hidden: torch.Tensor, sample_idx: torch.Tensor):
         """(first row, logits [rows, vocab] or None off rank 0) of the rows `sample_idx` picks from `hidden`,
