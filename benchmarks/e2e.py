@@ -132,15 +132,20 @@ def bench_hf_cb(hf, prompts, max_new: int) -> dict:
     return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt, "requests": len(prompts), "max_new_tokens": max_new}
 
 
-def decode_steps(llm: LLM, batch: int, prompt_len: int, out_len: int):
-    """Run `batch` requests to completion; (durations, context tokens) of their pure decode steps at full batch."""
+def batch_steps(llm: LLM, batch: int, prompt_len: int, out_len: int) -> dict:
+    """Run `batch` requests (`prompt_len` tokens, `out_len` greedy tokens each) to completion; the step columns of
+    the steps they took."""
     prompts = [[1000 + (i * 7 + j) % 20000 for j in range(prompt_len)] for i in range(batch)]
     start = len(llm.engine.records.steps)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
-    steps = llm.engine.records.step_columns()
-    sel = slice(start, None)
-    dec = (steps["num_prefill_tokens"][sel] == 0) & (steps["num_reqs"][sel] == batch)
-    return steps["duration"][sel][dec], steps["sum_context_tokens"][sel][dec]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True), use_tqdm=False)
+    return {k: v[start:] for k, v in llm.engine.records.step_columns().items()}
+
+
+def decode_steps(llm: LLM, batch: int, prompt_len: int, out_len: int):
+    """Run `batch` requests to completion; (durations, context tokens) of their pure decode steps at full batch."""
+    steps = batch_steps(llm, batch, prompt_len, out_len)
+    dec = (steps["num_prefill_tokens"] == 0) & (steps["num_reqs"] == batch)
+    return steps["duration"][dec], steps["sum_context_tokens"][dec]
 
 
 def decode_mbu(llm: LLM, spec, batch: int, bw: float, prompt_len: int = 256, out_len: int = 256) -> dict:

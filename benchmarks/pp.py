@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from e2e import workload  # benchmarks/e2e.py: the same 256-request workload
+from e2e import batch_steps, workload  # benchmarks/e2e.py: the same 256-request workload and decode batch
 from tp import _fit, on_two_ranks  # benchmarks/tp.py: the same fit and 2 ranks
 from testbed import LLM, SamplingParams
 from testbed.specs.presets import get_model_spec
@@ -103,14 +103,10 @@ def decode_cycle_ms(llm: LLM, batch: int, prompt_len: int = 512, out_len: int = 
     first end to last end) / (tokens those steps made after the first). Under PP the batch queue splits the
     requests into microbatches whose steps overlap, so no single step holds the batch; without PP this is the
     mean decode step, gaps included."""
-    prompts = [[1000 + (i * 7 + j) % 20000 for j in range(prompt_len)] for i in range(batch)]
-    start = len(llm.engine.records.steps)
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True), use_tqdm=False)
-    c = llm.engine.records.step_columns()
-    sel = slice(start, None)
-    dec = c["num_prefill_tokens"][sel] == 0
-    ends = (c["start"][sel] + c["duration"][sel])[dec]
-    tokens = c["num_decode_tokens"][sel][dec]
+    c = batch_steps(llm, batch, prompt_len, out_len)
+    dec = c["num_prefill_tokens"] == 0
+    ends = (c["start"] + c["duration"])[dec]
+    tokens = c["num_decode_tokens"][dec]
     return float(batch * (ends[-1] - ends[0]) / tokens[1:].sum() * 1e3) if len(ends) > 1 else float("nan")
 
 
