@@ -52,5 +52,7 @@ for part in "$@"; do
     swap) bound python3 benchmarks/swap.py --moves $MODEL 2>&1 | tee $OUT/swap_moves.log | tail -8 ;;
     *) echo "[device_2gpu] unknown part $part"; exit 2 ;;
   esac
+  # run directories sit too deep to come back from the machine one by one: one tarball a part
+  for d in $OUT/*/; do d=${d%/}; [ -d $d/runs ] && tar czf $d.runs.tgz -C $d runs; done
   echo "[device_2gpu] $part: done in $(( $(date +%s) - t0 )) s"
 done
