@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -185,6 +186,11 @@ def simulate_both(trace: list[TraceRequest], cm=None, **config_overrides):
     results = [simulate(trace, cfg, cm, blocks, 4096, fast_forward_decodes=ff) for ff in (False, True)]
     tables = [(r.records.steps, r.records.itl, sorted(r.records.requests, key=repr), r.records.routes,
                r.records.publications, r.sim_time, r.prefix_queries, r.prefix_hits) for r in results]
+    for r in results:  # the arrays the summary and steps.parquet are made from: the rows' floats, bit for bit
+        cols, rows = r.records.step_columns(), list(r.records.steps)
+        assert all(cols[c].tobytes() == np.array([row[i] for row in rows], dtype=cols[c].dtype).tobytes()
+                   for i, c in enumerate(cols))
+        assert r.records.itl.array().tobytes() == np.array(list(r.records.itl), dtype=np.float64).tobytes()
     return tables, results
 
 

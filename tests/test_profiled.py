@@ -12,7 +12,7 @@ from testbed.profiling.profile_file import ProfileError
 from testbed.sim.profiled import ProfiledCostModel, fit_nonnegative, nnls
 from testbed.profiling.synthetic_steps import StepFactory, decode_rows
 from testbed.sim.step_terms import Scales
-from testbed.sim.tables import RowWalk, Table1D, Table2D
+from testbed.sim.tables import RowPieces, Table1D, Table2D
 
 BS = 16
 CONTEXTS = [16, 128, 1024, 8192]
@@ -272,31 +272,45 @@ def test_uneven_contexts_add_the_measured_tail():
     assert cm.step_time(even) < cm.step_time(so)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.sampled_from(["fake", "shipped"]), st.integers(1, 300), st.integers(0, 3), st.integers(1, 20_000),
-       st.integers(0, 30_000), st.booleans(), st.sampled_from([1.0, 0.8, 1.3]), st.sampled_from([1.0, 1.2]))
-def test_decode_time_is_step_time_bit_for_bit(which, b, structured, ctx, skew, async_scheduling, host, decode):
-    """decode_time(B, structured) prices a decode-only step from (sum_context_tokens, max_context_tokens) alone
-    (what a fast-forwarded stretch has): the same float as step_time of that step, or None where step_time
-    takes another path."""
+NEAR_PIECE_ENDS = [c + d for c in CONTEXTS + [256, 512, 2048, 4096] for d in (-30, -3, -1, 0, 1)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["fake", "shipped"]), st.integers(1, 300), st.integers(0, 3),
+       st.integers(1, 20_000) | st.sampled_from(NEAR_PIECE_ENDS), st.integers(0, 30_000) | st.sampled_from([0, 1, 7]),
+       st.booleans(), st.sampled_from([1.0, 0.8, 1.3]), st.sampled_from([1.0, 1.2]))
+def test_decode_steps_are_step_time_bit_for_bit(which, b, structured, ctx, skew, async_scheduling, host, decode):
+    """decode_steps(B, structured) prices successive decode-only steps from the first one's (sum_context_tokens,
+    max_context_tokens) alone (what a fast-forwarded stretch has): the same floats as step_time of each step, also
+    where the contexts cross from one measured column to the next; or None where step_time takes another path."""
     prof = fake_profile() if which == "fake" else json.loads(
         open("testbed/profiling/profiles/Llama-3.2-1B_H100-SXM_tp1.json").read())
     prof["scales"] = {"host": host, "decode": decode}
     cm = ProfiledCostModel(prof, async_scheduling=async_scheduling)
-    rows = decode_rows(b - 1, ctx) + decode_rows(1, ctx + skew) if b > 1 else decode_rows(1, ctx + skew)
-    so = F.step(rows)
-    so.num_structured_reqs = structured = min(structured, b)
-    f = cm.decode_time(b, structured)
+    structured = min(structured, b)
+    f = cm.decode_steps(b, structured)
     if f is None:
         assert b > cm.graph_max or (async_scheduling and not structured and cm.dec_async is not None)
         return
-    assert f(so.sum_context_tokens, so.max_context_tokens) == cm.step_time(so)
+    times = None
+    for k in range(40):
+        rows = decode_rows(b - 1, ctx + k) + decode_rows(1, ctx + skew + k) if b > 1 else decode_rows(1, ctx + skew + k)
+        so = F.step(rows)
+        so.num_structured_reqs = structured
+        if times is None:
+            times = f(so.sum_context_tokens, so.max_context_tokens)
+        assert next(times) == cm.step_time(so)
 
 
 @given(st.lists(st.floats(-100, 10_000, allow_nan=False), min_size=1, max_size=30), st.integers(1, 40))
-def test_a_row_walk_is_the_table_lookup(cs, r):
-    """RowWalk scans on from its last column instead of bisecting: the same values in any order of lookups."""
+def test_a_row_piece_is_the_table_lookup(cs, r):
+    """RowPieces gives the linear piece a lookup interpolates on: the same value anywhere inside it."""
     t = Table2D([1, 4, 16], [0, 16, 128, 1024, 8192],
                 [[1.0, 2.0, None, 5.0, 9.0], [2.0, None, 4.0, 8.0, 20.0], [3.0, 5.0, 9.0, None, 40.0]])
-    walk = RowWalk(t, r)
-    assert [walk(c) for c in cs] == [t(r, c) for c in cs]
+    pieces = RowPieces(t, r)
+    for c in cs:
+        lo, hi, y0, dy, x0, dx = pieces.piece(c)
+        assert lo < c <= hi
+        for x in (c, hi if hi < 1e9 else c + 1e5, (lo + c) / 2 if lo > -1e9 else c - 1e5):
+            v = y0 + dy * (x - x0) / dx
+            assert (v if v > 0.0 else 0.0) == t(r, x)

@@ -27,13 +27,15 @@ from typing import Callable, Iterator, Sequence
 
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import SchedulerOutput
+from testbed.engine.record_parts import Stretch
 from testbed.engine.request import Request, RequestStatus
 from testbed.engine.scheduler import Scheduler
 
 StepEnd = Callable[[SchedulerOutput, float], float]
-# (rows, rows under a grammar) -> the end of such a decode step from (start, sum_context_tokens,
-# max_context_tokens), as StepEnd gives it for the step; or None (then StepEnd is asked)
-DecodeEnd = Callable[[int, int], Callable[[float, int, int], float] | None]
+# (rows, rows under a grammar) -> the ends of successive decode steps of such a batch, each starting where the one
+# before ended, from the first one's (start, sum_context_tokens, max_context_tokens), as StepEnd gives them for
+# those steps; or None (then StepEnd is asked)
+DecodeEnds = Callable[[int, int], Callable[[float, int, int], Iterator[float]] | None]
 
 
 class ShiftedCounts(Sequence[int]):
@@ -86,14 +88,15 @@ def _admits(core: EngineCore, running: int) -> bool:
 
 def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
                  max_steps: int | None = None, stop_after_finish: bool = False,
-                 decode_end: DecodeEnd | None = None) -> tuple[int, float, bool]:
+                 decode_ends: DecodeEnds | None = None) -> tuple[int, float, bool]:
     """Advance the stretch of decode steps that starts at `now`; returns (steps taken, time after the last,
     whether the last step finished a request).
 
     `step_end(so, start)` is the driver's clock: when a step scheduled at `start` ends (it calls the cost
-    model, so it is called once per step, in order, as stepping would). `decode_end`, when given, is the same clock
+    model, so it is called once per step, in order, as stepping would). `decode_ends`, when given, is the same clock
     for one batch size at a time, built once per batch (without LoRA: adapter slots change a step's cost). Requests are brought up to date
-    when they finish and when the stretch ends; in between, request i has computed computed0[i] + step."""
+    when they finish and when the stretch ends; in between, request i has computed computed0[i] + step. The
+    steps are recorded as columns (record_parts.Stretch: one per batch size), their ITL samples with them."""
     batch = decode_batch(core)
     budget = (1 << 62) if max_steps is None else max_steps
     if batch is None or budget <= 0 or now >= until:
@@ -118,12 +121,16 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
                          num_decode_tokens=b, num_structured_reqs=_structured(sched, running))
     lora_due = sched.lora is not None  # the step's adapter slots to assign (at the start, after a change)
     so.num_computed_before = before = ShiftedCounts(base, 0)
-    replica, total_blocks, waiting, rows_out = core.replica, bm.num_blocks, sched.num_waiting, records.steps
+    replica, total_blocks, waiting = core.replica, bm.num_blocks, sched.num_waiting
     itl, used, free_ids, cached = records.itl, bm.num_used_blocks, bm.free_ids, bm.cached
     last_update = core._last_update
     sched.finished_req_ids = []  # what the first step's schedule() hands out (to runners; a simulator has none)
     j, t, generated, finished = 0, now, 0, False
-    clock = None if decode_end is None or lora_due else decode_end(b, so.num_structured_reqs)
+    # the steps of one batch size: a Stretch (the first step starts at the previous update's end if later than now)
+    part = Stretch(replica, b, ctx0 + b, total_blocks, waiting, [t], [], t if t > last_update else last_update)
+    ends, useds = part.ends, part.used
+    clock = None if decode_ends is None or lora_due else decode_ends(b, so.num_structured_reqs)
+    clock = None if clock is None else clock(t, ctx0 + b, longest0 + 1)
     while j < budget and t < until:
         rows = due.pop(j, None)
         if rows is not None:
@@ -135,10 +142,10 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
                 if j + bs <= last_step[p]:
                     due.setdefault(j + bs, []).append(p)
             used += len(rows)
-        ctx = ctx0 + b * (j + 1)
         if clock is not None:
-            end = clock(t, ctx, longest0 + j + 1)
+            end = next(clock)
         else:
+            ctx = ctx0 + b * (j + 1)
             before.shift = j
             so.sum_context_tokens = so.sum_attn_pairs = ctx
             so.max_context_tokens = longest0 + j + 1
@@ -148,20 +155,18 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             end = step_end(so, t)
             if so.lora_loads or so.lora_dropped:  # done by this step; the next ones load nothing
                 so.lora_loads, so.lora_dropped = [], []
-        if j:  # the previous step ended at t: this one starts there, and every row's last token came then
-            itl.extend(repeat(end - t, b))
-            start = t
-        else:
+        if not j:  # every row's previous token came at its own time; after this step, at the step's start
             for r in running:
                 itl.append(end - r.last_token_time)
-            start = t if t > last_update else last_update
-        rows_out.append((replica, start, end - start, b, 0, b, ctx, ctx, used, total_blocks, waiting, b, 0, 0, 0, 0, 0, 0))
-        generated += b
-        last_update = t = end
+        ends.append(end)
+        useds.append(used)
+        t = end
         j += 1
         done = ending.pop(j - 1, None)
         finished = done is not None
         if finished:  # this step's tokens end them, as update's stop check ends them, in batch order
+            _record(records, part, j)
+            generated += b * len(part)
             for p in sorted(done):
                 _bring_up_to_date(everyone[p], computed0[p], j, token_id, t)
                 core._finish(everyone[p], RequestStatus.FINISHED_LENGTH, t)
@@ -169,6 +174,7 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             running, pos = [running[i] for i in keep], [pos[i] for i in keep]
             base[:] = [computed0[p] for p in pos]
             b = len(running)
+            part = None
             if not b or stop_after_finish or _admits(core, b):
                 break
             ctx0, longest0, used = sum(base), max(base), bm.num_used_blocks  # their blocks are free again
@@ -176,15 +182,28 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             so.total_num_scheduled_tokens = so.num_decode_tokens = b
             so.num_structured_reqs = _structured(sched, running)
             lora_due = sched.lora is not None
-            clock = None if decode_end is None or lora_due else decode_end(b, so.num_structured_reqs)
+            part = Stretch(replica, b, ctx0 + b * (j + 1), total_blocks, waiting, [t], [])
+            ends, useds = part.ends, part.used
+            clock = None if decode_ends is None or lora_due else decode_ends(b, so.num_structured_reqs)
+            clock = None if clock is None else clock(t, ctx0 + b * (j + 1), longest0 + j + 1)
+    if part is not None:
+        _record(records, part, j)
+        generated += b * len(part)
     if j:
         for p, r in zip(pos, running):
             _bring_up_to_date(r, computed0[p], j, token_id, t)
         if finished or len(running) != len(everyone):
             sched.drop_finished()
         core.token_counts.generation += generated
-        core._last_update = last_update
+        core._last_update = t
     return j, t, finished
+
+
+def _record(records, part: Stretch, j: int) -> None:
+    """Add a stretch's steps (the last of which is step j - 1 of the fast-forward) and their ITL samples: each step's
+    duration per row, but for the fast-forward's first step (its samples were appended one by one)."""
+    records.steps.add_stretch(part)
+    records.itl.add_stretch(part, 1 if len(part) == j else 0)
 
 
 def _structured(sched: Scheduler, running: list[Request]) -> int:

@@ -7,12 +7,12 @@ throughput = output tokens / makespan; goodput = requests meeting every SLO / ma
 from __future__ import annotations
 
 import math
-from itertools import chain
 
 import numpy as np
 from dataclasses import dataclass, field
 from typing import Any
 
+from testbed.engine.record_parts import Samples, StepRows
 from testbed.engine.request import Request
 
 BASE_REQUEST_COLUMNS = ("request_id", "replica", "priority", "arrival", "first_scheduled", "first_token", "finish",
@@ -44,11 +44,12 @@ PERCENTILES = (50, 90, 95, 99)
 
 @dataclass
 class Recorder:
-    """Column store of a run's records; appends only, so recording stays O(1) per event."""
+    """Column store of a run's records; appends only, so recording stays O(1) per event. `steps` and `itl` read as
+    lists and also take fast-forwarded stretches as columns (record_parts.py)."""
 
     requests: list[tuple] = field(default_factory=list)  # rows in REQUEST_COLUMNS order
-    steps: list[tuple] = field(default_factory=list)     # rows in STEP_COLUMNS (+ step_extra) order
-    itl: list[float] = field(default_factory=list)
+    steps: StepRows = field(default_factory=StepRows)    # rows in STEP_COLUMNS (+ step_extra) order
+    itl: Samples = field(default_factory=Samples)
     routes: list[tuple] = field(default_factory=list)        # ROUTE_COLUMNS rows (DP runs)
     publications: list[tuple] = field(default_factory=list)  # PUBLICATION_COLUMNS rows (DP runs)
     loras: dict[str, str] = field(default_factory=dict)  # request id -> its LoRA adapter's name (LoRA runs only)
@@ -66,8 +67,8 @@ class Recorder:
     def extend(self, other: "Recorder") -> None:
         self.step_extra = self.step_extra or other.step_extra
         self.requests.extend(other.requests)
-        self.steps.extend(other.steps)
-        self.itl.extend(other.itl)
+        self.steps.merge(other.steps)
+        self.itl.merge(other.itl)
         self.routes.extend(other.routes)
         self.loras.update(other.loras)
         self.publications.extend(other.publications)
@@ -79,8 +80,7 @@ class Recorder:
     def step_columns(self) -> dict[str, np.ndarray]:
         """Step columns as numpy arrays (float64 for times, int64 otherwise)."""
         names = STEP_COLUMNS + self.step_extra
-        n, width = len(self.steps), len(names)
-        arr = np.fromiter(chain.from_iterable(self.steps), dtype=np.float64, count=n * width).reshape(n, width)
+        arr = self.steps.array(len(names))
         return {c: (arr[:, i] if c in ("start", "duration") else arr[:, i].astype(np.int64))
                 for i, c in enumerate(names)}
 
@@ -92,7 +92,7 @@ def _columns(rows: list[tuple], names: tuple[str, ...]) -> dict[str, list]:
 
 def _stats(values) -> dict[str, float | None]:
     """mean and percentiles (numpy's linear interpolation, as vLLM's benchmark); None when empty."""
-    xs = np.fromiter(values, dtype=np.float64, count=len(values))
+    xs = values.array() if isinstance(values, Samples) else np.fromiter(values, dtype=np.float64, count=len(values))
     if xs.size == 0:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     qs = np.percentile(xs, PERCENTILES)

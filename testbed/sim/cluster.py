@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Callable, Generator
+from typing import Callable, Generator, Iterator
 
 import simpy
 
@@ -68,7 +68,7 @@ class ClusterSim:
         self.publishers = [StatsPublisher(config.dp_stats_interval) for _ in range(dp)]
         self.steps_done = [0] * dp
         self.skipped = 0  # steps fast-forwarded
-        self.decode_ends: dict[tuple[int, int], Callable | None] = {}  # decode_end's, by (rows, structured rows)
+        self.decode_clocks: dict[tuple[int, int], Callable | None] = {}  # decode_ends', by (rows, structured rows)
         self.routes: list[list] = []        # ROUTE_COLUMNS rows
         self.publications: list[list] = []  # PUBLICATION_COLUMNS rows
 
@@ -148,20 +148,24 @@ class ClusterSim:
         """When a step scheduled at `start` ends: where `yield env.timeout(start + d - env.now)` lands."""
         return landing(start, self.cost_model.step_time(so))
 
-    def decode_end(self, b: int, structured: int) -> Callable[[float, int, int], float] | None:
-        """step_end for decode steps of b rows (`structured` under a grammar), from (start, sum_context_tokens,
-        max_context_tokens), when the cost model prices such a batch without its SchedulerOutput."""
+    def decode_ends(self, b: int, structured: int) -> Callable[[float, int, int], Iterator[float]] | None:
+        """The ends of successive decode steps of b rows (`structured` under a grammar), each starting where the
+        one before ended, from the first one's (start, sum_context_tokens, max_context_tokens): step_end's values
+        for them, when the cost model prices such a batch without its SchedulerOutput (decode_steps)."""
         key = (b, structured)
-        if key in self.decode_ends:  # a pure function of the batch size: made once
-            return self.decode_ends[key]
-        decode_time = getattr(self.cost_model, "decode_time", None)
-        duration = decode_time(b, structured) if decode_time is not None else None
-        end = None
-        if duration is not None:
-            def end(start: float, sum_ctx: int, max_ctx: int) -> float:
-                return landing(start, duration(sum_ctx, max_ctx))
-        self.decode_ends[key] = end
-        return end
+        if key in self.decode_clocks:  # a pure function of the batch size: made once
+            return self.decode_clocks[key]
+        decode_steps = getattr(self.cost_model, "decode_steps", None)
+        durations = decode_steps(b, structured) if decode_steps is not None else None
+        ends = None
+        if durations is not None:
+            def ends(start: float, sum_ctx: int, max_ctx: int) -> Iterator[float]:
+                for d in durations(sum_ctx, max_ctx):
+                    end = start + d
+                    start = start + (end - start)  # landing(start, d)
+                    yield start
+        self.decode_clocks[key] = ends
+        return ends
 
     def run(self, on_progress: Callable[[float, int], None] | None, progress_interval_s: float,
             fast_forward_decodes: bool) -> SimResult:
@@ -218,7 +222,7 @@ class ServingReplica(ReplicaLoop):
         until = min(sim.horizon.until(r), self.grammars.next_due(r))
         k, end, finished = fast_forward(eng, env.now, until, sim.step_end, SIM_TOKEN_ID,
                                         max_steps=self.grammars.steps_until_due(r), stop_after_finish=sim.dp > 1,
-                                        decode_end=sim.decode_end)
+                                        decode_ends=sim.decode_ends)
         if not k:
             return False
         sim.steps_done[r] += k

@@ -22,9 +22,10 @@ A step's time is the real engine's cycle, schedule to next schedule, built from 
 """
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from testbed.sim import attention_split
 from testbed.sim.cost_model import GRAMMAR_ROW_S, BlockMoveCost
 from testbed.specs.hardware import get_gpu_spec
 from testbed.sim.step_terms import DECODE_ASYNC, DECODE_SYNC, MIXED_ASYNC, MIXED_SYNC, Scales, combine
-from testbed.sim.tables import LastLookup, RowWalk, Table1D, Table2D
+from testbed.sim.tables import LastLookup, RowPieces, Table1D, Table2D
 
 ISSUE_BOUND_TOKENS = 1024  # eager steps this small take longer to issue than to run: their launch time is pure host
 
@@ -245,24 +246,60 @@ class ProfiledCostModel:
             t += self.moves.time(so)
         return t
 
-    def decode_time(self, B: int, num_structured: int) -> Callable[[int, int], float] | None:
-        """step_time of a decode-only step of B rows (`num_structured` of them under a grammar), no block moves,
-        as a function of its (sum_context_tokens, max_context_tokens): the same value bit for bit, with the
-        batch's lookups done once (a stretch of decodes asks for one batch size step after step). None where
-        step_time takes another path (B past the decode table, async decode cycles)."""
+    def decode_steps(self, B: int, num_structured: int) -> Callable[[int, int], Iterator[float]] | None:
+        """step_time of successive decode-only steps of B rows (`num_structured` of them under a grammar), no
+        block moves: from the first one's (sum_context_tokens, max_context_tokens), each next step with B more
+        context tokens and its longest row one more (a stretch of decodes). The same floats bit for bit, with
+        the batch's lookups done once and a table's piece looked up again only when the context leaves it. None
+        where step_time takes another path (B past the decode table, async decode cycles) or a table has one
+        column."""
         grammar = GRAMMAR_ROW_S * num_structured
         if B > self.graph_max or (self.async_scheduling and not grammar and self.dec_async is not None):
             return None
-        wall, host = RowWalk(self.dec_wall, B), RowWalk(self.dec_host, B)
-        tail = RowWalk(self.dec_tail.table, B) if self.dec_tail else None
-        eng, scales = self.engine_step(B), self.scales
-        hosted = scales.host != scales.decode  # else combine reads no runner-host term: not looked up
+        tables = [self.dec_wall, self.dec_host] + ([self.dec_tail.table] if self.dec_tail else [])
+        if any(len(t.cols) < 2 for t in tables):
+            return None
+        s = self.scales
+        h, sd = s.host, s.decode
+        he, hg = h * self.engine_step(B), h * grammar
+        hosted = h != sd  # else combine reads no runner-host term
+        wall, host = RowPieces(self.dec_wall, B), RowPieces(self.dec_host, B)
+        tail = RowPieces(self.dec_tail.table, B) if self.dec_tail else None
+        inf = math.inf
 
-        def duration(sum_ctx: int, max_ctx: int) -> float:  # terms(so)'s DECODE_SYNC tuple, then combine
-            ctx = sum_ctx / B - 1.0
-            return combine(DECODE_SYNC, (eng, wall(ctx), host(ctx) if hosted else 0.0,
-                                         tail(max_ctx - 1.0 - ctx) if tail else 0.0, grammar), scales)
-        return duration
+        def steps(sum_ctx: int, max_ctx: int) -> Iterator[float]:
+            # per step: terms(so)'s DECODE_SYNC tuple, then step_terms.combine, inlined (tests hold them equal);
+            # a term is y0 + dy * (x - x0) / dx floored at 0, as Table2D's lookup computes it
+            wl = hl = tl = inf
+            wh = hh = th = -inf
+            while True:
+                ctx = sum_ctx / B - 1.0
+                if not wl < ctx <= wh:
+                    wl, wh, wy, wdy, wx, wdx = wall.piece(ctx)
+                w = wy + wdy * (ctx - wx) / wdx
+                if not w > 0.0:
+                    w = 0.0
+                if hosted:
+                    if not hl < ctx <= hh:
+                        hl, hh, hy, hdy, hx, hdx = host.piece(ctx)
+                    r = hy + hdy * (ctx - hx) / hdx
+                    if not r > 0.0:
+                        r = 0.0
+                    dec = h * r + sd * (w - r)
+                else:
+                    dec = h * w
+                x = 0.0
+                if tail is not None:
+                    x = max_ctx - 1.0 - ctx
+                    if not tl < x <= th:
+                        tl, th, ty, tdy, tx, tdx = tail.piece(x)
+                    x = ty + tdy * (x - tx) / tdx
+                    if not x > 0.0:
+                        x = 0.0
+                yield he + dec + sd * x + hg
+                sum_ctx += B
+                max_ctx += 1
+        return steps
 
     def terms(self, so: SchedulerOutput, engine: float | None = None) -> tuple[int, tuple]:
         """(kind, measured terms) of a non-empty step, as step_terms.combine takes them."""

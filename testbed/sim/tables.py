@@ -9,6 +9,7 @@ profile stays cheap), and a lookup is one bisect plus one interpolation along th
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Sequence
 
 
@@ -114,24 +115,25 @@ class Table2D:
         return _at(cols, row, _interval(cols, c), c)
 
 
-class RowWalk:
-    """Lookups of one Table2D row at columns that mostly stay in one interval (the mean context of a stretch of
-    decodes grows a token a step): the last interval is tried before a bisect. Same values as `table(r, c)`."""
+class RowPieces:
+    """The linear pieces of one Table2D row, for a caller that evaluates many lookups of it in a loop of its own (a
+    stretch of decodes, whose mean context grows a token a step, stays on one piece for many steps)."""
 
-    __slots__ = ("cols", "row", "j", "n")
+    __slots__ = ("cols", "row")
 
     def __init__(self, table: Table2D, r: int) -> None:
-        self.cols, self.row, self.n = table.cols, table.row(r), len(table.cols)
-        self.j = 1
+        if len(table.cols) < 2:
+            raise ValueError("a table of one column has no linear pieces")
+        self.cols, self.row = table.cols, table.row(r)
 
-    def __call__(self, c: float) -> float:
-        cols, row, n = self.cols, self.row, self.n
-        if n == 1:
-            return row[0]
-        j = self.j
-        if not cols[j - 1] < c <= cols[j]:  # left the last column's interval: as bisect_left places it
-            self.j = j = _interval(cols, c)
-        return _at(cols, row, j, c)
+    def piece(self, c: float) -> tuple[float, float, float, float, float, float]:
+        """(lo, hi, y0, dy, x0, dx): for every x with lo < x <= hi, `table(r, x)` is `y0 + dy * (x - x0) / dx`
+        floored at 0, the same float (the interval bisect_left picks, with the end intervals open outwards)."""
+        cols, row = self.cols, self.row
+        j = _interval(cols, c)
+        lo = -math.inf if j == 1 else cols[j - 1]
+        hi = math.inf if j == len(cols) - 1 else cols[j]
+        return lo, hi, row[j - 1], row[j] - row[j - 1], cols[j - 1], cols[j] - cols[j - 1]
 
 
 class LastLookup:
