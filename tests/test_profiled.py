@@ -272,7 +272,7 @@ def test_uneven_contexts_add_the_measured_tail():
     assert cm.step_time(even) < cm.step_time(so)
 
 
-NEAR_PIECE_ENDS = [c + d for c in CONTEXTS + [256, 512, 2048, 4096] for d in (-30, -3, -1, 0, 1)]
+NEAR_PIECE_ENDS = [max(1, c + d) for c in CONTEXTS + [256, 512, 2048, 4096] for d in (-30, -3, -1, 0, 1)]
 
 
 @settings(max_examples=150, deadline=None)

@@ -126,9 +126,11 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     last_update = core._last_update
     sched.finished_req_ids = []  # what the first step's schedule() hands out (to runners; a simulator has none)
     j, t, generated, finished = 0, now, 0, False
-    # the steps of one batch size: a Stretch (the first step starts at the previous update's end if later than now)
-    part = Stretch(replica, b, ctx0 + b, total_blocks, waiting, [t], [], t if t > last_update else last_update)
-    ends, useds = part.ends, part.used
+    # the steps of one batch size make a Stretch: their ends follow `t` in the step table's times, their blocks in
+    # use go to its used list (the first step starts at the previous update's end if that is later than now)
+    times, useds = records.steps.times, records.steps.used
+    lo, ulo, first_start, part_ctx = len(times), len(useds), (t if t > last_update else last_update), ctx0 + b
+    times.append(t)
     clock = None if decode_ends is None or lora_due else decode_ends(b, so.num_structured_reqs)
     clock = None if clock is None else clock(t, ctx0 + b, longest0 + 1)
     while j < budget and t < until:
@@ -158,15 +160,16 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
         if not j:  # every row's previous token came at its own time; after this step, at the step's start
             for r in running:
                 itl.append(end - r.last_token_time)
-        ends.append(end)
+        times.append(end)
         useds.append(used)
         t = end
         j += 1
         done = ending.pop(j - 1, None)
         finished = done is not None
         if finished:  # this step's tokens end them, as update's stop check ends them, in batch order
-            _record(records, part, j)
-            generated += b * len(part)
+            n = _record(records, Stretch(replica, b, part_ctx, total_blocks, waiting, times, lo, useds, ulo,
+                                         len(useds) - ulo, first_start), j)
+            generated += b * n
             for p in sorted(done):
                 _bring_up_to_date(everyone[p], computed0[p], j, token_id, t)
                 core._finish(everyone[p], RequestStatus.FINISHED_LENGTH, t)
@@ -174,7 +177,7 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             running, pos = [running[i] for i in keep], [pos[i] for i in keep]
             base[:] = [computed0[p] for p in pos]
             b = len(running)
-            part = None
+            lo, ulo, first_start = lo + n, ulo + n, None  # the next stretch starts where this one ended
             if not b or stop_after_finish or _admits(core, b):
                 break
             ctx0, longest0, used = sum(base), max(base), bm.num_used_blocks  # their blocks are free again
@@ -182,28 +185,31 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             so.total_num_scheduled_tokens = so.num_decode_tokens = b
             so.num_structured_reqs = _structured(sched, running)
             lora_due = sched.lora is not None
-            part = Stretch(replica, b, ctx0 + b * (j + 1), total_blocks, waiting, [t], [])
-            ends, useds = part.ends, part.used
+            part_ctx = ctx0 + b * (j + 1)
             clock = None if decode_ends is None or lora_due else decode_ends(b, so.num_structured_reqs)
             clock = None if clock is None else clock(t, ctx0 + b * (j + 1), longest0 + j + 1)
-    if part is not None:
-        _record(records, part, j)
-        generated += b * len(part)
-    if j:
-        for p, r in zip(pos, running):
-            _bring_up_to_date(r, computed0[p], j, token_id, t)
-        if finished or len(running) != len(everyone):
-            sched.drop_finished()
-        core.token_counts.generation += generated
-        core._last_update = t
+    if not j:
+        times.pop()  # no step taken: its start is nobody's
+        return 0, now, False
+    n = len(useds) - ulo
+    if n:
+        generated += b * _record(records, Stretch(replica, b, part_ctx, total_blocks, waiting, times, lo, useds, ulo, n,
+                                                  first_start), j)
+    for p, r in zip(pos, running):
+        _bring_up_to_date(r, computed0[p], j, token_id, t)
+    if finished or len(running) != len(everyone):
+        sched.drop_finished()
+    core.token_counts.generation += generated
+    core._last_update = t
     return j, t, finished
 
 
-def _record(records, part: Stretch, j: int) -> None:
+def _record(records, part: Stretch, j: int) -> int:
     """Add a stretch's steps (the last of which is step j - 1 of the fast-forward) and their ITL samples: each step's
-    duration per row, but for the fast-forward's first step (its samples were appended one by one)."""
+    duration per row, but for the fast-forward's first step (its samples were appended one by one); its steps."""
     records.steps.add_stretch(part)
-    records.itl.add_stretch(part, 1 if len(part) == j else 0)
+    records.itl.add_stretch(part, 1 if part.n == j else 0)
+    return part.n
 
 
 def _structured(sched: Scheduler, running: list[Request]) -> int:

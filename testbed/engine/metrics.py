@@ -80,9 +80,8 @@ class Recorder:
     def step_columns(self) -> dict[str, np.ndarray]:
         """Step columns as numpy arrays (float64 for times, int64 otherwise)."""
         names = STEP_COLUMNS + self.step_extra
-        arr = self.steps.array(len(names))
-        return {c: (arr[:, i] if c in ("start", "duration") else arr[:, i].astype(np.int64))
-                for i, c in enumerate(names)}
+        cols = self.steps.columns(len(names))
+        return {c: (col if c in ("start", "duration") else col.astype(np.int64)) for c, col in zip(names, cols)}
 
 
 def _columns(rows: list[tuple], names: tuple[str, ...]) -> dict[str, list]:

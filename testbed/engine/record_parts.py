@@ -1,52 +1,53 @@
 """The step and ITL tables of a Recorder: rows appended one at a time, and fast-forwarded stretches as columns.
 
 A stepped engine appends a tuple per step and a float per ITL sample. A fast-forwarded stretch of decodes
-(engine/fast_forward.py) adds a `Stretch` instead: its step ends in one list, from which its rows and its ITL
-samples follow (every row of a decode step after the first gets the step's duration as its ITL sample), so a
-stretch costs a list append per step instead of a tuple and `batch` floats. Both tables read as the lists they
-stand for (iteration, len, indexing, ==), value for value, and give numpy arrays without building those lists:
-`StepRows.array()` and `Samples.array()` compute each float with the same operation stepping does (end - start).
+(engine/fast_forward.py) appends instead each step's end to the step table's `times` list and the KV blocks it
+left in use to its `used` list, and adds a `Stretch` that says where its steps are in them; its rows and its ITL
+samples follow (every row of a decode step after the fast-forward's first gets the step's duration as its ITL
+sample). So a stretch costs two list appends per step instead of an 18-value tuple and `batch` floats. Both
+tables read as the lists they stand for (iteration, len, indexing, ==), value for value, and give numpy arrays
+without building those lists (`StepRows.columns`, `Samples.array`), every duration computed as stepping does
+(end - start).
 """
 from __future__ import annotations
 
 from itertools import chain, repeat
+from operator import attrgetter
 from typing import Iterable, Iterator
 
 import numpy as np
 
 
 class Stretch:
-    """Consecutive decode steps of one batch on one replica: step k starts at `ends[k]` (the first at `start`,
-    when given) and ends at `ends[k + 1]`; it holds `batch` rows and sum_context_tokens `ctx + batch * k`, and
-    leaves `used[k]` KV blocks in use. Every other STEP_COLUMNS value is the same for all its steps."""
+    """`n` consecutive decode steps of one batch on one replica: step k ends at `times[lo + k + 1]` and starts at
+    `times[lo + k]` (the first at `start`, when given), holds `batch` rows and sum_context_tokens `ctx + batch * k`,
+    and leaves `used[ulo + k]` KV blocks in use. Every other STEP_COLUMNS value is the same for all its steps."""
 
-    __slots__ = ("replica", "batch", "ctx", "used", "total_blocks", "waiting", "ends", "start")
+    __slots__ = ("replica", "batch", "ctx", "total_blocks", "waiting", "times", "lo", "used", "ulo", "n", "start")
 
-    def __init__(self, replica: int, batch: int, ctx: int, total_blocks: int, waiting: int, ends: list[float],
-                 used: list[int], start: float | None = None) -> None:
+    def __init__(self, replica: int, batch: int, ctx: int, total_blocks: int, waiting: int, times: list[float],
+                 lo: int, used: list[int], ulo: int, n: int, start: float | None = None) -> None:
         self.replica, self.batch, self.ctx, self.total_blocks, self.waiting = replica, batch, ctx, total_blocks, waiting
-        self.ends, self.used, self.start = ends, used, start
+        self.times, self.lo, self.used, self.ulo, self.n, self.start = times, lo, used, ulo, n, start
 
     def __len__(self) -> int:
-        return len(self.ends) - 1
-
-    def starts(self) -> list[float]:
-        s = self.ends[:-1]
-        if self.start is not None:
-            s[0] = self.start
-        return s
+        return self.n
 
     def rows(self) -> Iterator[tuple]:
-        b, ctx = self.batch, self.ctx
-        for k, (start, end, used) in enumerate(zip(self.starts(), self.ends[1:], self.used)):
+        b, ctx, lo, n = self.batch, self.ctx, self.lo, self.n
+        starts = self.times[lo:lo + n]
+        if self.start is not None:
+            starts[0] = self.start
+        used = self.used[self.ulo:self.ulo + n]
+        for k, (start, end) in enumerate(zip(starts, self.times[lo + 1:lo + n + 1])):
             c = ctx + b * k
-            yield (self.replica, start, end - start, b, 0, b, c, c, used, self.total_blocks, self.waiting, b,
+            yield (self.replica, start, end - start, b, 0, b, c, c, used[k], self.total_blocks, self.waiting, b,
                    0, 0, 0, 0, 0, 0)
 
     def durations(self, first: int) -> list[float]:
         """The durations of its steps from step `first` on (the ITL sample of each of their rows)."""
-        e = self.ends
-        return [b - a for a, b in zip(e[first:-1], e[first + 1:])]
+        t = self.times[self.lo + first:self.lo + self.n + 1]
+        return [b - a for a, b in zip(t, t[1:])]
 
 
 class _Parts:
@@ -82,7 +83,7 @@ class _Parts:
             self._add(p)
 
     def __len__(self) -> int:
-        return sum(map(self._len, self._parts)) + len(self._tail)
+        return sum(map(len, self._parts)) + len(self._tail)
 
     def __iter__(self) -> Iterator:
         return chain.from_iterable(map(self._iter, self._all()))
@@ -106,43 +107,60 @@ class _Parts:
         self._open(list(rows))
 
     @staticmethod
-    def _len(part) -> int:
-        return len(part)
-
-    @staticmethod
     def _iter(part) -> Iterator:
         return iter(part)
 
 
 class StepRows(_Parts):
-    """The step table (STEP_COLUMNS rows, and the recorder's extra columns): tuples and stretches."""
+    """The step table (STEP_COLUMNS rows, and the recorder's extra columns): tuples and stretches. `times` and
+    `used` are what this table's stretches index (engine/fast_forward.py appends to them)."""
 
-    __slots__ = ()
+    __slots__ = ("times", "used")
+
+    def __init__(self, rows: Iterable = ()) -> None:
+        super().__init__(rows)
+        self.times: list[float] = []
+        self.used: list[int] = []
+
+    def __setstate__(self, rows) -> None:
+        super().__setstate__(rows)
+        self.times, self.used = [], []
+
+    def clear(self) -> None:
+        super().clear()
+        self.times, self.used = [], []
 
     def add_stretch(self, stretch: Stretch) -> None:
-        if len(stretch):
+        if stretch.n:
             self._add(stretch)
 
     @staticmethod
     def _iter(part) -> Iterator:
         return part.rows() if isinstance(part, Stretch) else iter(part)
 
-    def array(self, width: int) -> np.ndarray:
-        """Every row as a (rows, width) float64 array: the rows appended one by one as they were, the stretches'
-        columns computed for all of them at once (a run has tens of thousands)."""
+    def columns(self, width: int) -> list[np.ndarray]:
+        """Every row's values, one float64 array per column (width: STEP_COLUMNS and the recorder's extra
+        columns): the rows appended one by one as they were, the stretches' columns computed for all of them at
+        once (a run has tens of thousands)."""
         parts = self._all()
-        stretch = np.array([isinstance(p, Stretch) for p in parts], dtype=bool)
-        out = np.zeros((len(self), width))
-        where = np.repeat(stretch, [len(p) for p in parts])
+        lens = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+        is_stretch = np.fromiter((isinstance(p, Stretch) for p in parts), dtype=bool, count=len(parts))
+        where = np.repeat(is_stretch, lens)
+        cols = [np.zeros(len(where)) for _ in range(width)]
         rows = [p for p in parts if not isinstance(p, Stretch)]
         if rows:
-            n = sum(map(len, rows))
-            out[~where] = np.fromiter(chain.from_iterable(chain.from_iterable(rows)), dtype=np.float64,
-                                      count=n * width).reshape(n, width)
+            n = len(where) - int(lens[is_stretch].sum())
+            arr = np.fromiter(chain.from_iterable(chain.from_iterable(rows)), dtype=np.float64,
+                              count=n * width).reshape(n, width)
+            at = slice(None) if n == len(where) else np.flatnonzero(~where)
+            for col, values in zip(cols, arr.T):
+                col[at] = values
         stretches = [p for p in parts if isinstance(p, Stretch)]
         if stretches:
-            out[where] = _stretch_rows(stretches, width)
-        return out
+            at = slice(None) if not rows else np.flatnonzero(where)
+            for k, values in _stretch_columns(stretches).items():
+                cols[k][at] = values
+        return cols
 
 
 class _Repeated:
@@ -154,7 +172,7 @@ class _Repeated:
         self.stretch, self.first = stretch, first
 
     def __len__(self) -> int:
-        return (len(self.stretch) - self.first) * self.stretch.batch
+        return (self.stretch.n - self.first) * self.stretch.batch
 
     def __iter__(self) -> Iterator[float]:
         b = self.stretch.batch
@@ -168,55 +186,72 @@ class Samples(_Parts):
 
     def add_stretch(self, stretch: Stretch, first: int) -> None:
         """The samples of `stretch`'s steps from step `first` on: each step's duration, `batch` times."""
-        if len(stretch) > first:
+        if stretch.n > first:
             self._add(_Repeated(stretch, first))
 
     def array(self) -> np.ndarray:
         """Every sample, in order, as a float64 array (the stretches' durations computed for all of them at once)."""
         parts = self._all()
-        repeated = np.array([isinstance(p, _Repeated) for p in parts], dtype=bool)
-        out = np.empty(len(self))
-        where = np.repeat(repeated, [len(p) for p in parts])
+        is_rep = np.fromiter((isinstance(p, _Repeated) for p in parts), dtype=bool, count=len(parts))
+        where = np.repeat(is_rep, np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
+        out = np.empty(len(where))
         floats = [p for p in parts if not isinstance(p, _Repeated)]
         if floats:
             out[~where] = np.fromiter(chain.from_iterable(floats), dtype=np.float64, count=len(out) - int(where.sum()))
         reps = [p for p in parts if isinstance(p, _Repeated)]
         if reps:
-            ends, first = _ends([p.stretch.ends[p.first:] for p in reps])
-            durations = (ends[1:] - ends[:-1])[~first[1:]]  # within a stretch only
-            out[where] = np.repeat(durations, np.repeat([p.stretch.batch for p in reps],
-                                                        [len(p.stretch) - p.first for p in reps]))
+            times, _, f = _flat([p.stretch for p in reps])
+            first = np.fromiter((p.first for p in reps), dtype=np.int64, count=len(reps))
+            m = f[:, 2] - first
+            steps = _steps(f[:, 0] + first, m)
+            out[where] = np.repeat(times[steps + 1] - times[steps], np.repeat(f[:, 3], m))
         return out
 
 
-def _ends(lists: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
-    """The lists' floats in one array, and where each list starts in it."""
-    lens = [len(x) for x in lists]
-    ends = np.fromiter(chain.from_iterable(lists), dtype=np.float64, count=sum(lens))
-    first = np.zeros(len(ends), dtype=bool)
-    first[np.cumsum(lens) - lens] = True
-    return ends, first
+def _steps(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """lo[i], lo[i] + 1, ..., lo[i] + n[i] - 1 for every i, in order."""
+    offset = np.cumsum(n) - n
+    return np.repeat(lo - offset, n) + np.arange(int(n.sum()))
 
 
-def _stretch_rows(stretches: list[Stretch], width: int) -> np.ndarray:
-    """The stretches' rows, in order, as a (steps, width) float64 array: each duration end - start, as stepping
-    computes it."""
-    ends, first = _ends([p.ends for p in stretches])
-    last = np.roll(first, -1)  # each stretch's last end (the next one's first slot, rolled back)
-    starts, stops = ends[~last], ends[~first]
-    lens = np.array([len(p) for p in stretches])
-    offset = np.cumsum(lens) - lens
-    given = [i for i, p in enumerate(stretches) if p.start is not None]
+_NAMES = ("lo", "ulo", "n", "batch", "ctx", "replica", "total_blocks", "waiting")
+_FIELDS = attrgetter(*_NAMES)
+
+
+def _flat(stretches: list[Stretch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(times, used, fields): the `times` and `used` lists the stretches index, each list once, in two arrays, and
+    per stretch (a row) its _NAMES, with lo and ulo made offsets into those arrays."""
+    fields = np.fromiter(chain.from_iterable(map(_FIELDS, stretches)), dtype=np.int64,
+                         count=len(stretches) * len(_NAMES)).reshape(len(stretches), len(_NAMES))
+    bases: dict[int, int] = {}
+    times: list[np.ndarray] = []
+    used: list[np.ndarray] = []
+    nt = nu = 0
+    which = np.empty(len(stretches), dtype=np.int64)
+    for i, s in enumerate(stretches):
+        k = bases.get(id(s.times))
+        if k is None:
+            k = bases[id(s.times)] = len(times)
+            times.append(np.array(s.times, dtype=np.float64))
+            used.append(np.array(s.used, dtype=np.float64))
+        which[i] = k
+    if len(times) > 1:
+        fields[:, 0] += (np.cumsum([len(x) for x in times]) - [len(x) for x in times])[which]
+        fields[:, 1] += (np.cumsum([len(x) for x in used]) - [len(x) for x in used])[which]
+    return np.concatenate(times), np.concatenate(used), fields
+
+
+def _stretch_columns(stretches: list[Stretch]) -> dict[int, np.ndarray]:
+    """The stretches' rows, in order, by STEP_COLUMNS index (the columns not given are 0): each duration
+    end - start, as stepping computes it."""
+    times, used, f = _flat(stretches)
+    n = f[:, 2]
+    steps = _steps(f[:, 0], n)
+    starts, ends = times[steps], times[steps + 1]
+    offset = np.cumsum(n) - n
+    given = [i for i, s in enumerate(stretches) if s.start is not None]
     starts[offset[given]] = [stretches[i].start for i in given]
-    n = len(starts)
-    out = np.zeros((n, width))
-    batch = np.repeat([p.batch for p in stretches], lens)
-    out[:, 0] = np.repeat([p.replica for p in stretches], lens)
-    out[:, 1] = starts
-    out[:, 2] = stops - starts
-    out[:, 3] = out[:, 5] = out[:, 11] = batch
-    out[:, 6] = out[:, 7] = np.repeat([p.ctx for p in stretches], lens) + batch * (np.arange(n) - np.repeat(offset, lens))
-    out[:, 8] = np.fromiter(chain.from_iterable(p.used for p in stretches), dtype=np.float64, count=n)
-    out[:, 9] = np.repeat([p.total_blocks for p in stretches], lens)
-    out[:, 10] = np.repeat([p.waiting for p in stretches], lens)
-    return out
+    batch, ctx, replica, total, waiting = (np.repeat(f[:, c], n) for c in range(3, 8))
+    ctx += batch * (np.arange(len(steps)) - np.repeat(offset, n))
+    return {0: replica, 1: starts, 2: ends - starts, 3: batch, 5: batch, 11: batch, 6: ctx, 7: ctx,
+            8: used[_steps(f[:, 1], n)], 9: total, 10: waiting}
