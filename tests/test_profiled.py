@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from testbed.profiling.profile_file import ProfileError
 from testbed.sim.profiled import ProfiledCostModel, fit_nonnegative, nnls
 from testbed.profiling.synthetic_steps import StepFactory, decode_rows
+from testbed.sim.environment import landing
 from testbed.sim.step_terms import Scales
 from testbed.sim.tables import RowPieces, Table1D, Table2D
 
@@ -292,14 +293,18 @@ def test_decode_steps_are_step_time_bit_for_bit(which, b, structured, ctx, skew,
     if f is None:
         assert b > cm.graph_max or (async_scheduling and not structured and cm.dec_async is not None)
         return
-    times = None
+    times = ends = None
+    end = 1234.5678  # given a start, the steps' ends where simulated time places them
     for k in range(40):
         rows = decode_rows(b - 1, ctx + k) + decode_rows(1, ctx + skew + k) if b > 1 else decode_rows(1, ctx + skew + k)
         so = F.step(rows)
         so.num_structured_reqs = structured
         if times is None:
-            times = f(so.sum_context_tokens, so.max_context_tokens)
+            times, ends = f(so.sum_context_tokens, so.max_context_tokens), f(so.sum_context_tokens,
+                                                                              so.max_context_tokens, end)
         assert next(times) == cm.step_time(so)
+        end = landing(end, cm.step_time(so))
+        assert next(ends) == end
 
 
 @given(st.lists(st.floats(-100, 10_000, allow_nan=False), min_size=1, max_size=30), st.integers(1, 40))

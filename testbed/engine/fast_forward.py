@@ -117,10 +117,14 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
         ending.setdefault(last_step[p], []).append(p)
     b = len(running)
     base, ctx0, longest0 = list(computed0), sum(computed0), max(computed0)
-    so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=list(tables), total_num_scheduled_tokens=b,
-                         num_decode_tokens=b, num_structured_reqs=_structured(sched, running))
     lora_due = sched.lora is not None  # the step's adapter slots to assign (at the start, after a change)
-    so.num_computed_before = before = ShiftedCounts(base, 0)
+    structured = _structured(sched, running)
+    clock = None if decode_ends is None or lora_due else decode_ends(b, structured)
+    so = before = None  # the steps' SchedulerOutput, for step_end: made only where no clock prices them
+    if clock is None:
+        so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=list(tables),
+                             total_num_scheduled_tokens=b, num_decode_tokens=b, num_structured_reqs=structured)
+        so.num_computed_before = before = ShiftedCounts(base, 0)
     replica, total_blocks, waiting = core.replica, bm.num_blocks, sched.num_waiting
     itl, used, free_ids, cached = records.itl, bm.num_used_blocks, bm.free_ids, bm.cached
     last_update = core._last_update
@@ -131,8 +135,8 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     times, useds = records.steps.times, records.steps.used
     lo, ulo, first_start, part_ctx = len(times), len(useds), (t if t > last_update else last_update), ctx0 + b
     times.append(t)
-    clock = None if decode_ends is None or lora_due else decode_ends(b, so.num_structured_reqs)
-    clock = None if clock is None else clock(t, ctx0 + b, longest0 + 1)
+    if clock is not None:
+        clock = clock(t, ctx0 + b, longest0 + 1)
     while j < budget and t < until:
         rows = due.pop(j, None)
         if rows is not None:
@@ -181,13 +185,20 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             if not b or stop_after_finish or _admits(core, b):
                 break
             ctx0, longest0, used = sum(base), max(base), bm.num_used_blocks  # their blocks are free again
-            so.requests, so.num_new_tokens, so.block_ids = running, [1] * b, [tables[p] for p in pos]
-            so.total_num_scheduled_tokens = so.num_decode_tokens = b
-            so.num_structured_reqs = _structured(sched, running)
             lora_due = sched.lora is not None
+            structured = _structured(sched, running)
             part_ctx = ctx0 + b * (j + 1)
-            clock = None if decode_ends is None or lora_due else decode_ends(b, so.num_structured_reqs)
-            clock = None if clock is None else clock(t, ctx0 + b * (j + 1), longest0 + j + 1)
+            clock = None if decode_ends is None or lora_due else decode_ends(b, structured)
+            if clock is not None:
+                clock = clock(t, part_ctx, longest0 + j + 1)
+            elif so is None:
+                so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=[tables[p] for p in pos],
+                                     total_num_scheduled_tokens=b, num_decode_tokens=b, num_structured_reqs=structured)
+                so.num_computed_before = before = ShiftedCounts(base, 0)
+            else:
+                so.requests, so.num_new_tokens, so.block_ids = running, [1] * b, [tables[p] for p in pos]
+                so.total_num_scheduled_tokens = so.num_decode_tokens = b
+                so.num_structured_reqs = structured
     if not j:
         times.pop()  # no step taken: its start is nobody's
         return 0, now, False

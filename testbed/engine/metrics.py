@@ -80,8 +80,7 @@ class Recorder:
     def step_columns(self) -> dict[str, np.ndarray]:
         """Step columns as numpy arrays (float64 for times, int64 otherwise)."""
         names = STEP_COLUMNS + self.step_extra
-        cols = self.steps.columns(len(names))
-        return {c: (col if c in ("start", "duration") else col.astype(np.int64)) for c, col in zip(names, cols)}
+        return dict(zip(names, self.steps.columns(len(names), (names.index("start"), names.index("duration")))))
 
 
 def _columns(rows: list[tuple], names: tuple[str, ...]) -> dict[str, list]:
@@ -94,8 +93,9 @@ def _stats(values) -> dict[str, float | None]:
     xs = values.array() if isinstance(values, Samples) else np.fromiter(values, dtype=np.float64, count=len(values))
     if xs.size == 0:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
-    qs = np.percentile(xs, PERCENTILES)
-    return {"mean": float(xs.mean()), **{f"p{p}": float(q) for p, q in zip(PERCENTILES, qs)}}
+    mean = float(xs.mean())
+    qs = np.percentile(xs, PERCENTILES, overwrite_input=True)  # xs is ours: partitioned in place, not copied
+    return {"mean": mean, **{f"p{p}": float(q) for p, q in zip(PERCENTILES, qs)}}
 
 
 def _block_moves(steps: dict) -> dict[str, int]:

@@ -138,23 +138,25 @@ class StepRows(_Parts):
     def _iter(part) -> Iterator:
         return part.rows() if isinstance(part, Stretch) else iter(part)
 
-    def columns(self, width: int) -> list[np.ndarray]:
-        """Every row's values, one float64 array per column (width: STEP_COLUMNS and the recorder's extra
-        columns): the rows appended one by one as they were, the stretches' columns computed for all of them at
-        once (a run has tens of thousands)."""
+    def columns(self, width: int, floats: tuple[int, ...]) -> list[np.ndarray]:
+        """Every row's values, one array per column (width: STEP_COLUMNS and the recorder's extra columns): float64
+        for the columns in `floats`, int64 for the others (converted from float64, as numbers taken from floats).
+        The rows appended one by one as they were, the stretches' columns computed for all of them at once (a run
+        has tens of thousands); each column is written once (a run's columns are tens of megabytes)."""
         parts = self._all()
         lens = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
         is_stretch = np.fromiter((isinstance(p, Stretch) for p in parts), dtype=bool, count=len(parts))
         where = np.repeat(is_stretch, lens)
-        cols = [np.zeros(len(where)) for _ in range(width)]
+        cols = [np.zeros(len(where), dtype=np.float64 if k in floats else np.int64) for k in range(width)]
         rows = [p for p in parts if not isinstance(p, Stretch)]
         if rows:
             n = len(where) - int(lens[is_stretch].sum())
             arr = np.fromiter(chain.from_iterable(chain.from_iterable(rows)), dtype=np.float64,
                               count=n * width).reshape(n, width)
             at = slice(None) if n == len(where) else np.flatnonzero(~where)
-            for col, values in zip(cols, arr.T):
-                col[at] = values
+            for k, (col, values) in enumerate(zip(cols, arr.T)):
+                if k in floats or values.any():
+                    col[at] = values if k in floats else values.astype(np.int64)
         stretches = [p for p in parts if isinstance(p, Stretch)]
         if stretches:
             at = slice(None) if not rows else np.flatnonzero(where)
@@ -190,22 +192,28 @@ class Samples(_Parts):
             self._add(_Repeated(stretch, first))
 
     def array(self) -> np.ndarray:
-        """Every sample, in order, as a float64 array (the stretches' durations computed for all of them at once)."""
+        """Every sample, in order, as a float64 array (the stretches' durations computed for all of them at once):
+        each distinct value once, in order, then repeated as often as it occurs (one pass over the output)."""
         parts = self._all()
+        reps = [p for p in parts if isinstance(p, _Repeated)]
+        if not reps:
+            return np.fromiter(chain.from_iterable(parts), dtype=np.float64, count=len(self))
         is_rep = np.fromiter((isinstance(p, _Repeated) for p in parts), dtype=bool, count=len(parts))
-        where = np.repeat(is_rep, np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
-        out = np.empty(len(where))
+        times, _, f = _flat([p.stretch for p in reps])
+        first = np.fromiter((p.first for p in reps), dtype=np.int64, count=len(reps))
+        m = f[:, 2] - first  # each stretch's durations
+        sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+        sizes[is_rep] = m
+        where = np.repeat(is_rep, sizes)  # which values are durations
+        values, counts = np.empty(len(where)), np.ones(len(where), dtype=np.int64)
         floats = [p for p in parts if not isinstance(p, _Repeated)]
         if floats:
-            out[~where] = np.fromiter(chain.from_iterable(floats), dtype=np.float64, count=len(out) - int(where.sum()))
-        reps = [p for p in parts if isinstance(p, _Repeated)]
-        if reps:
-            times, _, f = _flat([p.stretch for p in reps])
-            first = np.fromiter((p.first for p in reps), dtype=np.int64, count=len(reps))
-            m = f[:, 2] - first
-            steps = _steps(f[:, 0] + first, m)
-            out[where] = np.repeat(times[steps + 1] - times[steps], np.repeat(f[:, 3], m))
-        return out
+            values[~where] = np.fromiter(chain.from_iterable(floats), dtype=np.float64,
+                                         count=len(where) - int(m.sum()))
+        steps = _steps(f[:, 0] + first, m)
+        values[where] = times[steps + 1] - times[steps]
+        counts[where] = np.repeat(f[:, 3], m)
+        return np.repeat(values, counts)
 
 
 def _steps(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -233,7 +241,7 @@ def _flat(stretches: list[Stretch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         if k is None:
             k = bases[id(s.times)] = len(times)
             times.append(np.array(s.times, dtype=np.float64))
-            used.append(np.array(s.used, dtype=np.float64))
+            used.append(np.array(s.used, dtype=np.int64))
         which[i] = k
     if len(times) > 1:
         fields[:, 0] += (np.cumsum([len(x) for x in times]) - [len(x) for x in times])[which]

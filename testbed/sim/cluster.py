@@ -156,14 +156,8 @@ class ClusterSim:
         if key in self.decode_clocks:  # a pure function of the batch size: made once
             return self.decode_clocks[key]
         decode_steps = getattr(self.cost_model, "decode_steps", None)
-        durations = decode_steps(b, structured) if decode_steps is not None else None
-        ends = None
-        if durations is not None:
-            def ends(start: float, sum_ctx: int, max_ctx: int) -> Iterator[float]:
-                for d in durations(sum_ctx, max_ctx):
-                    end = start + d
-                    start = start + (end - start)  # landing(start, d)
-                    yield start
+        steps = decode_steps(b, structured) if decode_steps is not None else None
+        ends = None if steps is None else (lambda start, sum_ctx, max_ctx: steps(sum_ctx, max_ctx, start))
         self.decode_clocks[key] = ends
         return ends
 

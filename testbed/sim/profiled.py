@@ -249,7 +249,9 @@ class ProfiledCostModel:
     def decode_steps(self, B: int, num_structured: int) -> Callable[[int, int], Iterator[float]] | None:
         """step_time of successive decode-only steps of B rows (`num_structured` of them under a grammar), no
         block moves: from the first one's (sum_context_tokens, max_context_tokens), each next step with B more
-        context tokens and its longest row one more (a stretch of decodes). The same floats bit for bit, with
+        context tokens and its longest row one more (a stretch of decodes); given the first one's `start`, the
+        ends of the steps instead, each starting where the one before ended (as environment.landing places
+        them in simulated time). The same floats bit for bit, with
         the batch's lookups done once and a table's piece looked up again only when the context leaves it. None
         where step_time takes another path (B past the decode table, async decode cycles) or a table has one
         column."""
@@ -267,7 +269,7 @@ class ProfiledCostModel:
         tail = RowPieces(self.dec_tail.table, B) if self.dec_tail else None
         inf = math.inf
 
-        def steps(sum_ctx: int, max_ctx: int) -> Iterator[float]:
+        def steps(sum_ctx: int, max_ctx: int, start: float | None = None) -> Iterator[float]:
             # per step: terms(so)'s DECODE_SYNC tuple, then step_terms.combine, inlined (tests hold them equal);
             # a term is y0 + dy * (x - x0) / dx floored at 0, as Table2D's lookup computes it
             wl = hl = tl = inf
@@ -296,7 +298,12 @@ class ProfiledCostModel:
                     x = ty + tdy * (x - tx) / tdx
                     if not x > 0.0:
                         x = 0.0
-                yield he + dec + sd * x + hg
+                if start is None:
+                    yield he + dec + sd * x + hg
+                else:  # where a step of that duration ends in simulated time (environment.landing)
+                    end = start + (he + dec + sd * x + hg)
+                    start = start + (end - start)
+                    yield start
                 sum_ctx += B
                 max_ctx += 1
         return steps
