@@ -59,25 +59,38 @@ class ShiftedCounts(Sequence[int]):
         return (c + s for c in self.base)
 
 
-def decode_batch(core: EngineCore) -> tuple[list[int], list[int], list[list[int]]] | None:
+Batch = tuple[list[int], list[int], list[list[int]], dict[int, list[int]], dict[int, list[int]]]
+
+
+def decode_batch(core: EngineCore) -> Batch | None:
     """When the next steps are plain decodes of the running batch: each request's computed tokens, the step
-    (from 0) in which it appends its last token, and its block table; else None."""
+    (from 0) in which it appends its last token, its block table, and by step the positions in the batch that
+    need a new block in it (then every block_size steps) and those that append their last token in it; else None."""
     sched = core.scheduler
     running = sched.running
     b = len(running)
     if not b or core.num_pooling or core.num_beam_groups or sched.swapped or b > sched.max_num_batched_tokens or _admits(core, b):
         return None
-    req_blocks = core.block_manager.req_blocks
+    req_blocks, bs = core.block_manager.req_blocks, core.block_manager.block_size
     computed, last, tables = [], [], []
-    for req in running:
+    due: dict[int, list[int]] = {}
+    ending: dict[int, list[int]] = {}
+    for p, req in enumerate(running):
         c = req.num_computed_tokens
         if (req.num_pending or req.num_tokens - c != 1 or c < req.num_prompt_tokens
                 or req.token_stops or req.status != RequestStatus.RUNNING):
             return None
+        blocks = req_blocks[req.request_id]
+        end, j = req.length_limit - req.num_tokens - 1, len(blocks) * bs - c
+        if j < 0:
+            return None  # blocks short of its computed tokens: not a state stepping leaves
+        if j <= end:
+            due.setdefault(j, []).append(p)
+        ending.setdefault(end, []).append(p)
         computed.append(c)
-        last.append(req.length_limit - req.num_tokens - 1)
-        tables.append(req_blocks[req.request_id])
-    return computed, last, tables
+        last.append(end)
+        tables.append(blocks)
+    return computed, last, tables, due, ending
 
 
 def _admits(core: EngineCore, running: int) -> bool:
@@ -101,20 +114,11 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     budget = (1 << 62) if max_steps is None else max_steps
     if batch is None or budget <= 0 or now >= until:
         return 0, now, False
-    computed0, last_step, tables = batch
+    computed0, last_step, tables, due, ending = batch
     sched, bm, records = core.scheduler, core.block_manager, core.records
     everyone = list(sched.running)  # positions in this list order every per-request pass, as the batch's order
     running, pos = list(everyone), list(range(len(everyone)))
     bs = bm.block_size
-    due: dict[int, list[int]] = {}  # step -> positions that need a new block in it (then every block_size steps)
-    ending: dict[int, list[int]] = {}  # step -> positions that append their last token in it
-    for p, blocks in enumerate(tables):
-        j = len(blocks) * bs - computed0[p]
-        if j < 0:
-            return 0, now, False  # blocks short of its computed tokens: not a state stepping leaves
-        if j <= last_step[p]:
-            due.setdefault(j, []).append(p)
-        ending.setdefault(last_step[p], []).append(p)
     b = len(running)
     base, ctx0, longest0 = list(computed0), sum(computed0), max(computed0)
     lora_due = sched.lora is not None  # the step's adapter slots to assign (at the start, after a change)
