@@ -9,6 +9,7 @@ whole traces both ways (data parallelism, prefix caching, preemption) and compar
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -39,6 +40,18 @@ def step_time(so: SchedulerOutput) -> float:
 
 def step_end(so: SchedulerOutput, start: float) -> float:
     return start + step_time(so)
+
+
+def decode_ends(b: int, structured: int):
+    """step_end's values for successive decode steps of b rows without their SchedulerOutput (what a cost model's
+    decode_steps gives a stretch): each step has b more context tokens and its longest row one more."""
+    def ends(start: float, sum_ctx: int, max_ctx: int):
+        while True:  # step_time's terms, in its order: sum(num_computed_before) is sum_ctx - b for decodes
+            start = start + (1e-3 + 1e-6 * sum_ctx + 3e-7 * max_ctx + 1e-8 * (sum_ctx - b) + 1e-9 * sum_ctx + 1e-5 * b
+                             + 2e-6 * b)
+            yield start
+            sum_ctx, max_ctx = sum_ctx + b, max_ctx + 1
+    return ends
 
 
 def snapshot(core: EngineCore) -> dict:
@@ -80,13 +93,13 @@ def scenarios(draw):
         tokens = (head + [1000 + 37 * i + k for k in range(n_in)])[:max(n_in, 1)]
         reqs.append((draw(st.floats(0, 0.3)), tokens, draw(st.integers(1, 60)), draw(st.integers(0, 2))))
     chunks = draw(st.lists(st.integers(1, 40), min_size=1, max_size=5))
-    return config, blocks, sorted(reqs, key=lambda r: r[0]), chunks
+    return config, blocks, sorted(reqs, key=lambda r: r[0]), chunks, draw(st.booleans())
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_fast_forward_leaves_the_state_stepping_leaves_after_every_stretch(scenario):
-    config, blocks, reqs, chunks = scenario
+    config, blocks, reqs, chunks, priced = scenario  # priced: the stretch prices its steps with decode_ends
     cores = [make_engine(num_gpu_blocks=blocks, max_model_len=128, **config) for _ in range(2)]
     stepping, skipping = cores
     pending = list(enumerate(reqs))
@@ -103,10 +116,16 @@ def test_fast_forward_leaves_the_state_stepping_leaves_after_every_stretch(scena
             now = pending[0][1][0]
             continue
         until = pending[0][1][0] if pending else math.inf
-        k, end, _ = fast_forward(skipping, now, until, step_end, TOKEN, max_steps=chunks[n % len(chunks)])
+        chunk = chunks[n % len(chunks)]
+        k, end, finished = fast_forward(skipping, now, until, step_end, TOKEN, max_steps=chunk,
+                                        decode_ends=decode_ends if priced else None)
         n += 1
-        for _ in range(k):
+        assert k <= chunk and (k == 0 or now < until)
+        for i in range(k):
+            done = len(stepping.records.requests)
             now = ordinary_step(stepping, now, pure_decode=True)
+            if i == k - 1:  # whether the stretch's last step finished a request
+                assert finished == (len(stepping.records.requests) > done)
         assert end == now
         skipped += k
         skipping.block_manager.check_invariants()
@@ -178,6 +197,12 @@ def test_a_replica_resumes_at_exactly_the_time_stepping_reaches():
     assert seen == [t]
 
 
+@functools.cache
+def profiled_8b():
+    from testbed.sim.profiled import ProfiledCostModel
+    return ProfiledCostModel.from_file("testbed/profiling/profiles/Llama-3.1-8B_H100-SXM_tp1.json")
+
+
 def simulate_both(trace: list[TraceRequest], cm=None, **config_overrides):
     from testbed.engine.config import EngineConfig
     cfg = EngineConfig(**config_overrides)
@@ -228,9 +253,13 @@ def traces(draw):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces(), st.integers(1, 3), st.sampled_from(["round_robin", "least_loaded", "kv_aware", "prefix_affinity"]),
-       st.booleans(), st.sampled_from([0.0, 0.01]), st.integers(40, 400), st.sampled_from(["fcfs", "priority"]))
-def test_simulations_give_the_same_records_fast_forwarded(trace, dp, dp_policy, prefix, interval, blocks, policy):
-    (stepped, skipped), _ = simulate_both(trace, data_parallel_size=dp, dp_policy=dp_policy,
+       st.booleans(), st.sampled_from([0.0, 0.01]), st.integers(40, 400), st.sampled_from(["fcfs", "priority"]),
+       st.booleans())
+def test_simulations_give_the_same_records_fast_forwarded(trace, dp, dp_policy, prefix, interval, blocks, policy,
+                                                          profiled):
+    """profiled: the profiled model, whose decode_steps prices a stretch's steps without their SchedulerOutput."""
+    (stepped, skipped), _ = simulate_both(trace, profiled_8b() if profiled else None, data_parallel_size=dp,
+                                          dp_policy=dp_policy,
                                           enable_prefix_caching=prefix, dp_stats_interval=interval,
                                           num_gpu_blocks=blocks, policy=policy, max_num_batched_tokens=256,
                                           max_num_seqs=16)

@@ -22,7 +22,8 @@ every row samples `token_id`, no logprobs.
 """
 from __future__ import annotations
 
-from itertools import repeat
+from bisect import bisect_left
+from itertools import islice, repeat
 from typing import Callable, Iterator, Sequence
 
 from testbed.engine.core import EngineCore
@@ -142,37 +143,58 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     if clock is not None:
         clock = clock(t, ctx0 + b, longest0 + 1)
     while j < budget and t < until:
-        rows = due.pop(j, None)
-        if rows is not None:
-            if len(rows) > len(free_ids) + len(cached):
-                break  # stepping would preempt in this step
-            rows.sort()
-            for p in rows:  # in batch order, as the scheduler reaches them
-                bm.append_block(everyone[p], computed0[p] + j + 1)
-                if j + bs <= last_step[p]:
-                    due.setdefault(j + bs, []).append(p)
-            used += len(rows)
-        if clock is not None:
-            end = next(clock)
+        if j and clock is not None:
+            # the steps up to the next that ends a request (or the budget's last) priced in one go; the first that would
+            # start at or after `until` is not taken, nor those after it, nor any from one whose blocks the free pool
+            # cannot cover (the clock, which priced them, is then dropped with the stretch)
+            e = min(min(ending), budget - 1)
+            m, mark = e - j + 1, len(times)  # times[mark - 1] is t, the start of step j
+            times.extend(islice(clock, m))
+            k = bisect_left(times, until, mark - 1, mark - 1 + m) - (mark - 1)
+            for i in range(j, j + k):
+                rows = due.pop(i, None)
+                if rows is not None:
+                    if len(rows) > len(free_ids) + len(cached):
+                        k = i - j  # stepping would preempt in step i
+                        break
+                    _append_blocks(bm, everyone, computed0, last_step, due, rows, i, bs)
+                    used += len(rows)
+                useds.append(used)
+            del times[mark + k:]
+            if k < m:
+                if k:
+                    j, t, finished = j + k, times[-1], False
+                break
+            j, t = j + k, times[-1]
+            done = ending.pop(e, None)
         else:
-            ctx = ctx0 + b * (j + 1)
-            before.shift = j
-            so.sum_context_tokens = so.sum_attn_pairs = ctx
-            so.max_context_tokens = longest0 + j + 1
-            if lora_due:
-                sched._assign_slots(so)
-                lora_due = False
-            end = step_end(so, t)
-            if so.lora_loads or so.lora_dropped:  # done by this step; the next ones load nothing
-                so.lora_loads, so.lora_dropped = [], []
-        if not j:  # every row's previous token came at its own time; after this step, at the step's start
-            for r in running:
-                itl.append(end - r.last_token_time)
-        times.append(end)
-        useds.append(used)
-        t = end
-        j += 1
-        done = ending.pop(j - 1, None)
+            rows = due.pop(j, None)
+            if rows is not None:
+                if len(rows) > len(free_ids) + len(cached):
+                    break  # stepping would preempt in this step
+                _append_blocks(bm, everyone, computed0, last_step, due, rows, j, bs)
+                used += len(rows)
+            if clock is not None:
+                end = next(clock)
+            else:
+                ctx = ctx0 + b * (j + 1)
+                before.shift = j
+                so.sum_context_tokens = so.sum_attn_pairs = ctx
+                so.max_context_tokens = longest0 + j + 1
+                if lora_due:
+                    sched._assign_slots(so)
+                    lora_due = False
+                end = step_end(so, t)
+                if so.lora_loads or so.lora_dropped:  # done by this step; the next ones load nothing
+                    so.lora_loads, so.lora_dropped = [], []
+            if not j:  # every row's previous token came at its own time; after this step, at the step's start
+                for r in running:
+                    itl.append(end - r.last_token_time)
+            times.append(end)
+            useds.append(used)
+            t = end
+            j += 1
+            done = ending.pop(j - 1, None)
         finished = done is not None
         if finished:  # this step's tokens end them, as update's stop check ends them, in batch order
             n = _record(records, Stretch(replica, b, part_ctx, total_blocks, waiting, times, lo, useds, ulo,
@@ -225,6 +247,17 @@ def _record(records, part: Stretch, j: int) -> int:
     records.steps.add_stretch(part)
     records.itl.add_stretch(part, 1 if part.n == j else 0)
     return part.n
+
+
+def _append_blocks(bm, everyone: list[Request], computed0: list[int], last_step: list[int], due: dict[int, list[int]],
+                   rows: list[int], step: int, bs: int) -> None:
+    """Give the batch's requests at positions `rows` the block their token of `step` starts, in batch order as the
+    scheduler reaches them, and note when each needs its next one."""
+    rows.sort()
+    for p in rows:
+        bm.append_block(everyone[p], computed0[p] + step + 1)
+        if step + bs <= last_step[p]:
+            due.setdefault(step + bs, []).append(p)
 
 
 def _structured(sched: Scheduler, running: list[Request]) -> int:
