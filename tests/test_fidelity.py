@@ -58,3 +58,18 @@ def test_committed_dp_runs_resimulate_to_the_committed_tables(tmp_path):
     table = (out / "dp_tables.md").read_text().splitlines()
     assert sum(line.endswith("| exact |") for line in table) == 6
     assert table[1:] == (done / "dp_tables.md").read_text().splitlines()[1:]  # the first line times this call
+
+
+def test_step_errors_cover_every_back_to_back_step_once_and_refuse_an_async_run():
+    import pandas as pd
+    from step_errors import step_errors
+    rows = step_errors(CASE)
+    steps = pd.read_parquet(CASE / "steps.parquet")
+    gaps = steps["start"].diff().shift(-1) - steps["duration"]  # the next step's start after this one's end
+    assert sum(r["n"] for r in rows) == int((gaps.fillna(0.0) <= 2e-3).sum())
+    assert {r["kind"] for r in rows} == {"decode", "mixed"}
+    for r in rows:  # a step's update comes before the next schedule
+        assert 0 < r["duration_s"] <= r["cycle_s"] and r["predicted_s"] > 0
+    async_run = ROOT / "benchmarks/results/fidelity/2026-11-24_795c0af_h200_llama-3.2-1b/azure-80-async"
+    with pytest.raises(SystemExit, match="async-scheduling"):
+        step_errors(async_run)
