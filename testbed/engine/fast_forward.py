@@ -9,7 +9,10 @@ same order, the same block ids allocated at the same block boundaries, in the sa
 Within a stretch the batch shrinks when requests reach their length limit: the step that appends a
 request's last token ends it through the core's own `_finish`, as `update`'s stop check does, and the
 stretch goes on with the others while nobody can be admitted. Requests are brought up to date (counters,
-output tokens, last token time) when they finish and when the stretch ends.
+output tokens, last token time) when they finish and when the stretch ends. The steps are recorded as columns
+(record_parts.Stretch, one per batch size: a list append or two per step), read back as the same rows and ITL
+samples. Where the driver prices a batch's decodes without their SchedulerOutput (`decode_ends`), the steps up
+to the next finish are priced in one go and their block boundaries allocated after, in step order.
 
 Preconditions (0 steps are taken otherwise): no step in flight, no pooling request, no beam search, no swapped-out request, every running request
 decodes (one token to compute, nothing pending, no stop tokens, its prompt done), the whole batch fits the
