@@ -15,7 +15,11 @@ mkdir -p $OUT
 nvidia-smi --query-gpu=name,memory.total --format=csv
 python3 benchmarks/serve/offline.py 500 512 128 $ENGINE_FLAGS 2>&1 | grep -v Warn | tail -4
 python3 -m testbed.cli serve --load-format dummy --model Llama-3.2-1B --max-model-len 4096 $ENGINE_FLAGS --port 8000 --log-steps /tmp/steps > $OUT/serve.log 2>&1 &
-for i in $(seq 200); do sleep 2; curl -s -o /dev/null -w "%{http_code}" localhost:8000/health | grep -q 200 && break; done
+server=$!
+for i in $(seq 200); do
+  sleep 2; curl -s -o /dev/null -w "%{http_code}" localhost:8000/health | grep -q 200 && break
+  kill -0 $server 2>/dev/null || { echo "the server exited before it answered /health:"; tail -20 $OUT/serve.log; exit 1; }
+done
 # the same workload twice, as the offline leg does: the first pass warms the server (kernel compilation), the second counts
 python3 -m testbed.cli bench serve --url http://127.0.0.1:8000 --dataset random --num-prompts 500 --random-input-len 512 --random-output-len 128 --seed 1 -o /tmp/run0 --disable-tqdm | grep -E "Output token" | sed 's/^/warm-up: /'
 python3 -m testbed.cli bench serve --url http://127.0.0.1:8000 --dataset random --num-prompts 500 --random-input-len 512 --random-output-len 128 --server-log-steps /tmp/steps -o /tmp/run1 --disable-tqdm
