@@ -25,12 +25,17 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
 class StepFactory:
     """Builds SchedulerOutputs over a cache of `num_blocks` blocks; token ids are drawn from [reserved, vocab)."""
 
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, seed: int = 0, reserved: int = 1000) -> None:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, seed: int = 0, reserved: int = 1000,
+                 scattered: bool = False) -> None:
+        """scattered: rows take their blocks in a random order of the whole cache (as a long-running engine's
+        free list hands them out) rather than in runs of consecutive ids; either way distinct until the cache
+        wraps around."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.rng = np.random.default_rng(seed)
         self.low, self.vocab = min(reserved, vocab_size // 10), vocab_size
+        self._order = self.rng.permutation(num_blocks).tolist() if scattered else None
         self._next_block = 0
         self._next_id = 0
 
@@ -38,7 +43,8 @@ class StepFactory:
         n = -(-num_tokens // self.block_size)
         start = self._next_block
         self._next_block = (start + n) % self.num_blocks
-        return [(start + j) % self.num_blocks for j in range(n)]
+        ids = [(start + j) % self.num_blocks for j in range(n)]
+        return ids if self._order is None else [self._order[i] for i in ids]
 
     def _tokens(self, n: int) -> np.ndarray:
         return self.rng.integers(self.low, self.vocab, n, dtype=np.int32)
