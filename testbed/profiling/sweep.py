@@ -224,7 +224,8 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
                                {"chunk": ROW_CHUNK}, "attention_s"),
             "rows_tail": sweep_rows_tail(m, f, grid, capacity, tick),
             "validation": validation_steps(m, f, grid, config, max_model_len, capacity, tick),
-            "engine_host": engine_host_costs(config, max_model_len, grid.host_batches, grid.host_admit_tokens),
+            "engine_host": engine_host_costs(config, max_model_len, grid.host_batches, grid.host_admit_tokens,
+                                             executor),
             "host_device": measure_block_moves(runner, grid.reps),
         }
         if runner.lora is not None:

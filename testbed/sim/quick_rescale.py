@@ -91,11 +91,12 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
                 records.append({"anchor": name, "mode": mode, **_rows_summary(rows), "measured_s": seconds})
     finally:
         executor.runner.record_timing = False
-    # the EngineCore's own host work: no model, the same scheduler a serving step runs
+    # the EngineCore's own host work, the same scheduler a serving step runs, timed as the base profile timed it
     sync = cms["sync"]
     batches = sorted({1, min(64, config.max_num_seqs)})
     admit = min(2048, config.max_num_batched_tokens, max_model_len - 1)
-    host = engine_host_costs(config, max_model_len, batches, [admit])
+    in_loop = base["engine_host"].get("method") == "in_loop"
+    host = engine_host_costs(config, max_model_len, batches, [admit], executor if in_loop else None)
     for b, seconds in zip(host["decode_batch"], host["decode_step_s"]):
         samples.append(StepSample(DECODE_SYNC, (sync.engine_step(b), 0.0, 0.0, 0.0, 0.0), seconds))
         records.append({"anchor": f"engine schedule+update b={b}", "mode": "host", "measured_s": seconds})
