@@ -5,7 +5,8 @@ Decode steps are timed in one of two ways, named in the result's `method`:
   in_loop   schedule and update of a real decode batch on the executor, each step run between them as a
             serving engine runs it (the model's host and device work leave the caches as they are in a run);
   isolated  schedule + update back to back without a model (what profiles made before in_loop recorded).
-Isolated timings run 1.3-3.7x shorter than the same code in a real loop (tiny model on a CPU, batches 16-128)."""
+In a real loop the same code took 1.35-2.17x its isolated time (benchmarks/engine_host.py: a tiny model on a
+CPU, batches 16-128)."""
 from __future__ import annotations
 
 import statistics
