@@ -220,7 +220,21 @@ def unrecognized(parser: argparse.ArgumentParser, command: str, extras: list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; every expected failure is one line `testbed CMD: error: ...` and exit code 2."""
+    """Run one command; every expected failure is one line `testbed CMD: error: ...` and exit code 2, a Ctrl-C
+    exit code 130. As the process's entry (argv None, main thread), SIGINT is ignored once the command is over:
+    a late one, during the interpreter's shutdown, would otherwise end a finished command by the signal."""
+    import signal
+    import threading
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # between the command's own handler and here (its clean-up)
+        return 130
+    finally:
+        if argv is None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     command = command_name(args)
