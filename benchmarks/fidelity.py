@@ -154,24 +154,48 @@ def _value(summary: dict, key: str, q: str | None) -> float | None:
     return None if v is None else float(v)
 
 
-def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None) -> dict:
-    import numpy as np
-
+def read_case(run_dir: Path) -> tuple:
+    """A committed real run as it is replayed here: (run, its engine config with the run's KV size and length, its
+    trace file's path, the manifest's trace record)."""
     from testbed.engine.config import EngineConfig
-    from testbed.specs.presets import get_model_spec
     from testbed.runs.rundir import read_run
-    from testbed.sim.cluster import simulate
-    from testbed.sim.cost_model import RecordedCostModel
-    from testbed.specs.hardware import get_gpu_spec
-    from testbed.sim.factory import load_cost_model
-    from testbed.sim.run import run_simulation
-    from testbed.workload.trace import load_trace
     run = read_run(run_dir)
     m = run.manifest
     cfg = EngineConfig(**{**m["config"], "num_gpu_blocks": m["num_gpu_blocks"], "max_model_len": m["max_model_len"]})
-    model, gpu = m["model"]["name"], gpu or m["hardware"]["name"]
     tr = m["trace"]
     trace_path = str(ROOT / tr["path"]) if not Path(tr["path"]).is_absolute() else tr["path"]
+    return run, cfg, trace_path, tr
+
+
+def case_trace(trace_path: str, tr: dict, cfg) -> list:
+    """The run's requests as it replayed them (its rate, burstiness, seed and limit)."""
+    from testbed.workload.trace import load_trace
+    return load_trace(trace_path, request_rate=tr["request_rate"], burstiness=tr["burstiness"], seed=cfg.seed,
+                      limit=tr["limit"], fmt=tr["format"])
+
+
+def paired_steps(run_dir: Path, cfg, trace: list, model: str, gpu: str, spec: str, durations: list[float],
+                 cls: type = Paired) -> Paired:
+    """The run's own step timeline replayed (decision parity: the real batches) with cost model `spec` pricing each
+    step: the `cls` (a Paired) that kept the pairs."""
+    from testbed.sim.cluster import simulate
+    from testbed.sim.cost_model import RecordedCostModel
+    from testbed.sim.factory import load_cost_model
+    from testbed.specs.hardware import get_gpu_spec
+    from testbed.specs.presets import get_model_spec
+    spec_m, gpu_m = get_model_spec(model), get_gpu_spec(gpu)
+    paired = cls(RecordedCostModel.from_run_dir(run_dir), load_cost_model(spec, spec_m, gpu_m, cfg)[0], durations)
+    simulate(trace, cfg, paired, cfg.num_gpu_blocks, cfg.max_model_len, spec_m.vocab_size)
+    return paired
+
+
+def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None) -> dict:
+    import numpy as np
+
+    from testbed.sim.run import run_simulation
+    run, cfg, trace_path, tr = read_case(run_dir)
+    m = run.manifest
+    model, gpu = m["model"]["name"], gpu or m["hardware"]["name"]
     kw = dict(model=model, gpu=gpu, request_rate=tr["request_rate"], burstiness=tr["burstiness"], limit=tr["limit"],
               trace_format=tr["format"], progress=False)
     models = {"roofline": "roofline", "profile": profile or "auto"}
@@ -180,14 +204,10 @@ def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None) -> dict
     for name, spec in models.items():
         result["sim"][name] = run_simulation(trace_path, cfg, cost_model=spec, **kw)[1]
     if not cfg.async_scheduling:  # per-step errors on the real batches (recorded timelines replay sync runs only)
-        spec_m, gpu_m = get_model_spec(model), get_gpu_spec(gpu)
-        trace = load_trace(trace_path, request_rate=tr["request_rate"], burstiness=tr["burstiness"], seed=cfg.seed,
-                           limit=tr["limit"], fmt=tr["format"])
+        trace = case_trace(trace_path, tr, cfg)
         durations = run.steps(columns=["duration"])["duration"].tolist()
         for name, spec in models.items():
-            paired = Paired(RecordedCostModel.from_run_dir(run_dir), load_cost_model(spec, spec_m, gpu_m, cfg)[0],
-                            durations)
-            simulate(trace, cfg, paired, cfg.num_gpu_blocks, cfg.max_model_len, spec_m.vocab_size)
+            paired = paired_steps(run_dir, cfg, trace, model, gpu, spec, durations)
             real_t, pred_t, dec, busy = (np.array(x) for x in zip(*paired.pairs))
             real_t, pred_t, dec = real_t[busy], pred_t[busy], dec[busy]
             err = np.abs(pred_t - real_t) / real_t

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity import ROOT, Paired  # noqa: E402
+from fidelity import Paired, case_trace, paired_steps, read_case  # noqa: E402
 
 BANDS = (1, 16, 32, 64, 128, 256, 1 << 30)
 
@@ -38,29 +38,14 @@ class SizedPaired(Paired):
 def step_errors(run_dir: Path, profile: str | None = None) -> list[dict]:
     """One row per (kind, batch band) with steps: n, signed mean/median error, and mean cycle, duration and
     prediction (s). Only sync runs: an async run's steps overlap, so it has no recorded cycle per step."""
-    from testbed.engine.config import EngineConfig
-    from testbed.runs.rundir import read_run
-    from testbed.sim.cluster import simulate
-    from testbed.sim.cost_model import RecordedCostModel
-    from testbed.sim.factory import load_cost_model
-    from testbed.specs.hardware import get_gpu_spec
-    from testbed.specs.presets import get_model_spec
-    from testbed.workload.trace import load_trace
-    run = read_run(run_dir)
-    m = run.manifest
-    cfg = EngineConfig(**{**m["config"], "num_gpu_blocks": m["num_gpu_blocks"], "max_model_len": m["max_model_len"]})
+    run, cfg, trace_path, tr = read_case(run_dir)
     if cfg.async_scheduling:
         raise SystemExit(f"step_errors: {run_dir} ran with --async-scheduling; its steps overlap and have no cycle "
                          "of their own to compare with. Pick a sync run.")
-    tr = m["trace"]
-    path = tr["path"] if Path(tr["path"]).is_absolute() else str(ROOT / tr["path"])
-    trace = load_trace(path, request_rate=tr["request_rate"], burstiness=tr["burstiness"], seed=cfg.seed,
-                       limit=tr["limit"], fmt=tr["format"])
-    spec_m, gpu_m = get_model_spec(m["model"]["name"]), get_gpu_spec(m["hardware"]["name"])
+    m = run.manifest
     durations = run.steps(columns=["duration"])["duration"].tolist()
-    paired = SizedPaired(RecordedCostModel.from_run_dir(run_dir),
-                         load_cost_model(profile or "auto", spec_m, gpu_m, cfg)[0], durations)
-    simulate(trace, cfg, paired, cfg.num_gpu_blocks, cfg.max_model_len, spec_m.vocab_size)
+    paired = paired_steps(run_dir, cfg, case_trace(trace_path, tr, cfg), m["model"]["name"], m["hardware"]["name"],
+                          profile or "auto", durations, SizedPaired)
     real, pred, dec, busy = (np.array(x) for x in zip(*paired.pairs))
     batch, dur = np.array(paired.batch), np.array(durations[:len(real)])
     rows = []

@@ -26,14 +26,22 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
     """Seconds of the EngineCore's own work per step on this host: schedule + update of a decode batch (in a
     real loop on `executor` when given, else isolated; see the module docstring), and of a step admitting one
     prompt (with and without prefix caching, isolated)."""
-    def timed_steps(core: EngineCore, n: int) -> float:
+    def timed_steps(core: EngineCore, n: int, execute=None) -> float:
+        """Median seconds of schedule + update over n steps; `execute` runs each step between them, untimed
+        (None: no model, every row samples token 7, that output's making timed with the update)."""
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
             so = core.schedule(0.0)
-            core.update(so, ModelRunnerOutput([7 if r.num_computed_tokens >= r.num_tokens else -1
-                                               for r in so.requests]), 0.0)
-            times.append(time.perf_counter() - t0)
+            if execute is None:
+                out, away = ModelRunnerOutput([7 if r.num_computed_tokens >= r.num_tokens else -1
+                                               for r in so.requests]), 0.0
+            else:
+                t1 = time.perf_counter()
+                out = execute(so)
+                away = time.perf_counter() - t1
+            core.update(so, out, 0.0)
+            times.append(time.perf_counter() - t0 - away)
         return statistics.median(times)
 
     rng = np.random.default_rng(0)
@@ -45,19 +53,8 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
             raise RuntimeError(f"engine host sweep: request {req.request_id} was rejected ({req.stop_reason})")
         return req
 
-    def in_loop(core: EngineCore, n: int) -> float:
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            so = core.schedule(0.0)
-            t1 = time.perf_counter()
-            out = executor.execute(so)
-            t2 = time.perf_counter()
-            core.update(so, out, 0.0)
-            times.append(t1 - t0 + time.perf_counter() - t2)
-        return statistics.median(times)
-
     decode = []
+    execute = None if executor is None else executor.execute
     high = 30000 if executor is None else executor.vocab_size  # a model reads the tokens: stay in its vocabulary
     low = min(1000, high // 10)
     for b in batches:
@@ -70,12 +67,8 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
                           num_gpu_blocks=blocks, max_model_len=max_model_len)
         for i in range(b):
             admitted(core, Request(f"host-{b}-{i}", rng.integers(low, high, 16, dtype=np.int32), params, 0.0))
-        if executor is None:
-            timed_steps(core, 1)  # the prefills
-            decode.append(timed_steps(core, 30))
-        else:
-            in_loop(core, 3)  # the prefills, then two decodes untimed
-            decode.append(in_loop(core, 30))
+        timed_steps(core, 1 if execute is None else 3, execute)  # the prefills (in a loop, two decodes more)
+        decode.append(timed_steps(core, 30, execute))
     admit = {}
     for caching in (False, True):
         cfg = EngineConfig(**{**config.to_dict(), "enable_prefix_caching": caching})
