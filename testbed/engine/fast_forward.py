@@ -12,7 +12,8 @@ stretch goes on with the others while nobody can be admitted. Requests are broug
 output tokens, last token time) when they finish and when the stretch ends. The steps are recorded as columns
 (record_parts.Stretch, one per batch size: a list append or two per step), read back as the same rows and ITL
 samples. Where the driver prices a batch's decodes without their SchedulerOutput (`decode_ends`), the steps up
-to the next finish are priced in one go and their block boundaries allocated after, in step order.
+to the next finish are priced in one go (in chunks that double, none past the one that reaches `until`: a step
+priced is a step taken, but for that chunk's) and their block boundaries allocated after, in step order.
 
 Preconditions (0 steps are taken otherwise): no step in flight, no pooling request, no beam search, no swapped-out request, every running request
 decodes (one token to compute, nothing pending, no stop tokens, its prompt done), the whole batch fits the
@@ -123,16 +124,7 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     everyone = list(sched.running)  # positions in this list order every per-request pass, as the batch's order
     running, pos = list(everyone), list(range(len(everyone)))
     bs = bm.block_size
-    b = len(running)
-    base, ctx0, longest0 = list(computed0), sum(computed0), max(computed0)
-    lora_due = sched.lora is not None  # the step's adapter slots to assign (at the start, after a change)
-    structured = _structured(sched, running)
-    clock = None if decode_ends is None or lora_due else decode_ends(b, structured)
-    so = before = None  # the steps' SchedulerOutput, for step_end: made only where no clock prices them
-    if clock is None:
-        so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=list(tables),
-                             total_num_scheduled_tokens=b, num_decode_tokens=b, num_structured_reqs=structured)
-        so.num_computed_before = before = ShiftedCounts(base, 0)
+    base = list(computed0)
     replica, total_blocks, waiting = core.replica, bm.num_blocks, sched.num_waiting
     itl, used, free_ids, cached = records.itl, bm.num_used_blocks, bm.free_ids, bm.cached
     last_update = core._last_update
@@ -141,10 +133,10 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     # the steps of one batch size make a Stretch: their ends follow `t` in the step table's times, their blocks in
     # use go to its used list (the first step starts at the previous update's end if that is later than now)
     times, useds = records.steps.times, records.steps.used
-    lo, ulo, first_start, part_ctx = len(times), len(useds), (t if t > last_update else last_update), ctx0 + b
+    lo, ulo, first_start = len(times), len(useds), (t if t > last_update else last_update)
     times.append(t)
-    if clock is not None:
-        clock = clock(t, ctx0 + b, longest0 + 1)
+    b, ctx0, longest0, part_ctx, lora_due, clock, so, before = _batch_from(sched, running, pos, base, tables, j, t,
+                                                                           decode_ends)
     while j < budget and t < until:
         if j and clock is not None:
             # the steps up to the next that ends a request (or the budget's last) priced in one go; the first that would
@@ -152,8 +144,8 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             # cannot cover (the clock, which priced them, is then dropped with the stretch)
             e = min(min(ending), budget - 1)
             m, mark = e - j + 1, len(times)  # times[mark - 1] is t, the start of step j
-            times.extend(islice(clock, m))
-            k = bisect_left(times, until, mark - 1, mark - 1 + m) - (mark - 1)
+            priced = _price(times, clock, m, until)
+            k = bisect_left(times, until, mark - 1, mark - 1 + priced) - (mark - 1)
             for i in range(j, j + k):
                 rows = due.pop(i, None)
                 if rows is not None:
@@ -209,25 +201,13 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             keep = [i for i, r in enumerate(running) if r.status == RequestStatus.RUNNING]
             running, pos = [running[i] for i in keep], [pos[i] for i in keep]
             base[:] = [computed0[p] for p in pos]
-            b = len(running)
             lo, ulo, first_start = lo + n, ulo + n, None  # the next stretch starts where this one ended
-            if not b or stop_after_finish or _admits(core, b):
+            if not running or stop_after_finish or _admits(core, len(running)):
+                b = len(running)
                 break
-            ctx0, longest0, used = sum(base), max(base), bm.num_used_blocks  # their blocks are free again
-            lora_due = sched.lora is not None
-            structured = _structured(sched, running)
-            part_ctx = ctx0 + b * (j + 1)
-            clock = None if decode_ends is None or lora_due else decode_ends(b, structured)
-            if clock is not None:
-                clock = clock(t, part_ctx, longest0 + j + 1)
-            elif so is None:
-                so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=[tables[p] for p in pos],
-                                     total_num_scheduled_tokens=b, num_decode_tokens=b, num_structured_reqs=structured)
-                so.num_computed_before = before = ShiftedCounts(base, 0)
-            else:
-                so.requests, so.num_new_tokens, so.block_ids = running, [1] * b, [tables[p] for p in pos]
-                so.total_num_scheduled_tokens = so.num_decode_tokens = b
-                so.num_structured_reqs = structured
+            used = bm.num_used_blocks  # their blocks are free again
+            b, ctx0, longest0, part_ctx, lora_due, clock, so, before = _batch_from(sched, running, pos, base, tables, j,
+                                                                                   t, decode_ends)
     if not j:
         times.pop()  # no step taken: its start is nobody's
         return 0, now, False
@@ -242,6 +222,42 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     core.token_counts.generation += generated
     core._last_update = t
     return j, t, finished
+
+
+PRICE_CHUNK = 16  # steps priced at first before looking at `until` (then twice as many each time)
+
+
+def _price(times: list[float], clock: Iterator[float], m: int, until: float) -> int:
+    """Append the ends of the clock's next steps, up to m of them, to `times`, in chunks that double, stopping after the
+    chunk whose last step ends at or after `until` (no step after it is taken); how many were appended."""
+    got, c = 0, PRICE_CHUNK
+    while got < m:
+        c = min(c, m - got)
+        times.extend(islice(clock, c))
+        got += c
+        if times[-1] >= until:
+            break
+        c += c
+    return got
+
+
+def _batch_from(sched: Scheduler, running: list[Request], pos: list[int], base: list[int], tables: list[list[int]],
+                j: int, t: float, decode_ends: DecodeEnds | None):
+    """What prices the batch `running` (batch positions `pos`, computed tokens `base` before the stretch) from step j
+    of the stretch, which starts at t: (rows, their context before the stretch, its longest, sum_context_tokens of
+    step j, whether adapter slots are to be assigned, the clock of its steps' ends or None, and where that is None
+    the steps' SchedulerOutput with its num_computed_before, whose shift is the step)."""
+    b = len(running)
+    ctx0, longest0 = sum(base), max(base)
+    lora_due = sched.lora is not None  # the step's adapter slots to assign (at the start, after a change)
+    structured = _structured(sched, running)
+    clock = None if decode_ends is None or lora_due else decode_ends(b, structured)
+    if clock is not None:
+        return b, ctx0, longest0, ctx0 + b * (j + 1), lora_due, clock(t, ctx0 + b * (j + 1), longest0 + j + 1), None, None
+    so = SchedulerOutput(requests=running, num_new_tokens=[1] * b, block_ids=[tables[p] for p in pos],
+                         total_num_scheduled_tokens=b, num_decode_tokens=b, num_structured_reqs=structured)
+    so.num_computed_before = before = ShiftedCounts(base, 0)
+    return b, ctx0, longest0, ctx0 + b * (j + 1), lora_due, None, so, before
 
 
 def _record(records, part: Stretch, j: int) -> int:
