@@ -152,17 +152,27 @@ def test_a_stretch_stops_before_an_arrival_a_finish_and_a_preemption():
 
 
 def test_a_stretch_goes_on_past_a_finish_with_the_smaller_batch_unless_told_to_stop():
-    for stop in (False, True):
+    for go_on in (None, True, False):  # no after_finish; one that lets the stretch go on; one that stops it
         core = make_engine(num_gpu_blocks=64, max_model_len=128)
         core.add_request(make_request("b", 8, 5), 0.0)
         core.add_request(make_request("c", 8, 9), 0.0)
         now = ordinary_step(core, 0.0)  # both prompts, and the first token of each
-        k, t, finished = fast_forward(core, now, math.inf, step_end, TOKEN, stop_after_finish=stop)
-        assert finished and "b" not in core.requests
-        assert k == (4 if stop else 8) and (("c" in core.requests) == stop)
+        calls = []
+
+        def after_finish(j, t):  # what a report samples: the queues and blocks as that step's update leaves them
+            calls.append((j, t, [r.request_id for r in core.scheduler.running], core.stats().num_running,
+                          core.block_manager.num_used_blocks, len(core.block_manager.req_blocks["c"])))
+            return go_on
+
+        k, t, finished = fast_forward(core, now, math.inf, step_end, TOKEN,
+                                      after_finish=None if go_on is None else after_finish)
+        assert "b" not in core.requests and k == (4 if go_on is False else 8) and (("c" in core.requests) == (k == 4))
+        assert finished == (go_on is not False)  # told of b's finish only when after_finish did not take it
+        if go_on is not None:  # b's finish (c's ends the batch: the driver acts on it)
+            assert [c[:4] for c in calls] == [(4, calls[0][1], ["c"], 1)] and calls[0][4] == calls[0][5]  # b's blocks freed
         cols = core.records.request_columns()
         assert list(zip(cols["request_id"], cols["output_tokens"], cols["finish_reason"])) == [("b", 5, "length")] + (
-            [] if stop else [("c", 9, "length")])
+            [] if k == 4 else [("c", 9, "length")])
 
 
 def test_nothing_is_fast_forwarded_while_someone_could_be_admitted():

@@ -20,8 +20,13 @@ decodes (one token to compute, nothing pending, no stop tokens, its prompt done)
 token budget, and the waiting queue is empty or cannot be admitted from (`max_num_seqs` reached or no token
 budget left). A stretch stops before the step whose block allocations the free pool cannot cover (stepping
 would preempt there), before the first step that would start at or after `until` (the driver's next
-admission), after a finish that lets a waiting request in, and, with `stop_after_finish`, after any step
-that finished a request (a data-parallel replica reports its stats then). The executor is a simulator's:
+admission), after a finish that lets a waiting request in, and after a step that finished a request where
+`after_finish` says so. `after_finish(j, t)` (a data-parallel replica's stats report) is called after each step
+that finished a request, the stretch's j-th, ending at t, where the stretch may go on past it (a batch left,
+nobody to admit, `until` and the step budget not reached), with the scheduler's queues and the block manager as
+that step's update leaves them (live requests' counters catch up when the stretch ends); it returns whether the
+stretch goes on. Where the stretch cannot go on it is not called: the driver is told the last step finished a
+request, and acts on it at that step's end, as stepping would. The executor is a simulator's:
 every row samples `token_id`, no logprobs.
 """
 from __future__ import annotations
@@ -40,6 +45,8 @@ StepEnd = Callable[[SchedulerOutput, float], float]
 # (rows, rows under a grammar) -> the ends of successive decode steps of such a batch, each starting where the one
 # before ended, from the first one's (start, sum_context_tokens, max_context_tokens), as StepEnd gives them for
 # those steps; or None (then StepEnd is asked)
+# (steps of the stretch taken, the end of the last, which finished a request) -> whether the stretch goes on
+AfterFinish = Callable[[int, float], bool]
 DecodeEnds = Callable[[int, int], Callable[[float, int, int], Iterator[float]] | None]
 
 
@@ -105,10 +112,10 @@ def _admits(core: EngineCore, running: int) -> bool:
 
 
 def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
-                 max_steps: int | None = None, stop_after_finish: bool = False,
+                 max_steps: int | None = None, after_finish: AfterFinish | None = None,
                  decode_ends: DecodeEnds | None = None) -> tuple[int, float, bool]:
     """Advance the stretch of decode steps that starts at `now`; returns (steps taken, time after the last,
-    whether the last step finished a request).
+    whether the last step finished a request that `after_finish` was not called for).
 
     `step_end(so, start)` is the driver's clock: when a step scheduled at `start` ends (it calls the cost
     model, so it is called once per step, in order, as stepping would). `decode_ends`, when given, is the same clock
@@ -202,9 +209,14 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             running, pos = [running[i] for i in keep], [pos[i] for i in keep]
             base[:] = [computed0[p] for p in pos]
             lo, ulo, first_start = lo + n, ulo + n, None  # the next stretch starts where this one ended
-            if not running or stop_after_finish or _admits(core, len(running)):
+            if not running or _admits(core, len(running)) or after_finish is not None and (j >= budget or t >= until):
                 b = len(running)
                 break
+            if after_finish is not None:
+                sched.drop_finished()
+                if not after_finish(j, t):
+                    b, finished = len(running), False
+                    break
             used = bm.num_used_blocks  # their blocks are free again
             b, ctx0, longest0, part_ctx, lora_due, clock, so, before = _batch_from(sched, running, pos, base, tables, j,
                                                                                    t, decode_ends)

@@ -100,18 +100,22 @@ class ClusterSim:
         else:
             self.finish_if_done()
 
-    def publish(self, r: int, transit: bool = True) -> None:
-        """Replica r samples its stats now; the coordinator takes them one hop later."""
+    def publish(self, r: int, transit: bool = True, at: float | None = None) -> None:
+        """Replica r samples its stats now (or at `at`, a later time its stats are already those of: a report taken
+        inside a fast-forwarded stretch); the coordinator takes them one hop later."""
         stats = self.engines[r].stats()
-        row = [None, r, self.steps_done[r], self.env.now, None, stats.num_waiting, stats.num_running, stats.kv_usage,
-               stats.num_free_blocks, stats.num_blocks, stats.num_waiting_tokens, stats.num_added]
+        row = [None, r, self.steps_done[r], self.env.now if at is None else at, None, stats.num_waiting,
+               stats.num_running, stats.kv_usage, stats.num_free_blocks, stats.num_blocks, stats.num_waiting_tokens,
+               stats.num_added]
         self.publications.append(row)
 
         def receive() -> None:
             row[0], row[4] = self.seq, self.env.now
             self.seq += 1
             self.coord.update_stats(r, stats)
-        if transit:
+        if at is not None:  # where a timeout made at `at` would land
+            self.env.timeout_at(at + self.hop).callbacks.append(lambda _: receive())
+        elif transit:
             self.after_hop(receive)
         else:
             receive()
@@ -182,9 +186,10 @@ class ClusterSim:
             env.process(progress())
         if self.trace:
             env.run(until=self.done)
-        # reports still on their way when the run ended never reached the coordinator: not recorded
-        result = SimResult.collect(self.engines, Recorder(routes=[tuple(row) for row in self.routes], publications=[
-            tuple(row) for row in self.publications if row[0] is not None]), env.now)
+        # reports still on their way when the run ended never reached the coordinator: not recorded; the others in the
+        # order they were received (that of their sampling, but for those sampled ahead inside a stretch)
+        result = SimResult.collect(self.engines, Recorder(routes=[tuple(row) for row in self.routes], publications=sorted(
+            (tuple(row) for row in self.publications if row[0] is not None), key=lambda row: row[0])), env.now)
         result.fast_forwarded_steps = self.skipped
         return result
 
@@ -198,6 +203,7 @@ class ServingReplica(ReplicaLoop):
         super().__init__(sim.env, sim.engines[r], r, sim.executor, sim.grammars, sim.config.async_scheduling)
         self.sim = sim
         self.skip = fast_forward_decodes and not self.overlap
+        self.stretch_from = 0  # steps_done when the current stretch began
 
     def ready(self, busy: bool) -> Generator[simpy.Event, object, float]:
         sim, r = self.sim, self.r
@@ -214,17 +220,31 @@ class ServingReplica(ReplicaLoop):
         if not self.skip or sim.publishers[r].dirty:  # a report pending would go out after one of these steps
             return False
         until = min(sim.horizon.until(r), self.grammars.next_due(r))
+        done = self.stretch_from = sim.steps_done[r]
         k, end, finished = fast_forward(eng, env.now, until, sim.step_end, SIM_TOKEN_ID,
-                                        max_steps=self.grammars.steps_until_due(r), stop_after_finish=sim.dp > 1,
+                                        max_steps=self.grammars.steps_until_due(r),
+                                        after_finish=self.report_after if sim.dp > 1 else None,
                                         decode_ends=sim.decode_ends)
         if not k:
             return False
-        sim.steps_done[r] += k
+        sim.steps_done[r] = done + k
         sim.skipped += k
         yield env.timeout_at(end)
         if sim.dp > 1 and sim.publishers[r].after_update(env.now, finished, idle=not eng.requests):
             sim.publish(r)
         return True
+
+    def report_after(self, j: int, t: float) -> bool:
+        """Inside a stretch: its j-th step, which ends at t before the replica's next admission, finished a request
+        (so no request reached the replica by t, and its stats at t are what the stretch left): the report
+        stepping would send at t, taken now and received one hop after t; whether the stretch may go on (no
+        report is left pending)."""
+        sim, r = self.sim, self.r
+        sim.steps_done[r] = self.stretch_from + j
+        publisher = sim.publishers[r]
+        if publisher.after_update(t, True, idle=False):  # it holds requests: not idle
+            sim.publish(r, at=t)
+        return not publisher.dirty
 
     def stalled(self) -> Generator[simpy.Event, object, None]:
         """Idle if it holds no request (its last grammar failed); if only requests whose grammar compiles
