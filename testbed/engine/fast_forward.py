@@ -31,6 +31,7 @@ every row samples `token_id`, no logprobs.
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from itertools import islice, repeat
 from typing import Callable, Iterator, Sequence
@@ -236,20 +237,27 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     return j, t, finished
 
 
-PRICE_CHUNK = 16  # steps priced at first before looking at `until` (then twice as many each time)
+PRICE_CHUNK = 16  # steps priced after a first guess fell short of `until` (then twice as many each time)
 
 
 def _price(times: list[float], clock: Iterator[float], m: int, until: float) -> int:
-    """Append the ends of the clock's next steps, up to m of them, to `times`, in chunks that double, stopping after the
-    chunk whose last step ends at or after `until` (no step after it is taken); how many were appended."""
-    got, c = 0, PRICE_CHUNK
+    """Append the ends of the clock's next steps, up to m of them, to `times` (whose last two entries are the start
+    and end of the step before them), in chunks, stopping after the chunk whose last step ends at or after `until`
+    (no step after it is taken); how many were appended. The first chunk is as many steps of the last one's length
+    as reach `until`, and one more; the next ones PRICE_CHUNK steps, then twice as many each time."""
+    t, d = times[-1], times[-1] - times[-2]
+    if d <= 0.0:
+        c = PRICE_CHUNK
+    else:
+        c = m if until == math.inf or until - t >= m * d else int((until - t) / d) + 2
+    got = 0
     while got < m:
         c = min(c, m - got)
         times.extend(islice(clock, c))
         got += c
         if times[-1] >= until:
             break
-        c += c
+        c = PRICE_CHUNK if c < PRICE_CHUNK else c + c
     return got
 
 
