@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from itertools import islice, repeat
+from itertools import islice
 from typing import Callable, Iterator, Sequence
 
 from testbed.engine.core import EngineCore
@@ -206,9 +206,9 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             for p in sorted(done):
                 _bring_up_to_date(everyone[p], computed0[p], j, token_id, t)
                 core._finish(everyone[p], RequestStatus.FINISHED_LENGTH, t)
-            keep = [i for i, r in enumerate(running) if r.status == RequestStatus.RUNNING]
-            running, pos = [running[i] for i in keep], [pos[i] for i in keep]
-            base[:] = [computed0[p] for p in pos]
+            for p in sorted(done, reverse=True):  # out of the batch (pos ascends; running and base follow it)
+                i = bisect_left(pos, p)
+                del pos[i], running[i], base[i]
             lo, ulo, first_start = lo + n, ulo + n, None  # the next stretch starts where this one ended
             if not running or _admits(core, len(running)) or after_finish is not None and (j >= budget or t >= until):
                 b = len(running)
@@ -308,6 +308,6 @@ def _bring_up_to_date(req: Request, computed0: int, steps: int, token_id: int, l
     """The request as `steps` updated decode steps from computed0 leave it."""
     added = computed0 + steps - req.num_computed_tokens
     req.num_computed_tokens = computed0 + steps
-    req.output_token_ids.extend(repeat(token_id, added))
+    req.output_token_ids += [token_id] * added
     req.num_tokens += added
     req.last_token_time = last_token_time
