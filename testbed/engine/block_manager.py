@@ -311,15 +311,16 @@ class BlockManager:
         self.req_num_registered.pop(request_id, None)
         if not blocks:
             return
-        ref_cnt = self.ref_cnt
+        ref_cnt, block_hash, cached, free = self.ref_cnt, self.block_hash, self.cached, self.free_ids.append
+        hashed = self.enable_prefix_caching  # else no block has a hash (only _cache_full_blocks gives one)
         for b in reversed(blocks):
-            ref_cnt[b] -= 1
-            if ref_cnt[b] == 0:
-                if self.block_hash[b] is not None:
-                    self.cached[b] = None
+            n = ref_cnt[b] = ref_cnt[b] - 1
+            if n == 0:
+                if hashed and block_hash[b] is not None:
+                    cached[b] = None
                 else:
-                    self.free_ids.append(b)
-            elif ref_cnt[b] < 0:
+                    free(b)
+            elif n < 0:
                 raise AssertionError(f"double free of block {b} by request {request_id!r}")
 
     def uncache(self, request_id: str) -> None:
