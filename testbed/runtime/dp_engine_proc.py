@@ -85,13 +85,17 @@ class DPEngineProc:
     def handshake(self) -> zmq.Socket:
         """Connect to the coordinator and wait for its Welcome (RuntimeError if it refuses us)."""
         sock = self._dealer(b"i")
-        sock.send(self.frames.encode(D.Hello(self.rank, "input", os.getpid(), socket.gethostname(),
-                                             self.cfg.proc.engine)))
-        msg = None
-        while msg is None:
-            while not sock.poll(int(PARENT_CHECK_S * 1000)):
-                self.check_parent()
-            msg = self.frames.decode(sock.recv(), D.to_replica_decoder, "its coordinator socket")
+        try:
+            sock.send(self.frames.encode(D.Hello(self.rank, "input", os.getpid(), socket.gethostname(),
+                                                 self.cfg.proc.engine)))
+            msg = None
+            while msg is None:
+                while not sock.poll(int(PARENT_CHECK_S * 1000)):
+                    self.check_parent()
+                msg = self.frames.decode(sock.recv(), D.to_replica_decoder, "its coordinator socket")
+        except BaseException:
+            sock.close(linger=0)  # an unanswered hello would otherwise hold close()'s ctx.term() forever
+            raise
         if isinstance(msg, D.Refused):
             raise RuntimeError(f"the DP coordinator refused replica {self.rank}: {msg.reason}")
         if not isinstance(msg, D.Welcome):
@@ -258,12 +262,17 @@ class DPEngineProc:
         self.outq.put((False, D.ReplicaFailed(self.rank, f"{type(e).__name__}: {e}", tb)))
 
     def close(self) -> None:
+        """Stop the socket threads and end the zmq context. Invariant: the process always gets past close():
+        the context is termed only once every socket is closed (term waits for each socket, forever), so a
+        thread still stuck after its grace period is left to die with the process, its socket with it."""
         self.running = False
         if self.output_thread is not None:
             self.outq.put((False, None))
             self.output_thread.join(timeout=5)
         if self.input_thread is not None:
             self.input_thread.join(timeout=2)
+        if any(t is not None and t.is_alive() for t in (self.output_thread, self.input_thread)):
+            return
         self.ctx.term()
 
 
