@@ -38,3 +38,22 @@ def test_triton_kernels_match_the_torch_path(tokens, slots, slices, rank, k, see
     lora_expand(got, lora_shrink(x, a, idx), b, idx, slices)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got[idx < 0], y0[idx < 0])  # base rows untouched
+
+
+@pytest.mark.parametrize("tokens,k,slices,rank", [(37, 600, [48, 40, 40], 8), (20, 64, [80], 16)])
+def test_triton_kernels_match_over_token_blocks_k_splits_and_column_blocks(tokens, k, slices, rank):
+    """Past the kernels' tiles: several 16-token blocks, K split over programs (600 > 256 per program), and
+    output slices that meet inside a 64-column block."""
+    g = torch.Generator().manual_seed(tokens)
+    out, slots = sum(slices), 3
+    x = torch.randn(tokens, k, generator=g)
+    a = torch.randn(slots, len(slices) * rank, k, generator=g)
+    b = torch.randn(slots, out, rank, generator=g)
+    idx = torch.randint(-1, slots, (tokens,), generator=g)
+    idx[:16] = 1  # one block of a single slot, the rest mixed
+    y0 = torch.randn(tokens, out, generator=g)
+    want = lora_apply_ref(y0.clone(), x, a, b, lora_plan(idx), slices)
+    got = y0.clone()
+    lora_expand(got, lora_shrink(x, a, idx), b, idx, slices)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    assert torch.equal(got[idx < 0], y0[idx < 0])
