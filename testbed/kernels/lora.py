@@ -11,9 +11,9 @@ Two paths, one semantics:
 - `lora_apply_ref` (torch; the CPU path and the tests' ground truth): one gather, shrink and expand per slot
   present in the step (at most max_loras), never a loop over requests; its `LoRAPlan` (the token rows of each
   slot) is built once per step and shared by every layer.
-- `lora_shrink` / `lora_expand` (Triton: each token's row against its own slot's matrices, the tokens of a slot
-  taken 16 at a time as SGMV groups them) read the slot of every token from `lora_idx` on the device, so they
-  run unchanged inside a CUDA graph whose static index buffer a step refills (worker/cuda_graphs.py).
+- `lora_shrink` / `lora_expand` (Triton, BGMV semantics: one token's row against its own slot's matrices)
+  read the slot of every token from `lora_idx` on the device, so they run unchanged inside a CUDA graph whose
+  static index buffer a step refills (worker/cuda_graphs.py).
 """
 from __future__ import annotations
 
