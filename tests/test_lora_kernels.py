@@ -42,8 +42,8 @@ def test_triton_kernels_match_the_torch_path(tokens, slots, slices, rank, k, see
 
 @pytest.mark.parametrize("tokens,k,slices,rank", [(37, 600, [48, 40, 40], 8), (20, 64, [80], 16)])
 def test_triton_kernels_match_over_token_blocks_k_splits_and_column_blocks(tokens, k, slices, rank):
-    """Past the kernels' tiles: several 16-token blocks, K split over programs (600 > 256 per program), and
-    output slices that meet inside a 64-column block."""
+    """Larger than the kernels' tiles: many tokens (a block of one slot, then a mix), K over several 128-wide
+    iterations (600, not a multiple), and output slices that meet inside the expand's 64-column blocks."""
     g = torch.Generator().manual_seed(tokens)
     out, slots = sum(slices), 3
     x = torch.randn(tokens, k, generator=g)
