@@ -10,7 +10,7 @@
 #   dp-policies  benchmarks/dp.py: DP=2 under every other --dp-policy at one rate (needs dp's profile)
 #   mooncake     benchmarks/dp.py: DP=2 with prefix caching on the Mooncake slice, prefix_affinity vs least_loaded
 #   lora         benchmarks/lora.py: the Triton LoRA kernels on the GPU (eager and in a graph), throughput with 1, 4,
-#                16 adapters against the base, and the base in an engine without LoRA
+#                16 adapters against the base, the base in an engine without LoRA, graph vs eager tokens with adapters
 #   swap         benchmarks/swap.py --moves: the worker's KV block moves (swap out, in, copy on write) on one GPU
 # Everything lands under $OUT (default /tmp/device-out): JSON, logs and run directories.
 set -o pipefail
@@ -48,7 +48,8 @@ for part in "$@"; do
           bound python3 benchmarks/lora.py throughput --model $MODEL --out $OUT/lora_throughput.json 2>&1 \
             | tee $OUT/lora_throughput.log | tail -8
           bound python3 benchmarks/lora.py throughput --model $MODEL --lora-off --out $OUT/lora_throughput_off.json 2>&1 \
-            | tee $OUT/lora_throughput_off.log | tail -3 ;;
+            | tee $OUT/lora_throughput_off.log | tail -3
+          bound python3 benchmarks/lora.py agree --out $OUT/lora_agree.json 2>&1 | tee $OUT/lora_agree.log | tail -1 ;;
     swap) bound python3 benchmarks/swap.py --moves $MODEL 2>&1 | tee $OUT/swap_moves.log | tail -8 ;;
     *) echo "[device_2gpu] unknown part $part"; exit 2 ;;
   esac

@@ -4,9 +4,10 @@ adapters against the base model; on a CPU, the real runs notebook 08 plots besid
     python benchmarks/lora.py kernels [--out FILE]                 # GPU: Triton shrink/expand vs torch, times
     python benchmarks/lora.py throughput --model M [--load-format dummy] [--adapters 1 4 16] [--out FILE]
     python benchmarks/lora.py throughput --model M [--load-format dummy] --lora-off  # the base, LoRA off
+    python benchmarks/lora.py agree [--model M]                      # GPU: graph vs eager tokens with adapters
     python benchmarks/lora.py cpu-runs --out-dir benchmarks/results/lora/DATE_SHA_cpu   # notebook 08's real points
 
-`kernels` checks lora_shrink/lora_expand (BGMV: each token against its own slot) on random slot mixes with base
+`kernels` checks lora_shrink/lora_expand (SGMV: blocks of one slot's tokens against that slot's matrices) on random slot mixes with base
 rows, Llama-3.1-8B's projection shapes and rank 16, against kernels/lora.py's torch path, and times both (CUDA
 events, median), also as one replayed CUDA graph, whose output is checked after a new slot mix is copied into its
 index buffer; it exits 1 when any check fails. `throughput` makes random PEFT adapters of rank 16 on every
@@ -142,6 +143,35 @@ def cmd_throughput(args) -> dict:
     return results
 
 
+def cmd_agree(args) -> dict:
+    """Greedy tokens of a LoRA engine with CUDA graphs against the same engine eager: base rows and two random
+    adapters mixed in one batch (the step's LoRA plan is made inside each graph from its index buffer)."""
+    from testbed import LLM, LoRARequest, SamplingParams
+    from testbed.worker.loader import model_config
+    prompts = [[1000 + (7 * i + j) % 20000 for j in range(40 + 13 * i)] for i in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=1)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_adapters(model_config(args.model, args.load_format), Path(tmp), 2)
+        loras = [None if i % 3 == 0 else LoRARequest(f"a{i % 3}", i % 3, paths[i % 3 - 1]) for i in range(len(prompts))]
+        for eager in (True, False):
+            llm = LLM(args.model, load_format=args.load_format, skip_tokenizer_init=True, enable_lora=True,
+                      max_loras=2, max_lora_rank=RANK, enforce_eager=eager)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+            runs[eager] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob)
+                           for o in outs]
+            llm.shutdown()
+    pairs = list(zip(runs[True], runs[False]))
+    result = {"prompts": len(prompts), "first_token_equal": sum(a[0][0] == b[0][0] for a, b in pairs),
+              "tokens_equal": sum(x == y for a, b in pairs for x, y in zip(a[0], b[0])),
+              "tokens": sum(len(a[0]) for a, _ in pairs),
+              "max_first_logprob_diff": max(abs(a[1] - b[1]) for a, b in pairs)}
+    print(f"graph vs eager with LoRA: first tokens {result['first_token_equal']}/{result['prompts']} equal, "
+          f"{result['tokens_equal']}/{result['tokens']} tokens, first logprob within "
+          f"{result['max_first_logprob_diff']:.4f}", flush=True)
+    return result
+
+
 def cmd_cpu_runs(args) -> dict:
     """Real CPU replays of a Zipf-popular adapter trace on SmolLM2 at several --max-loras (notebook 08)."""
     import random
@@ -196,6 +226,12 @@ def main() -> int:
                    help="only the base model, in an engine started without --enable-lora (run it beside the default "
                         "command: with LoRA on, base rows should cost the same)")
     t.add_argument("--out", default=None)
+    a = sub.add_parser("agree")
+    a.add_argument("--model", default="Llama-3.2-1B")
+    a.add_argument("--load-format", default="dummy")
+    a.add_argument("--num-prompts", type=int, default=12)
+    a.add_argument("--output-len", type=int, default=8)
+    a.add_argument("--out", default=None)
     c = sub.add_parser("cpu-runs")
     c.add_argument("--out-dir", required=True)
     c.add_argument("--num-adapters", type=int, default=8)
@@ -208,7 +244,8 @@ def main() -> int:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--threads", type=int, default=1, help="torch threads")
     args = p.parse_args()
-    result = {"kernels": cmd_kernels, "throughput": cmd_throughput, "cpu-runs": cmd_cpu_runs}[args.cmd](args)
+    result = {"kernels": cmd_kernels, "throughput": cmd_throughput, "agree": cmd_agree,
+              "cpu-runs": cmd_cpu_runs}[args.cmd](args)
     if getattr(args, "out", None):
         Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True))
     else:

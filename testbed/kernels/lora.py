@@ -11,9 +11,9 @@ Two paths, one semantics:
 - `lora_apply_ref` (torch; the CPU path and the tests' ground truth): one gather, shrink and expand per slot
   present in the step (at most max_loras), never a loop over requests; its `LoRAPlan` (the token rows of each
   slot) is built once per step and shared by every layer.
-- `lora_shrink` / `lora_expand` (Triton, BGMV semantics: one token's row against its own slot's matrices)
-  read the slot of every token from `lora_idx` on the device, so they run unchanged inside a CUDA graph whose
-  static index buffer a step refills (worker/cuda_graphs.py).
+- `lora_shrink` / `lora_expand` (Triton, SGMV form: the step's tokens sorted by slot on the device, blocks of
+  one slot's tokens against that slot's matrices) read the slot of every token from `lora_idx` on the device,
+  so they run unchanged inside a CUDA graph whose static index buffer a step refills (worker/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -56,13 +56,24 @@ def lora_apply_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
     return y
 
 
+def lora_step_plan(lora_idx: torch.Tensor, num_slots: int):
+    """What every LoRA layer of one step shares: the Triton path's tokens sorted by slot on the device
+    (`LoRASegments`, no host read, so it can run inside a CUDA graph), or the torch path's `LoRAPlan`."""
+    if use_triton(lora_idx):
+        from testbed.kernels.lora_triton import lora_segments
+        return lora_segments(lora_idx, num_slots)
+    return lora_plan(lora_idx)
+
+
 def lora_apply(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               lora_idx: torch.Tensor, plan: LoRAPlan | None, slice_sizes: list[int]) -> torch.Tensor:
+               lora_idx: torch.Tensor, plan, slice_sizes: list[int]) -> torch.Tensor:
     """y += LoRA(x) per token slot: the Triton kernels on a GPU (or under TRITON_INTERPRET=1), else the torch
-    path over `plan` (the step's groups, built from lora_idx when None)."""
+    path; `plan` is the step's lora_step_plan (made here when None)."""
+    if plan is None:
+        plan = lora_step_plan(lora_idx, lora_a.shape[0])
     if use_triton(x):
         from testbed.kernels.lora_triton import lora_expand, lora_shrink
-        s = lora_shrink(x, lora_a, lora_idx)
-        lora_expand(y, s, lora_b, lora_idx, slice_sizes)
+        s = lora_shrink(x, lora_a, lora_idx, plan)
+        lora_expand(y, s, lora_b, lora_idx, slice_sizes, plan)
         return y
-    return lora_apply_ref(y, x, lora_a, lora_b, plan if plan is not None else lora_plan(lora_idx), slice_sizes)
+    return lora_apply_ref(y, x, lora_a, lora_b, plan, slice_sizes)

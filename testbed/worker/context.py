@@ -7,11 +7,15 @@ being run; the runner calls `set_context` before and `reset_context` after each 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from testbed.kernels import AttentionPlan
 from testbed.kernels.lora import LoRAPlan
+
+if TYPE_CHECKING:  # the Triton module is imported only where its kernels run
+    from testbed.kernels.lora_triton import LoRASegments
 
 
 @dataclass
@@ -26,7 +30,8 @@ class Context:
     num_live: [1] int32 or None, the sequences with queries (a CUDA graph's padding ones after them have none).
     attn_plan: the torch path's batched-attention indices, built by the first layer and shared by the rest.
     lora_idx: [num_tokens] int64 or None, each token's LoRA slot (-1: the base model); None: no adapter runs.
-    lora_plan: the torch path's token rows per LoRA slot, built by the first LoRA layer and shared by the rest.
+    lora_plan: the step's tokens grouped by LoRA slot (kernels/lora.py `lora_step_plan`: the Triton path's sort on the
+        device, or the torch path's token rows per slot), built by the first LoRA layer and shared by the rest.
     """
 
     is_decode: bool = False
@@ -37,7 +42,7 @@ class Context:
     num_live: torch.Tensor | None = None
     attn_plan: AttentionPlan | None = None
     lora_idx: torch.Tensor | None = None
-    lora_plan: LoRAPlan | None = None
+    lora_plan: LoRAPlan | LoRASegments | None = None
 
 
 _CONTEXT = Context()

@@ -19,7 +19,7 @@ from torch import nn
 
 from testbed.kernels import silu_and_mul
 from testbed.kernels.cpu_gemv import MAX_ROWS as GEMV_MAX_ROWS, bf16_shadow, gemv_bf16
-from testbed.kernels.lora import lora_apply, lora_plan
+from testbed.kernels.lora import lora_apply, lora_step_plan
 from testbed.kernels.reference import rope_ref
 from testbed.worker.context import get_context
 from testbed.worker.pipeline import get_parallel_state
@@ -206,8 +206,8 @@ class LinearBase(nn.Module):
         ctx = get_context()
         if ctx.lora_idx is None:
             return y
-        if ctx.lora_plan is None and not y.is_cuda:
-            ctx.lora_plan = lora_plan(ctx.lora_idx)
+        if ctx.lora_plan is None:
+            ctx.lora_plan = lora_step_plan(ctx.lora_idx, self.lora_a.shape[0])
         return lora_apply(y, x, self.lora_a, self.lora_b, ctx.lora_idx, ctx.lora_plan,
                           [n for _, n in self.lora_slices])
 
