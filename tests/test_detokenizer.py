@@ -5,6 +5,8 @@ bare content, as vLLM does for fast tokenizers."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from testbed.text.detokenizer import IncrementalDetokenizer
 
@@ -41,3 +43,38 @@ def test_spaces_between_special_tokens(wordpiece, ids, bare):
             ids, skip_special_tokens=True).lstrip()
     consecutive = any(a in (1, 2) and b in (1, 2) for a, b in zip(ids, ids[1:]))
     assert (run(False, True, True) != bare) == consecutive  # the option changes only consecutive special tokens
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+    from testbed.worker.smollm2 import default_model_dir
+    return AutoTokenizer.from_pretrained(str(default_model_dir()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_rust_decoder_streams_what_transformers_decode_streams(smollm2_tokenizer, data):
+    """The detokenizer calls a fast tokenizer's Rust decoder directly; token by token or in chunks, special
+    tokens skipped or kept, its stream and text equal those made through transformers' decode."""
+    tok = smollm2_tokenizer
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=24))
+    prompt = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=8))
+    skip = data.draw(st.booleans())
+    chunk = data.draw(st.integers(1, 5))
+
+    def run(rust: bool) -> tuple[list[str], str]:
+        d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        assert d.backend is not None
+        if not rust:
+            d.backend = None
+        deltas = []
+        for i in range(0, len(ids), chunk):
+            d.add(ids[i:i + chunk])
+            deltas.append(d.delta(False))
+        d.finish()
+        deltas.append(d.delta(True))
+        assert "".join(deltas) == d.text
+        return deltas, d.text
+
+    assert run(True) == run(False)

@@ -15,6 +15,18 @@ from testbed.server.state import ServerState, new_id
 from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
 
 
+INLINE_IDS = 16384  # token-id prompts up to this many ids in all are checked on the event loop (tens of us)
+
+
+async def parse_prompts_async(state: ServerState, prompt, *args) -> tuple[list[list[int]], list[str | None]]:
+    """parse_prompts, on the tokenizer thread when there is text to tokenize or a very long id list, inline
+    otherwise: a burst of token-id requests then reaches the engine without a thread hop each."""
+    lists = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
+    if all(isinstance(p, list) for p in lists) and sum(len(p) for p in lists) <= INLINE_IDS:
+        return parse_prompts(state, prompt, *args)
+    return await state.run_blocking(parse_prompts, state, prompt, *args)
+
+
 def parse_prompts(state: ServerState, prompt, param: str = "prompt", add_special_tokens: bool = True,
                   truncating: bool = False, n: int | None = 1) -> tuple[list[list[int]], list[str | None]]:
     """(token ids per prompt, text per prompt or None when given as ids); `param` names the field in errors;
@@ -94,8 +106,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
     sp = await request_params(state, req, req.max_tokens, req.logprobs, stop, prompt_logprobs)
-    parsed, texts = await state.run_blocking(parse_prompts, state, req.prompt, "prompt", True,
-                                             req.truncate_prompt_tokens is not None, sp.n)
+    parsed, texts = await parse_prompts_async(state, req.prompt, "prompt", True, req.truncate_prompt_tokens is not None,
+                                              sp.n)
     prompts = truncate_prompts(state, parsed, sp)
     texts = [t if len(p) == len(q) else None for t, p, q in zip(texts, prompts, parsed)]  # echo what was kept
     beam = beam_search_params(state, req, sp, prompts)

@@ -42,6 +42,9 @@ class IncrementalDetokenizer:
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        # a fast tokenizer's Rust decoder, called directly: the same text as tokenizer.decode without clean-up
+        # (tests/test_detokenizer.py holds them equal), without transformers' Python around each call
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.skip = skip_special_tokens
         # added token id -> its content, when consecutive added tokens must be joined bare
         self.added: dict[int, str] | None = None
@@ -62,6 +65,8 @@ class IncrementalDetokenizer:
         self.num_tokens = 0  # tokens consumed (up to the one that completed a stop string)
 
     def _decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False)
 
     def _step(self, final: bool = False) -> None:

@@ -1,0 +1,108 @@
+"""The API server's own cost on a burst, on any machine: `testbed serve --emulate` (the engine's steps take the
+profiled H100 time, no model runs) under the serving benchmark's burst (500 random requests of 512 tokens, 128
+out, sent at once and streamed), alternating this checkout's server with another checkout's (--against ROOT).
+
+    python benchmarks/serve/emulated_burst.py [--against ROOT] [--rounds 3] [--out FILE]
+
+Per run (a fresh server each; one warm-up pass of the burst, then the measured one): output tok/s and makespan as
+the client sees them, and from the server's step log what the engine did: `head` from the first request's
+send to the engine's first step, `tail` from its last step's end to the last response's arrival at the client,
+and `engine` the steps' summed time. On a GPU the engine's steps match the offline engine's pace (RESULTS,
+"Serving"), so head and tail are the served path's loss; here the client, the API server and the engine share
+the machine's cores, so compare runs of one call, pair by pair.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[2]
+BURST = ["--dataset", "random", "--num-prompts", "500", "--random-input-len", "512", "--random-output-len", "128"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_run(root: Path, work: Path) -> dict:
+    """A fresh emulated server from checkout `root`, the burst twice (warm-up, measured) by this checkout's client."""
+    import pandas as pd
+    port, steps = free_port(), work / "steps"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    server = subprocess.Popen([sys.executable, "-m", "testbed.cli", "serve", "Llama-3.2-1B", "--emulate", "--gpu",
+                               "H100-SXM", "--max-model-len", "4096", "--async-scheduling", "--host", "127.0.0.1",
+                               "--port", str(port), "--log-steps", str(steps)], cwd=root, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server of {root} did not start (exit {server.poll()})")
+                time.sleep(0.5)
+        client = [sys.executable, "-m", "testbed.cli", "bench", "serve", "--url", f"http://127.0.0.1:{port}", *BURST,
+                  "--disable-tqdm"]
+        cenv = {**os.environ, "PYTHONPATH": str(HERE)}
+        subprocess.run([*client, "--seed", "1", "-o", str(work / "warm")], check=True, cwd=HERE, env=cenv,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run([*client, "--seed", "0", "--server-log-steps", str(steps), "-o", str(work / "run")],
+                       check=True, cwd=HERE, env=cenv, stdout=subprocess.DEVNULL)
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    summary = json.loads((work / "run" / "summary.json").read_text())
+    st = pd.read_parquet(work / "run" / "steps.parquet")
+    rq = pd.read_parquet(work / "run" / "requests.parquet")
+    return {"output_tok_s": summary["output_throughput"], "makespan_s": summary["makespan_s"],
+            "head_s": float(st.start.min() - rq.arrival.min()),
+            "tail_s": float(rq.finish.max() - (st.start + st.duration).max()),
+            "engine_s": float(st.duration.sum()), "ttft_p50_s": summary["ttft_s"]["p50"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--against", type=Path, default=None, help="another checkout's root (its server alternates)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    sides = {"this": HERE} | ({"other": a.against.resolve()} if a.against else {})
+    runs: dict[str, list[dict]] = {k: [] for k in sides}
+    for r in range(a.rounds):
+        for name, root in sides.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[name].append(one_run(root, Path(tmp)))
+            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[name][-1].items()), flush=True)
+    result = {"runs": runs, "median": {n: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+                                       for n, rs in runs.items()}}
+    if a.against:
+        result["paired_throughput_ratio"] = [t["output_tok_s"] / o["output_tok_s"]
+                                             for t, o in zip(runs["this"], runs["other"])]
+        result["against"] = str(a.against)
+    print(json.dumps(result["median"], indent=1))
+    if "paired_throughput_ratio" in result:
+        print("this / other output tok/s, pair by pair:", [round(x, 3) for x in result["paired_throughput_ratio"]])
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
