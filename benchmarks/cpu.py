@@ -25,15 +25,14 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 import torch
 
+from server_proc import free_port, wait_healthy
 from testbed import LLM, SamplingParams
 from testbed.worker.smollm2 import default_model_dir
 
@@ -173,12 +172,6 @@ def cpu_name() -> str:
         return platform.machine()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def stream_all(base_url: str, n: int, tokens: int) -> tuple[float, float]:
     """(wall seconds, mean seconds to the first token) of n concurrent streaming completions."""
     from openai import AsyncOpenAI
@@ -206,15 +199,7 @@ def serve(n: int, tokens: int, repeats: int) -> dict:
            "--served-model-name", "default", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
     proc = subprocess.Popen(cmd)
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("testbed serve did not come up") from None
-                time.sleep(0.5)
+        wait_healthy(proc, port, 300)
         base = f"http://127.0.0.1:{port}/v1"
         asyncio.run(stream_all(base, n, tokens))
         rounds = [asyncio.run(stream_all(base, n, tokens)) for _ in range(repeats)]

@@ -17,23 +17,16 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(HERE / "benchmarks"))
+from server_proc import free_port, wait_healthy  # noqa: E402
 BURST = ["--dataset", "random", "--num-prompts", "500", "--random-input-len", "512", "--random-output-len", "128"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_run(root: Path, work: Path) -> dict:
@@ -46,15 +39,7 @@ def one_run(root: Path, work: Path) -> dict:
                                "--port", str(port), "--log-steps", str(steps)], cwd=root, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server of {root} did not start (exit {server.poll()})")
-                time.sleep(0.5)
+        wait_healthy(server, port, 120, f"the server of {root}")
         client = [sys.executable, "-m", "testbed.cli", "bench", "serve", "--url", f"http://127.0.0.1:{port}", *BURST,
                   "--disable-tqdm"]
         cenv = {**os.environ, "PYTHONPATH": str(HERE)}
