@@ -18,10 +18,14 @@ Two paths, one semantics:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from testbed.kernels import use_triton
+
+if TYPE_CHECKING:  # the Triton module is imported only where its kernels run
+    from testbed.kernels.lora_triton import LoRASegments
 
 
 @dataclass
@@ -56,7 +60,7 @@ def lora_apply_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
     return y
 
 
-def lora_step_plan(lora_idx: torch.Tensor, num_slots: int):
+def lora_step_plan(lora_idx: torch.Tensor, num_slots: int) -> LoRAPlan | LoRASegments:
     """What every LoRA layer of one step shares: the Triton path's tokens sorted by slot on the device
     (`LoRASegments`, no host read, so it can run inside a CUDA graph), or the torch path's `LoRAPlan`."""
     if use_triton(lora_idx):
@@ -66,7 +70,7 @@ def lora_step_plan(lora_idx: torch.Tensor, num_slots: int):
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               lora_idx: torch.Tensor, plan, slice_sizes: list[int]) -> torch.Tensor:
+               lora_idx: torch.Tensor, plan: LoRAPlan | LoRASegments | None, slice_sizes: list[int]) -> torch.Tensor:
     """y += LoRA(x) per token slot: the Triton kernels on a GPU (or under TRITON_INTERPRET=1), else the torch
     path; `plan` is the step's lora_step_plan (made here when None)."""
     if plan is None:

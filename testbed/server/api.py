@@ -114,10 +114,9 @@ def mount_docs(app: FastAPI) -> None:
 class ThreadedBodyRoute(APIRoute):
     """A route whose JSON body (up to --max-request-bytes) is parsed and validated straight from its bytes
     (pydantic-core's model_validate_json), then handed to the endpoint as (model, request): on the event loop up
-    to SMALL_BODY (an ordinary request: tens of microseconds, cheaper than a thread hop under a burst), on a thread
-    above it. pydantic holds
-    the GIL while it builds a body's objects, so bodies over LARGE_BODY go one at a time to one thread with the
-    garbage collector paused: three concurrent 8 MB bodies of 230,000 messages then hold the event loop about
+    to SMALL_BODY (an ordinary request: tens of microseconds, cheaper than a thread hop under a burst), on a
+    thread above it. pydantic holds the GIL while it builds a body's objects, so bodies over LARGE_BODY go one at
+    a time to one thread with the garbage collector paused: three concurrent 8 MB bodies of 230,000 messages then hold the event loop about
     0.2 s (1 to 3.5 s before). The signature, and so the OpenAPI document and its request schemas, stay FastAPI's;
     an invalid body is the same RequestValidationError (a 400)."""
 

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from testbed.engine.params import InvalidParam, PoolingParams
-from testbed.server.completions import parse_prompts
+from testbed.server.completions import parse_prompts_async
 from testbed.server.schemas import APIError, EmbeddingRequest, bad_request
 from testbed.server.params import check_request_priority, truncate_prompts, warn_ignored_fields
 from testbed.server.serving import GenerationRun
@@ -34,8 +34,8 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest, request: R
             state.pooler_config.pooling_type, state.pooler_config.normalize)
     except InvalidParam as e:
         raise bad_request(str(e), e.param) from None
-    prompts, _ = await state.run_blocking(parse_prompts, state, req.input, "input", req.add_special_tokens,
-                                          req.truncate_prompt_tokens is not None, None)
+    prompts, _ = await parse_prompts_async(state, req.input, "input", req.add_special_tokens,
+                                           req.truncate_prompt_tokens is not None, None)
     prompts = truncate_prompts(state, prompts, pp)
     run = GenerationRun(state, new_id("embd"), prompts, pp, priority=req.priority, lora=lora)
     run.start()

@@ -52,7 +52,7 @@ from typing import Callable
 import torch
 
 from testbed.engine.config import EngineConfig
-from testbed.worker.context import get_context, reset_context, set_context
+from testbed.worker.context import reset_context, set_context
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class CudaGraphs:
             try:
                 self._call(n)  # warm up: compiles every kernel outside the graph
                 sync()
-                get_context().lora_plan = None  # the step's LoRA plan is made inside the graph, from its buffers
+                b.set_context(is_decode, n, seqs, lora)  # afresh: what layers cache per step is made inside the graph
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool, capture_error_mode=capture_error_mode):
                     out = self._call(n)
