@@ -12,6 +12,7 @@ the last one's position set (LAST), normalised as asked; equal prompts get equal
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -47,7 +48,9 @@ class EmulatedExecutor:
         if cost_model == "zero":
             self.cost, self.cost_model = None, "zero"
         else:
-            self.cost, self.cost_model = load_cost_model(cost_model, spec, gpu_spec, config)
+            # priced as one engine: a DP replica's own loop does its extra host work for real (no dp_replica_host)
+            self.cost, self.cost_model = load_cost_model(cost_model, spec, gpu_spec,
+                                                         dataclasses.replace(config, data_parallel_size=1))
         self.model_path = spec.name
         self.hf_config = spec.hf_config()
         self.max_model_len = config.max_model_len or spec.max_position_embeddings

@@ -85,7 +85,9 @@ def _load_stage_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: En
         return RecordedCostModel.from_run_dir(run_dir), spec
     check_cost_model_name(spec)
     path = Path(spec)
-    cm = ProfiledCostModel.from_file(path, config.async_scheduling, config.enable_prefix_caching)
+    # a data-parallel replica pays the profile's dp_replica_host term per step (profiled.py); a single engine does not
+    cm = ProfiledCostModel.from_file(path, config.async_scheduling, config.enable_prefix_caching,
+                                     config.data_parallel_size)
     if _preset_name(cm.model_name) != model.name or cm.tensor_parallel_size != tp:
         raise ValueError(f"--cost-model {spec}: profile is for {cm.model_name} TP={cm.tensor_parallel_size}, "
                          f"but the run uses {model.name} TP={tp}; use a matching profile")

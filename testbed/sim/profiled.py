@@ -17,6 +17,10 @@ A step's time is the real engine's cycle, schedule to next schedule, built from 
   async:  step = max(device step, all host work), since the next step is prepared while this one runs
   grammar rows (structured outputs) add GRAMMAR_ROW_S of host work each, and a step with any runs as in
           sync mode: the worker reads the previous step's tokens back before it can fill their bitmasks
+  a data-parallel replica (data_parallel_size > 1) adds the profile's `dp_replica_host` per step to the engine
+          term: step_s + row_s x rows, the host work its own engine process does between two steps beyond the
+          single engine's (publishing the step's outputs to the API server, its input poll, its stats reports);
+          a profile without that section, or a single engine, charges nothing for it
 
 `explain(so)` returns those terms for one step, so a reader can see which one dominates.
 """
@@ -93,9 +97,30 @@ def block_move_cost(profile: dict) -> BlockMoveCost | None:
     return BlockMoveCost(block_bytes, measured.get("bandwidth") or host, measured.get("device_bandwidth") or device)
 
 
+def dp_replica_host(profile: dict, name: str = "") -> tuple[float, float] | None:
+    """(step_s, row_s) of the profile's `dp_replica_host` section (a data-parallel replica's extra host seconds per
+    step, and per row of the step), or None when it has none. ProfileError for a malformed one."""
+    d = profile.get("dp_replica_host")
+    if d is None:
+        return None
+    try:
+        step, row = float(d["step_s"]), float(d.get("row_s", 0.0))
+    except (KeyError, TypeError, ValueError):
+        raise ProfileError(f"{name or 'profile'}: its dp_replica_host section needs a number step_s (and may give "
+                           f"row_s), got {d!r}; re-make it with `testbed profile --dp-replica-host` or "
+                           "`testbed calibrate` of a data-parallel run") from None
+    if not (step >= 0.0 and row >= 0.0 and math.isfinite(step) and math.isfinite(row)):
+        raise ProfileError(f"{name or 'profile'}: dp_replica_host step_s {step!r} and row_s {row!r} must be "
+                           "finite and >= 0")
+    return step, row
+
+
 class ProfiledCostModel:
+    """A step's time from a profile (see the module docstring). `data_parallel_size` > 1: the model of one DP
+    replica, which also pays the profile's dp_replica_host term per step (none at 1: a single engine)."""
+
     def __init__(self, profile: dict, async_scheduling: bool = False, enable_prefix_caching: bool = False,
-                 name: str = "") -> None:
+                 name: str = "", data_parallel_size: int = 1) -> None:
         if profile.get("format") != FORMAT:
             raise ProfileError(f"{name or 'profile'}: not a testbed profile (format {profile.get('format')!r}); "
                                "make one with `testbed profile`")
@@ -180,6 +205,8 @@ class ProfiledCostModel:
                       for k, vals in eh["admit_step_s"].items()}
         self.graph_max = max(b)
         self.moves = block_move_cost(profile)
+        self.data_parallel_size = int(data_parallel_size)
+        self.dp_host = dp_replica_host(profile, name) if self.data_parallel_size > 1 else None
         try:  # per-component scales of a rescaled or calibrated profile (rescale.py); 1 for a measured one
             self.scales = Scales.from_dict(profile.get("scales"))
         except ValueError as e:
@@ -187,12 +214,12 @@ class ProfiledCostModel:
 
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str | Path, async_scheduling: bool = False,
-                  enable_prefix_caching: bool = False) -> "ProfiledCostModel":
+    def from_file(cls, path: str | Path, async_scheduling: bool = False, enable_prefix_caching: bool = False,
+                  data_parallel_size: int = 1) -> "ProfiledCostModel":
         p = Path(path)
         data = read_profile(p)
         try:
-            return cls(data, async_scheduling, enable_prefix_caching, str(p))
+            return cls(data, async_scheduling, enable_prefix_caching, str(p), data_parallel_size)
         except ProfileError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, statistics.StatisticsError) as e:
@@ -204,6 +231,13 @@ class ProfiledCostModel:
         if prefill_tokens:
             t += self.admit["prefix_caching" if self.prefix_caching else "plain"](prefill_tokens)
         return t
+
+    def dp_step(self, b: int) -> float:
+        """A DP replica's extra host seconds in a step of b rows (0.0 for a single engine or without the term)."""
+        if self.dp_host is None:
+            return 0.0
+        step, row = self.dp_host
+        return step + row * b
 
     def _eager_terms(self, so: SchedulerOutput) -> tuple[float, float, float, float, float]:
         """(linear, attention, sampler, host preparation, sampled rows) of a step with a prefill chunk."""
@@ -264,6 +298,8 @@ class ProfiledCostModel:
         s = self.scales
         h, sd = s.host, s.decode
         he, hg = h * self.engine_step(B), h * grammar
+        if self.dp_host is not None:  # as terms() adds it to the engine term
+            he = h * (self.engine_step(B) + self.dp_step(B))
         hosted = h != sd  # else combine reads no runner-host term
         wall, host = RowPieces(self.dec_wall, B), RowPieces(self.dec_host, B)
         tail = RowPieces(self.dec_tail.table, B) if self.dec_tail else None
@@ -317,6 +353,8 @@ class ProfiledCostModel:
             ctx = so.sum_context_tokens / B - 1.0  # tokens cached before the new one, as the table is indexed
             skew = so.max_context_tokens - 1.0 - ctx  # how far the longest row is past the mean
             eng = self.engine_step(B) if engine is None else engine
+            if self.dp_host is not None and engine is None:
+                eng += self.dp_step(B)
             if overlap and self.dec_async is not None:
                 cycle = self.dec_async(B, ctx) + (self.dec_tail_async(B, skew) if self.dec_tail_async else 0.0)
                 return DECODE_ASYNC, (eng, cycle, self.dec_host(B, ctx))
@@ -324,6 +362,8 @@ class ProfiledCostModel:
                                  self.dec_tail(B, skew) if self.dec_tail else 0.0, grammar)
         lin, attn, samp, prep, sampled = self._eager_terms(so)
         eng = self._engine(B, so.num_prefill_tokens) if engine is None else engine
+        if self.dp_host is not None and engine is None:
+            eng += self.dp_step(B)
         out = self.output(sampled) if sampled else 0.0
         return (MIXED_ASYNC if overlap else MIXED_SYNC), (eng, prep, grammar, self.eager_launch, lin, attn, samp,
                                                            out, self.sync_gap)
@@ -372,6 +412,8 @@ class ProfiledCostModel:
                      "readback": self.output(sampled) if sampled else 0.0, "sync gap": self.sync_gap}
         if so.num_structured_reqs:
             terms["grammar bitmasks"] = GRAMMAR_ROW_S * so.num_structured_reqs
+        if self.dp_host is not None:
+            terms["dp replica host"] = self.dp_step(B)
         terms["total"] = self.step_time(so)
         return terms
 
@@ -397,8 +439,11 @@ class ProfiledCostModel:
         return out
 
     def to_json(self) -> dict:
-        return {"kind": "profile", "path": self.name, "model": self.model_name, "gpu": self.gpu_name,
-                "tensor_parallel_size": self.tensor_parallel_size, "async_scheduling": self.async_scheduling}
+        out = {"kind": "profile", "path": self.name, "model": self.model_name, "gpu": self.gpu_name,
+               "tensor_parallel_size": self.tensor_parallel_size, "async_scheduling": self.async_scheduling}
+        if self.dp_host is not None:
+            out["dp_replica_host"] = {"step_s": self.dp_host[0], "row_s": self.dp_host[1]}
+        return out
 
     def __repr__(self) -> str:
         return f"ProfiledCostModel({self.model_name}, gpu={self.gpu_name}, tp={self.tensor_parallel_size}, {self.name})"

@@ -21,8 +21,11 @@ them exactly.
 
 A step's measured time is its cycle, schedule to next schedule (what the profile predicts), except before an idle
 gap (the engine waited for arrivals): then its own recorded duration. The steps of all replicas of a data-parallel
-run are fitted together; a DP replica's host work per step (publishing its outputs, polling for inputs, in its own
-process) is not a single engine's, so a profile calibrated on one layout predicts that layout.
+run are fitted together. A DP replica's host work per step beyond a single engine's (publishing its outputs,
+polling for inputs, its stats reports, in its own process) is fitted apart from the scales, from the time between
+its steps (dp_host_fit.py): the calibrated profile carries it as `dp_replica_host`, which the simulator charges
+DP replicas only, and the scales describe the machine, so the profile predicts a single engine too.
+`--dp-replica-host-only` fits that term alone and keeps the profile's scales.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.sim.profiled import fit_nonnegative
+from testbed.sim.dp_host_fit import DPHostFit, fit_dp_host, gap_samples, with_dp_term
+from testbed.sim.profiled import dp_replica_host, fit_nonnegative
 from testbed.sim.step_terms import COMPONENTS, DECODE_ASYNC, DECODE_SYNC, Scales, combine, design
 
 MIN_SHARE = 0.01
@@ -52,6 +56,8 @@ class StepSample:
     kind: int
     terms: tuple
     seconds: float
+    rows: int = 0              # requests in the step
+    gap: float | None = None   # update to next schedule, when the next step followed at once (a real run's record)
 
 
 def step_errors(samples: list[StepSample], scales: Scales) -> np.ndarray:
@@ -179,7 +185,9 @@ class StepPairing:
         if so.requests:
             cycle, own = self.cycles[r][k], self.durations[r][k]
             kind, terms = self.cost_model.terms(so)
-            self.samples.append(StepSample(kind, terms, cycle if cycle <= own + IDLE_GAP_S else own))
+            back_to_back = cycle <= own + IDLE_GAP_S and k + 1 < len(self.cycles[r])
+            self.samples.append(StepSample(kind, terms, cycle if cycle <= own + IDLE_GAP_S else own, len(so.requests),
+                                           cycle - own if back_to_back else None))
 
 
 def samples_from_run(run, model: str, config, cost_model) -> list[StepSample]:
@@ -235,16 +243,25 @@ def rescaled_profile(profile: dict, scales: Scales, record: dict, before: dict, 
 
 
 def calibrated_profile(profile: dict, scales: Scales, source: str, before: dict, after: dict,
-                       data_parallel_size: int = 1) -> dict:
+                       data_parallel_size: int = 1, dp_host: DPHostFit | None = None) -> dict:
     """A copy of `profile` carrying the scales fitted to the run at `source` (of `data_parallel_size` replicas),
-    and the record of the fit."""
-    return rescaled_profile(profile, scales, {"method": "run", "fitted_on": source,
-                                              "data_parallel_size": data_parallel_size}, before, after)
+    and the record of the fit; with `dp_host` (a DP run's fitted term, in the run's seconds) its
+    `dp_replica_host` section too, in the profile's host seconds (the simulator charges host scale x step_s)."""
+    record = {"method": "run", "fitted_on": source, "data_parallel_size": data_parallel_size}
+    if dp_host is not None:
+        record["dp_replica_host"] = dp_host.to_dict()
+    out = rescaled_profile(profile, scales, record, before, after)
+    if dp_host is not None:
+        out["dp_replica_host"] = {"step_s": dp_host.step_s / scales.host, "row_s": 0.0, "method": "calibrate",
+                                  "fitted_on": source}
+    return out
 
 
-def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict, dict]:
+def calibrate(run_dir: str | Path, cost_model: str = "auto", dp_host_only: bool = False) -> tuple[dict, dict, dict]:
     """(calibrated profile, per-step error before, after) of `cost_model` ('auto': the profile shipped for the
-    run's model, GPU and TP; or a profile file) fitted to a run's recorded steps."""
+    run's model, GPU and TP; or a profile file) fitted to a run's recorded steps. A data-parallel run also gives
+    the DP replica's host term (dp_host_fit.py), fitted apart from the scales; `dp_host_only`: that term alone,
+    the profile's scales kept."""
     from testbed.engine.config import EngineConfig
     from testbed.runs.rundir import read_run
     from testbed.sim.like import run_setup
@@ -261,24 +278,43 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto") -> tuple[dict, dict
     config = EngineConfig(**engine)
     if cost_model in ("roofline",) or cost_model.startswith("recorded:"):
         raise ValueError(f"--cost-model {cost_model}: calibrate rescales a profile; give 'auto' or a profile file")
-    cm, _ = load_cost_model(cost_model, get_model_spec(model), get_gpu_spec(gpu), config)
+    dp = config.data_parallel_size
+    if dp_host_only and dp == 1:
+        raise ValueError(f"--dp-replica-host-only: {run_dir} is a single engine's run; the DP replica's host term is "
+                         "fitted to a data-parallel run (`testbed replay -dp N`)")
+    # a single engine's terms: a DP run's replica term is fitted on its own, from the gaps between steps
+    cm, _ = load_cost_model(cost_model, get_model_spec(model), get_gpu_spec(gpu),
+                            dataclasses.replace(config, data_parallel_size=1))
     if not isinstance(cm, ProfiledCostModel):
         raise ValueError(f"--cost-model {cost_model}: no profile ships for {model} on {gpu}; give a profile file "
                          "(`testbed profile` writes one)")
     samples = samples_from_run(run, model, config, cm)
-    before = error_report(samples, cm.scales)
-    scales = fit_scales(samples, cm.scales)
-    after = error_report(samples, scales)
-    return (calibrated_profile(cm.profile, scales, str(run_dir), before, after, config.data_parallel_size),
-            before, after)
+    if dp == 1:
+        before = error_report(samples, cm.scales)
+        scales = fit_scales(samples, cm.scales)
+        after = error_report(samples, scales)
+        return calibrated_profile(cm.profile, scales, str(run_dir), before, after), before, after
+    base = dp_replica_host(cm.profile, cm.name)
+    before = error_report(with_dp_term(samples, *(base or (0.0, 0.0))), cm.scales)  # as the profile simulates it
+    fit = fit_dp_host(*gap_samples(samples))
+    scales = cm.scales
+    if not dp_host_only:  # the machine's scales from the steps less the DP replica's own work
+        scales = fit_scales([dataclasses.replace(s, seconds=max(s.seconds - fit.step_s, 1e-6)) for s in samples],
+                            cm.scales)
+    after = error_report(with_dp_term(samples, fit.step_s / scales.host), scales)
+    return calibrated_profile(cm.profile, scales, str(run_dir), before, after, dp, fit), before, after
 
 
 def cmd_calibrate(args) -> int:
     import sys
     from testbed.profiling.profile_file import write_profile
-    profile, before, after = calibrate(args.run_dir, args.cost_model)
+    profile, before, after = calibrate(args.run_dir, args.cost_model, args.dp_replica_host_only)
     out = write_profile(args.output, profile)
     print_fit(profile["scales"], before, after)
+    fit = profile["calibration"].get("dp_replica_host")
+    if fit is not None:
+        print(f"dp replica host: {fit['step_s'] * 1e3:.3f} ms a step (gap = {fit['update_scale']:.2f} x engine term "
+              f"+ that, over {fit['steps']} back-to-back decode steps)")
     print(f"wrote {out} (use: testbed simulate TRACE --cost-model {out})", file=sys.stderr)
     return 0
 
@@ -308,4 +344,7 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--cost-model", default="auto",
                    help="the profile to rescale: 'auto' (the one shipped for the run's model, GPU and TP) or a file")
     p.add_argument("--output", "-o", required=True, help="the calibrated profile JSON to write")
+    p.add_argument("--dp-replica-host-only", action="store_true",
+                   help="with a data-parallel run: fit only the DP replica's host term per step (what its engine "
+                        "process does between steps beyond a single engine) and keep the profile's scales")
     p.set_defaults(func=cmd_calibrate)

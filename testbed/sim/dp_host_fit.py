@@ -1,0 +1,70 @@
+"""A data-parallel replica's host term per step, fitted from a DP run's own records (`testbed calibrate`).
+
+A DP replica is its own engine process: between two steps it publishes the step's outputs to the API server,
+polls its input thread's queue and sends stats reports to the coordinator, host work a single engine does not
+do (the profile's `dp_replica_host`, charged per replica step by ProfiledCostModel). A real run records each
+step's schedule time and the time its update began (steps.parquet: start, duration), so the time between two
+steps, its gap, holds the update and that loop work. Over the decode-only steps that ran back to back,
+
+    gap  =  u x engine term (the profile's schedule + update at the step's batch)  +  a
+
+where `a`, the part that does not grow with the batch, is the DP term (a single engine's runs give a near 0:
+0.004-0.026 ms on the 2026-11-26 H100 runs, against 0.10-0.18 ms for their DP replicas). `u` is fitted too
+(the update's share of the engine term, and the loop's per-row work), held towards 1 by a ridge penalty of
+RIDGE x n x (mean engine term)^2, so that a run of one narrow batch range, where u and a cannot be told apart,
+gives a ~ the mean gap less one engine term; a run over many batch sizes decides u itself. A per-row part of
+the DP term cannot be told from the host scale in one run, so the fit gives none (row_s 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from testbed.sim.step_terms import DECODE_SYNC
+
+RIDGE = 0.1  # chosen on the 2026-11-26 H100 runs: 0.03-0.3 give DP=1 runs a < 0.05 ms, DP runs 0.09-0.2 ms
+
+
+@dataclasses.dataclass(frozen=True)
+class DPHostFit:
+    """The fitted DP term in the run's seconds (`step_s`), the gap's slope on the engine term, and the steps used."""
+
+    step_s: float
+    update_scale: float
+    steps: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def fit_dp_host(gaps: list[float], engine: list[float]) -> DPHostFit:
+    """The ridge fit of the module docstring to the gaps of decode steps and their engine terms (seconds);
+    ValueError when there is no gap to fit."""
+    g, e = np.asarray(gaps, dtype=float), np.asarray(engine, dtype=float)
+    n = len(g)
+    if n == 0:
+        raise ValueError("no decode step that ran back to back with the next one: the run's records hold no gap to "
+                         "fit a data-parallel replica's host term to")
+    w = RIDGE * n * float(e.mean()) ** 2
+    A = np.array([[e @ e + w, e.sum()], [e.sum(), n]])
+    u, a = np.linalg.solve(A, np.array([e @ g + w, g.sum()])) if np.linalg.det(A) > 0 else (1.0, g.mean() - e.mean())
+    if a < 0.0:  # the constraint a >= 0 binds: the slope alone
+        a, u = 0.0, (e @ g + w) / (e @ e + w) if e @ e + w > 0 else 0.0
+    if u < 0.0:
+        u, a = 0.0, max(0.0, float(g.mean()))
+    return DPHostFit(float(a), float(u), n)
+
+
+def with_dp_term(samples: list, step_s: float, row_s: float = 0.0) -> list:
+    """The StepSamples (rescale.py) with the DP term added to each step's engine term (the first of every kind's
+    terms), as ProfiledCostModel adds it for a DP replica."""
+    if not step_s and not row_s:
+        return samples
+    return [dataclasses.replace(s, terms=(s.terms[0] + step_s + row_s * s.rows, *s.terms[1:])) for s in samples]
+
+
+def gap_samples(samples: list) -> tuple[list[float], list[float]]:
+    """(gaps, engine terms) of the decode-only steps among `samples` that ran back to back with the next step."""
+    pairs = [(s.gap, s.terms[0]) for s in samples if s.kind == DECODE_SYNC and s.gap is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
