@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +27,7 @@ from testbed.sim.environment import SimEnvironment
 from testbed.sim.cost_model import RooflineCostModel
 from testbed.specs.hardware import get_gpu_spec
 from testbed.specs.presets import get_model_spec
-from testbed.workload.trace import TraceRequest, load_trace
+from testbed.workload.trace import TraceRequest, gamma_arrivals, load_trace
 
 from conftest import make_engine, make_request
 
@@ -292,3 +294,16 @@ def test_the_admission_horizon_replays_the_arrival_process_times_exactly(trace, 
     assert [row[6] for row in routes] == horizon.admit_times
     if policy == "round_robin":
         assert [row[2] for row in routes] == [i % dp for i in range(len(trace))]
+
+
+@pytest.mark.parametrize("policy, n, seed", [("kv_aware", 800, 2), ("least_loaded", 600, 4)])
+def test_lazy_stretches_cut_by_a_routing_give_the_records_stepping_gives(policy, n, seed):
+    """Under a policy that reads stats, a replica's stretch goes on past other replicas' routings and is cut where a
+    request is routed to it, in the middle of a chunk or of the stretch's first step (whose finish must then not be
+    reported from inside the stretch): 4 loaded replicas, the same records as stepping."""
+    lengths = [(r.input_tokens, r.output_tokens) for r in load_trace("traces/azure_conv_10min.jsonl")]
+    rng = random.Random(seed)
+    trace = [TraceRequest(f"syn-{i}", t, *rng.choice(lengths)) for i, t in enumerate(gamma_arrivals(n, 16.0, 1.0, seed))]
+    (stepped, skipped), (_, res) = simulate_both(trace, profiled_8b(), data_parallel_size=4, dp_policy=policy)
+    assert stepped == skipped
+    assert res.fast_forwarded_steps > 0.9 * len(res.records.steps)

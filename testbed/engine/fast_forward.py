@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from itertools import islice
-from typing import Callable, Iterator, Sequence
+from itertools import chain, islice
+from typing import Callable, Generator, Iterator, Sequence
 
 from testbed.engine.core import EngineCore
 from testbed.engine.outputs import SchedulerOutput
@@ -115,8 +115,33 @@ def _admits(core: EngineCore, running: int) -> bool:
 def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
                  max_steps: int | None = None, after_finish: AfterFinish | None = None,
                  decode_ends: DecodeEnds | None = None) -> tuple[int, float, bool]:
-    """Advance the stretch of decode steps that starts at `now`; returns (steps taken, time after the last,
-    whether the last step finished a request that `after_finish` was not called for).
+    """Advance the stretch of decode steps that starts at `now`, where `until` is known in advance (advance's
+    generator, run through: it asks nothing); returns (steps taken, time after the last, whether the last step
+    finished a request that `after_finish` was not called for)."""
+    steps = advance(core, now, until, step_end, token_id, max_steps, after_finish, decode_ends)
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("a stretch with a known horizon asked when a request could come")
+
+
+def advance(core: EngineCore, now: float, until: float, step_end: StepEnd, token_id: int,
+            max_steps: int | None = None, after_finish: AfterFinish | None = None,
+            decode_ends: DecodeEnds | None = None,
+            next_routing: float | None = None) -> Generator[float, float, tuple[int, float, bool]]:
+    """fast_forward's stretch, as a generator that returns (steps taken, time after the last, whether the last step
+    finished a request that `after_finish` was not called for).
+
+    Lazy, where `next_routing` is given: `until` bounds only the admissions known now (of requests already routed
+    here), and a request routed here later cuts the stretch at its routing time. Before it takes each priced chunk
+    of steps (up to the next finish), the generator yields the end of the chunk's last step; the driver sends back
+    inf once simulated time reached it, or, as soon as a request was routed here before then, the routing time, and
+    the chunk keeps the steps that start before that. The first step is always taken (it starts now); where it
+    finishes a request, the generator yields its end first, to learn whether that finish ends the stretch or is
+    reported inside it. So a chunk is taken only once simulated time passed its steps' starts: what it changes is
+    final, and its finish's stats report is taken at its time. Steps priced one by one (no `decode_ends` clock) are
+    not taken lazily: a stretch that starts with such a batch stops before `next_routing`, as without laziness.
 
     `step_end(so, start)` is the driver's clock: when a step scheduled at `start` ends (it calls the cost
     model, so it is called once per step, in order, as stepping would). `decode_ends`, when given, is the same clock
@@ -145,6 +170,9 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
     times.append(t)
     b, ctx0, longest0, part_ctx, lora_due, clock, so, before = _batch_from(sched, running, pos, base, tables, j, t,
                                                                            decode_ends)
+    lazy = next_routing is not None
+    if lazy and clock is None:
+        lazy, until = False, min(until, next_routing)
     while j < budget and t < until:
         if j and clock is not None:
             # the steps up to the next that ends a request (or the budget's last) priced in one go; the first that would
@@ -154,6 +182,14 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             m, mark = e - j + 1, len(times)  # times[mark - 1] is t, the start of step j
             priced = _price(times, clock, m, until)
             k = bisect_left(times, until, mark - 1, mark - 1 + priced) - (mark - 1)
+            if lazy and k:  # final once no request was routed here before its last step ended
+                if b * (k // bs + 1) > len(free_ids) + len(cached):  # the pool may not cover them all
+                    k = _covered(due, last_step, j, k, bs, len(free_ids) + len(cached))
+                if k:
+                    cut = yield times[mark - 1 + k]
+                    if cut < until:
+                        until = cut
+                        k = bisect_left(times, until, mark - 1, mark - 1 + k) - (mark - 1)
             for i in range(j, j + k):
                 rows = due.pop(i, None)
                 if rows is not None:
@@ -171,6 +207,9 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             j, t = j + k, times[-1]
             done = ending.pop(e, None)
         else:
+            if lazy and j:
+                finished = False  # its after_finish was called
+                break  # a step priced alone is not taken lazily
             rows = due.pop(j, None)
             if rows is not None:
                 if len(rows) > len(free_ids) + len(cached):
@@ -198,6 +237,10 @@ def fast_forward(core: EngineCore, now: float, until: float, step_end: StepEnd, 
             t = end
             j += 1
             done = ending.pop(j - 1, None)
+            if lazy and done is not None:  # its finish is final once no request was routed here before it ended
+                cut = yield t
+                if cut < until:
+                    until = cut
         finished = done is not None
         if finished:  # this step's tokens end them, as update's stop check ends them, in batch order
             n = _record(records, Stretch(replica, b, part_ctx, total_blocks, waiting, times, lo, useds, ulo,
@@ -297,6 +340,24 @@ def _append_blocks(bm, everyone: list[Request], computed0: list[int], last_step:
         bm.append_block(everyone[p], computed0[p] + step + 1)
         if step + bs <= last_step[p]:
             due.setdefault(step + bs, []).append(p)
+
+
+def _covered(due: dict[int, list[int]], last_step: list[int], j: int, k: int, bs: int, free: int) -> int:
+    """How many of the steps j .. j+k-1 the `free` blocks cover, their new blocks taken in step order (as the taking
+    loop checks them, without taking any): stepping would preempt in the next."""
+    later: dict[int, list[int]] = {}  # rows whose next block falls in these steps after one taken in them
+    for i in range(j, j + k):
+        rows, more = due.get(i, ()), later.pop(i, ())
+        n = len(rows) + len(more)
+        if n:
+            if n > free:
+                return i - j
+            free -= n
+            nxt = i + bs
+            for p in chain(rows, more):
+                if nxt <= last_step[p]:
+                    later.setdefault(nxt, []).append(p)
+    return k
 
 
 def _structured(sched: Scheduler, running: list[Request]) -> int:

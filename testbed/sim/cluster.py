@@ -25,7 +25,7 @@ from testbed.engine.block_manager import prompt_block_hashes
 from testbed.engine.config import EngineConfig
 from testbed.engine.coordinator import DPCoordinator, StatsPublisher
 from testbed.engine.core import EngineCore
-from testbed.engine.fast_forward import fast_forward
+from testbed.engine.fast_forward import advance
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.engine.request import Request
@@ -69,6 +69,10 @@ class ClusterSim:
         self.steps_done = [0] * dp
         self.skipped = 0  # steps fast-forwarded
         self.decode_clocks: dict[tuple[int, int], Callable | None] = {}  # decode_ends', by (rows, structured rows)
+        # stretches go on lazily where the next request's replica is not known in advance (a policy reading stats)
+        self.lazy = dp > 1 and config.dp_policy != "round_robin"
+        self.coasting: list[Generator | None] = [None] * dp  # a replica's lazy stretch, while it waits
+        self.replicas: list[ServingReplica] = []
         self.routes: list[list] = []        # ROUTE_COLUMNS rows
         self.publications: list[list] = []  # PUBLICATION_COLUMNS rows
 
@@ -133,6 +137,8 @@ class ClusterSim:
             r = self.coord.route(req.num_prompt_tokens, hashes,
                                  0 if req.lora_request is None else req.lora_request.lora_int_id)
             self.horizon.route(r)
+            if self.coasting[r] is not None:
+                self.replicas[r].cut()
             route = None
             if self.dp > 1:  # seq, request, replica, arrival, sent, routed, added (set on admission)
                 route = [self.seq, req.request_id, r, tr.arrival_s, tr.arrival_s, env.now, None]
@@ -181,7 +187,8 @@ class ClusterSim:
         for r in range(dp):
             replica = (PipelinedReplica(self, r) if self.config.pipeline_parallel_size > 1
                        else ServingReplica(self, r, fast_forward_decodes))
-            env.process(replica.run())
+            replica.process = env.process(replica.run())
+            self.replicas.append(replica)
         if on_progress is not None:
             env.process(progress())
         if self.trace:
@@ -204,6 +211,8 @@ class ServingReplica(ReplicaLoop):
         self.sim = sim
         self.skip = fast_forward_decodes and not self.overlap
         self.stretch_from = 0  # steps_done when the current stretch began
+        self.process: simpy.Process | None = None  # this loop's, once started
+        self.cut_stretch: tuple = ()  # (steps, end, finished, the event at its end) of a stretch `cut` ended
 
     def ready(self, busy: bool) -> Generator[simpy.Event, object, float]:
         sim, r = self.sim, self.r
@@ -216,23 +225,54 @@ class ServingReplica(ReplicaLoop):
         return self.env.now
 
     def fast_forward(self) -> Generator[simpy.Event, object, bool]:
+        """A stretch (engine/fast_forward.py). Under a policy that reads stats, where the replica of the next request
+        is not known in advance, the stretch goes on lazily: it waits until each chunk of its steps is final, and
+        the arrival process cuts it (`cut`) where it routes a request here first."""
         sim, r, eng, env = self.sim, self.r, self.eng, self.env
         if not self.skip or sim.publishers[r].dirty:  # a report pending would go out after one of these steps
             return False
-        until = min(sim.horizon.until(r), self.grammars.next_due(r))
+        horizon, lazy = sim.horizon, sim.lazy
+        until = min(horizon.routed_here(r) if lazy else horizon.until(r), self.grammars.next_due(r))
         done = self.stretch_from = sim.steps_done[r]
-        k, end, finished = fast_forward(eng, env.now, until, sim.step_end, SIM_TOKEN_ID,
-                                        max_steps=self.grammars.steps_until_due(r),
-                                        after_finish=self.report_after if sim.dp > 1 else None,
-                                        decode_ends=sim.decode_ends)
+        steps = advance(eng, env.now, until, sim.step_end, SIM_TOKEN_ID, max_steps=self.grammars.steps_until_due(r),
+                        after_finish=self.report_after if sim.dp > 1 else None, decode_ends=sim.decode_ends,
+                        next_routing=horizon.next_routing() if lazy else None)
+        resume = None
+        try:
+            chunk_end = next(steps)
+            while True:  # lazy: wait until the chunk's steps are final (or a cut)
+                sim.coasting[r] = steps
+                try:
+                    yield env.timeout_at(chunk_end)
+                except simpy.Interrupt:  # cut: the stretch ended there
+                    k, end, finished, resume = self.cut_stretch
+                    break
+                sim.coasting[r] = None
+                chunk_end = steps.send(math.inf)
+        except StopIteration as stop:
+            k, end, finished = stop.value
         if not k:
             return False
         sim.steps_done[r] = done + k
         sim.skipped += k
-        yield env.timeout_at(end)
+        yield env.timeout_at(end) if resume is None else resume
         if sim.dp > 1 and sim.publishers[r].after_update(env.now, finished, idle=not eng.requests):
             sim.publish(r)
         return True
+
+    def cut(self) -> None:
+        """A request was routed here now, while a stretch waits for its chunk to be final: the stretch keeps the steps
+        that started before now, and the replica resumes at the end of its last one (an event made now, before the
+        request's own hop, as the step's end would be stepping)."""
+        steps, self.sim.coasting[self.r] = self.sim.coasting[self.r], None
+        try:
+            steps.send(self.env.now)
+        except StopIteration as stop:
+            k, end, finished = stop.value
+        else:
+            raise AssertionError(f"replica {self.r}: a stretch went on past the routing of a request to it")
+        self.cut_stretch = (k, end, finished, self.env.timeout_at(end))
+        self.process.interrupt()
 
     def report_after(self, j: int, t: float) -> bool:
         """Inside a stretch: its j-th step, which ends at t before the replica's next admission, finished a request

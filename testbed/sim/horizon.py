@@ -10,10 +10,14 @@ that (at once when there is no hop). So the horizon needs no look at the event q
   cannot know where the coordinator will send a request before it is routed);
 - round_robin, which reads no stats: arrival i reaches replica i % dp (every simulated replica stays up),
   so each replica's horizon is its own next admission.
+
+The other policies' stretches go on lazily instead (engine/fast_forward.py's `advance`): bounded by the requests
+already routed to the replica (`routed_here`), and cut when the next one is.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Sequence
 
 
@@ -30,18 +34,30 @@ class AdmissionHorizon:
         self.num_replicas, self.round_robin = num_replicas, round_robin
         self.routed = self.admitted = 0
         self.admitted_to = [0] * num_replicas  # requests admitted to each replica so far
+        self.pending: list[deque[float]] = [deque() for _ in range(num_replicas)]  # admission times of those routed
 
     def route(self, replica: int) -> None:
         """The next arrival was routed to `replica`; AssertionError if round_robin sent it elsewhere."""
         if self.round_robin and replica != self.routed % self.num_replicas:
             raise AssertionError(f"round_robin routed request {self.routed} to replica {replica}, not "
                                  f"{self.routed % self.num_replicas}")
+        self.pending[replica].append(self.admit_times[self.routed])
         self.routed += 1
 
     def admit(self, replica: int) -> None:
         """A routed request reached `replica` (admitted or rejected there)."""
         self.admitted += 1
         self.admitted_to[replica] += 1
+        self.pending[replica].popleft()
+
+    def next_routing(self) -> float:
+        """When the next request is routed (inf: none left)."""
+        return self.route_times[self.routed] if self.routed < len(self.route_times) else math.inf
+
+    def routed_here(self, replica: int) -> float:
+        """When the next request already routed to `replica` reaches it (inf: none on its way)."""
+        pending = self.pending[replica]
+        return pending[0] if pending else math.inf
 
     def until(self, replica: int) -> float:
         """No request reaches `replica` before this time."""
