@@ -46,6 +46,10 @@ class DPCoordinator:
         self.lora_capacity = lora_capacity
         self.adapters: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]  # ids sent there
         self._next = 0
+        # each replica's load and projected KV usage, as _load and _kv compute them from its stats and pending
+        # requests (kept up to date where either changes, so a route reads them without a call per replica)
+        self.loads = [self._load(r) for r in range(num_replicas)]
+        self.kvs = [self._kv(r) for r in range(num_replicas)]
 
     @property
     def pending(self) -> list[int]:
@@ -62,6 +66,7 @@ class DPCoordinator:
         keep = max(0, min(len(q), keep))
         while len(q) > keep:
             self.pending_tokens[replica] -= q.popleft()
+        self.loads[replica], self.kvs[replica] = self._load(replica), self._kv(replica)
 
     def set_alive(self, replica: int, alive: bool) -> None:
         """A dead replica gets no more requests (round robin skips it too)."""
@@ -79,22 +84,25 @@ class DPCoordinator:
     def route(self, num_prompt_tokens: int, block_hashes: Sequence[int] = (), lora_id: int = 0) -> int:
         """Replica index for a new request (deterministic for a given history of calls); `lora_id`: its LoRA
         adapter's id (0: the base model). ValueError when every replica is dead."""
-        live = [i for i in range(self.num_replicas) if self.alive[i]]
+        everyone = all(self.alive)
+        live = range(self.num_replicas) if everyone else [i for i in range(self.num_replicas) if self.alive[i]]
         if not live:
             raise ValueError("no live data-parallel replica to route to (all of them died)")
+        loads = self.loads
         if self.policy == "round_robin":
             r = self._next
             while not self.alive[r]:
                 r = (r + 1) % self.num_replicas
             self._next = (r + 1) % self.num_replicas
-        elif self.policy == "least_loaded":
-            r = min(live, key=lambda i: (self._load(i), i))
+        elif self.policy == "least_loaded":  # the first of the least loaded: by (load, index)
+            r = loads.index(min(loads)) if everyone else min(live, key=loads.__getitem__)
         elif self.policy == "kv_aware":
-            r = min(live, key=lambda i: (self._kv(i), self._load(i), i))
+            r = min(zip(self.kvs, loads, range(self.num_replicas)) if everyone else
+                    ((self.kvs[i], loads[i], i) for i in live))[2]
         elif self.policy == "lora_affinity":
             r = self._lora_route(live, lora_id)
         else:
-            r = min(live, key=lambda i: (-self._prefix_hits(i, block_hashes), self._load(i), i))
+            r = min(live, key=lambda i: (-self._prefix_hits(i, block_hashes), loads[i], i))
             seen = self.seen[r]
             for h in block_hashes:
                 seen[h] = None
@@ -104,16 +112,18 @@ class DPCoordinator:
         self.routed[r] += 1
         self.unreported[r].append(num_prompt_tokens)
         self.pending_tokens[r] += num_prompt_tokens
+        loads[r], self.kvs[r] = self._load(r), self._kv(r)
         return r
 
-    def _lora_route(self, live: list[int], lora_id: int) -> int:
-        r = min(live, key=lambda i: (self._load(i), i))
+    def _lora_route(self, live: Sequence[int], lora_id: int) -> int:
+        loads = self.loads
+        r = min(live, key=loads.__getitem__)
         if not lora_id:
             return r
         holders = [i for i in live if lora_id in self.adapters[i]]
         if holders:
-            best = min(holders, key=lambda i: (self._load(i), i))
-            if self._load(best) - self._load(r) <= LORA_AFFINITY_SLACK:
+            best = min(holders, key=loads.__getitem__)
+            if loads[best] - loads[r] <= LORA_AFFINITY_SLACK:
                 r = best
         held = self.adapters[r]
         held[lora_id] = None
