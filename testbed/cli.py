@@ -113,8 +113,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     models = [m.strip() for m in (args.model or "").split(",")] if args.model else [None]
     if args.quick and args.smoke:
         raise ValueError("--quick rescales a profile from a few anchor steps, --smoke makes a tiny full sweep: give one")
+    if args.dp_replica_host and not args.quick and args.cost_model != "auto":
+        return add_dp_replica_host(args)
     if args.cost_model != "auto" and not args.quick:
-        raise ValueError(f"--cost-model {args.cost_model}: only --quick takes a profile (the one it rescales)")
+        raise ValueError(f"--cost-model {args.cost_model}: only --quick (the profile it rescales) and "
+                         "--dp-replica-host (the profile it adds the term to) take a profile")
     out, many = output_target(args.output, len(models))
     written = []
     for model in models:
@@ -132,6 +135,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
             print(f"testbed profile: skipping {model}: {e}", file=sys.stderr)
             continue
         write_profile(path, prof)
+        if args.dp_replica_host:  # the replicas' loops emulate the steps of the profile just written
+            from testbed.sim.dp_host_measure import profile_section
+            prof["dp_replica_host"] = profile_section(prof, str(path), engine_config(args))
+            write_profile(path, prof)
         if not args.quick:
             errors = ProfiledCostModel(prof, name=str(path)).validate()
             print(f"profiled {prof['model']['name']} on {prof['device_name']} (tp={prof['tensor_parallel_size']}) "
@@ -140,6 +147,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"wrote {path} (use: testbed simulate TRACE --cost-model {path})")
         written.append(path)
     return 0 if written else 2
+
+
+def add_dp_replica_host(args: argparse.Namespace) -> int:
+    """`testbed profile --dp-replica-host --cost-model P.json -o OUT`: P with the DP replica host term measured on
+    this host (sim/dp_host_measure.py), no sweep."""
+    from testbed.sim.dp_host_measure import profile_section
+    from testbed.profiling.profile_file import read_profile, write_profile
+    from testbed.sim.profiled import ProfiledCostModel
+    if args.smoke or (args.model and "," in args.model):
+        raise ValueError("--dp-replica-host with --cost-model adds the term to that one profile: no --smoke, one model")
+    prof = read_profile(args.cost_model)
+    ProfiledCostModel(prof, name=args.cost_model)  # a usable profile, or its ProfileError
+    section = profile_section(prof, args.cost_model, engine_config(args))
+    out = write_profile(args.output, {**prof, "dp_replica_host": section})
+    print(f"dp replica host on this host: {section['step_s'] * 1e3:.3f} ms a step + {section['row_s'] * 1e6:.2f} us a "
+          f"row (replica gap less the single engine's at batch {section['batch']}, {section['wall_s']:.0f} s)")
+    print(f"wrote {out} (use: testbed simulate TRACE -dp N --cost-model {out})")
+    return 0
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
@@ -182,7 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "full sweep: --cost-model names the profile (default: the one shipped for this model and GPU)")
     p.add_argument("--cost-model", default="auto",
                    help="with --quick: the profile to rescale, 'auto' (the shipped one for this model, GPU and TP) "
-                        "or a profile file")
+                        "or a profile file; with --dp-replica-host alone: the profile to add the term to")
+    p.add_argument("--dp-replica-host", action="store_true",
+                   help="also measure a data-parallel replica's host work per step beyond a single engine's (its "
+                        "engine process loop against the in-process one, emulated steps, on this host); with "
+                        "--cost-model FILE (no --quick): only that, added to FILE")
     p.add_argument("--smoke", action="store_true", help="a few points of each sweep (a smoke test, not a profile)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per point, median taken (default 5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

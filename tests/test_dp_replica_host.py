@@ -130,3 +130,22 @@ def test_a_bad_dp_replica_host_section_is_refused(bad):
     with pytest.raises(ProfileError, match="dp_replica_host"):
         ProfiledCostModel(json.loads(PROFILE.read_text()) | {"dp_replica_host": bad}, name="p.json",
                           data_parallel_size=2)
+
+
+def test_profile_measures_the_term_with_real_replica_processes(tmp_path, capsys):
+    """`testbed profile --dp-replica-host --cost-model P`: the in-process engine loop and two real DP replica
+    processes behind the coordinator run the same emulated steps; each replica's time between back-to-back decode
+    steps is longer than the single engine's at every batch measured, and the profile written carries the term,
+    which a DP simulation with it then charges."""
+    out = tmp_path / "with_term.json"
+    assert main(["profile", "--dp-replica-host", "--cost-model", str(PROFILE), "--max-model-len", str(MAX_LEN),
+                 "-o", str(out)]) == 0
+    assert "dp replica host on this host" in capsys.readouterr().out
+    prof = json.loads(out.read_text())
+    section = prof["dp_replica_host"]
+    assert section["method"] == "measured" and section["batch"] == [1, 8, 32, 64]
+    assert all(r > s for r, s in zip(section["replica_gap_s"], section["single_gap_s"])), section
+    assert section["step_s"] > 0 and section["step_s"] + 64 * section["row_s"] < 5e-3
+    assert {k: v for k, v in prof.items() if k != "dp_replica_host"} == json.loads(PROFILE.read_text())
+    cm = ProfiledCostModel.from_file(out, data_parallel_size=2)
+    assert cm.dp_step(8) == pytest.approx(section["step_s"] + 8 * section["row_s"])

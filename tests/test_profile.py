@@ -75,7 +75,7 @@ def test_quick_rescale_refuses_a_profile_of_another_model_or_flags(tmp_path, cap
     assert main([*base, "--quick", "--cost-model", str(prof)]) == 2
     assert "a profile of Llama-3.2-1B, not of SmolLM2-135M" in capsys.readouterr().err
     assert main([*base, "--quick", "--smoke"]) == 2 and "give one" in capsys.readouterr().err
-    assert main([*base, "--cost-model", str(prof)]) == 2 and "only --quick takes a profile" in capsys.readouterr().err
+    assert main([*base, "--cost-model", str(prof)]) == 2 and "only --quick (the profile it rescales) and --dp-replica-host" in capsys.readouterr().err
     assert main([*base, "--quick", "--cost-model", str(tmp_path / "none.json")]) == 2
     assert "not a readable profile" in capsys.readouterr().err
     assert not (tmp_path / "q.json").exists()

@@ -32,15 +32,20 @@ _REQUEST_TIMES = (3, 4, 5, 6)
 
 class DPEngine:
     def __init__(self, model: str | None, config: EngineConfig, load_format: str = "auto", dtype: str = "auto",
-                 device: str | None = None, enforce_eager: bool = False) -> None:
+                 device: str | None = None, enforce_eager: bool = False, executor_factory: str | None = None,
+                 executor_args: dict | None = None) -> None:
+        """`executor_factory` ("module:function") and `executor_args`: the replicas' executors (default: the real
+        one; `testbed.sim.emulator:create` with its gpu and cost_model emulates the model, `model` its preset)."""
         from testbed.runtime.client import RequestStream
         from testbed.runtime.dp_client import DPEngineClient, DPTopology
         from testbed.runtime.engine_proc import EngineProcConfig
         from testbed.worker.executor import resolve_model
-        self.model_path = resolve_model(model, load_format)
+        self.model_path = resolve_model(model, load_format) if executor_factory is None else model
         self.log_dir = tempfile.mkdtemp(prefix="testbed-dp-records-")
         proc = EngineProcConfig(engine=config.to_dict(), model=self.model_path, load_format=load_format, dtype=dtype,
                                 device=device, enforce_eager=enforce_eager, log_steps=self.log_dir)
+        if executor_factory is not None:
+            proc.executor_factory, proc.executor_args = executor_factory, dict(executor_args or {})
         self.client = DPEngineClient(proc, DPTopology(config.data_parallel_size), self._on_stats)
         self.scheduled: dict[str, float] = {}  # request id -> when a replica first scheduled it (its time.time())
         self.loop = asyncio.new_event_loop()
