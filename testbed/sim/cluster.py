@@ -134,8 +134,8 @@ class ClusterSim:
             hashes = ()
             if need_hashes:
                 hashes = req.block_hashes = prompt_block_hashes(req.prompt_token_ids, config.block_size)
-            r = self.coord.route(req.num_prompt_tokens, hashes,
-                                 0 if req.lora_request is None else req.lora_request.lora_int_id)
+            r = 0 if self.dp == 1 else self.coord.route(  # one replica: no coordinator, as in real mode
+                req.num_prompt_tokens, hashes, 0 if req.lora_request is None else req.lora_request.lora_int_id)
             self.horizon.route(r)
             if self.coasting[r] is not None:
                 self.replicas[r].cut()
