@@ -36,12 +36,14 @@ def test_emulated_server_answers_with_the_profiles_timing_and_echoed_tokens(emul
 
 
 def test_without_a_tokenizer_a_stream_carries_one_event_per_token(tmp_path):
-    """A server without a tokenizer streams token-id prompts with empty text: every token gets an event of its
-    own (with its id under return_token_ids), never several in one, so a client can count the tokens and time
-    them."""
+    """A server without a tokenizer (--skip-tokenizer-init, as vLLM's) streams token-id prompts with empty text:
+    every token gets an event of its own (with its id under return_token_ids), never several in one, so a client
+    can count the tokens and time them; a text prompt is refused."""
     with running_server("--emulate", "--model", "Llama-3.2-1B", "--load-format", "dummy", "--gpu", "H200",
-                        "--tokenizer", str(tmp_path / "no-tokenizer-here"), log_dir=tmp_path) as srv:
+                        "--skip-tokenizer-init", log_dir=tmp_path) as srv:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no tokenizer"):
+            client.completions.create(model="Llama-3.2-1B", prompt="Hello", max_tokens=2)
         for extra in ({}, {"return_token_ids": True}):
             chunks = [c for c in client.completions.create(model="Llama-3.2-1B", prompt=[7, 8, 9], max_tokens=8,
                                                            stream=True, extra_body=extra) if c.choices]
@@ -49,7 +51,7 @@ def test_without_a_tokenizer_a_stream_carries_one_event_per_token(tmp_path):
             assert [c.choices[0].finish_reason for c in chunks] == [None] * 7 + ["length"]
             if extra:
                 assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == [7, 8, 9, 7, 8, 9, 7, 8]
-        assert "text prompts and chat are refused" in srv.log_text()
+        assert "tokenizer" not in srv.log_text()  # none was looked for, nothing to warn about
 
 
 def test_emulated_chat_works_with_the_bundled_tokenizer(emulated):
@@ -68,6 +70,7 @@ def test_emulated_chat_works_with_the_bundled_tokenizer(emulated):
     (["--cost-model", "recorded:/nowhere"], "--cost-model recorded:/nowhere: emulation predicts each step"),
     (["--gpu", "B200"], "unknown GPU 'B200'"),
     (["--model", "none"], "unknown model 'none'"),
+    (["--tokenizer", "x", "--skip-tokenizer-init"], "--tokenizer: give either --tokenizer or --skip-tokenizer-init"),
 ])
 def test_what_cannot_be_emulated_is_one_line_before_the_engine_starts(flags, error):
     """A recorded timeline, an unknown GPU or model: `testbed serve: error: ...` and exit 2, checked before the
@@ -124,3 +127,17 @@ def test_an_emulator_that_falls_behind_its_cost_model_warns_once(capsys):
         late._account(-0.002, 0.0023)  # 2 ms late on a 2.3 ms step, as on a loaded laptop
     err = capsys.readouterr().err
     assert err.count("emulation falls behind its cost model") == 1, err
+
+
+def test_the_offline_engine_runs_on_an_emulated_executor():
+    """LLM takes an EmulatedExecutor built for its engine arguments (benchmarks/serve/offline.py --emulate: the
+    served/offline ratio's CPU proxy): the offline engine then echoes prompts at the emulated pace, as the server."""
+    from testbed.engine.params import SamplingParams
+    from testbed.entrypoints.llm import LLM
+    from testbed.entrypoints.llm_args import engine_config
+    from testbed.sim.emulator import EmulatedExecutor
+    args = dict(max_model_len=256)
+    llm = LLM("Llama-3.2-1B", load_format="dummy", executor=EmulatedExecutor(
+        "Llama-3.2-1B", engine_config(dict(args)), cost_model="zero"), **args)
+    outs = llm.generate([[5, 6, 7], [9, 10]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [[5, 6, 7, 5], [9, 10, 9, 10]]

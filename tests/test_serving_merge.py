@@ -24,12 +24,12 @@ def test_queued_outputs_merge_into_one_delta_per_choice():
     async def scenario() -> None:
         run = _run(n=2)
         a, b = (c.request_id for c in run.choices)
-        q = run.stream.queue
+        q = run.stream
         for out in (CoreOutput(a, [5], new_logprobs=[(-0.1, 1, [(5, -0.1)])]),
                     CoreOutput(b, [7], new_logprobs=[(-0.2, 1, [(7, -0.2)])]),
                     CoreOutput(a, [6, 9], new_logprobs=[(-0.3, 2, []), (-0.4, 1, [])]),
                     CoreOutput(b, [8], True, "length", new_logprobs=[(-0.5, 3, [])])):
-            q.put_nowait(out)
+            q.put(out)
         changed = await run.next()
         assert [c.request_id for c in changed] == [a, b]  # one entry per choice, in order of first output
         ca, cb = changed
@@ -37,8 +37,8 @@ def test_queued_outputs_merge_into_one_delta_per_choice():
         assert cb.delta_ids == [7, 8] and cb.finish_reason == "length" and not ca.finished
         assert run.state.metrics.engine(0).request_generation_tokens._sum.get() == 2  # b ended after 2 tokens
 
-        q.put_nowait(CoreOutput(a, [4], True, "length"))
-        q.put_nowait(CoreOutput(a, [3]))  # after the finish: ignored, never applied twice
+        q.put(CoreOutput(a, [4], True, "length"))
+        q.put(CoreOutput(a, [3]))  # after the finish: ignored, never applied twice
         (ca,) = await run.next()
         assert ca.delta_ids == [4] and ca.token_ids == [5, 6, 9, 4] and ca.finish_reason == "length"
         assert run.done and run.usage()["completion_tokens"] == 6
@@ -51,7 +51,7 @@ def test_one_output_at_a_time_gives_single_token_deltas():
         run = _run(n=1)
         (c,) = run.choices
         for tok in (11, 12):
-            run.stream.queue.put_nowait(CoreOutput(c.request_id, [tok]))
+            run.stream.put(CoreOutput(c.request_id, [tok]))
             (got,) = await run.next()
             assert got.delta_ids == [tok]
         assert c.token_ids == [11, 12]

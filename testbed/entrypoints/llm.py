@@ -56,7 +56,9 @@ class LLM:
         bundled SmolLM2. `engine_args`: this engine's EngineConfig fields and vLLM's common engine arguments
         (llm_args.py honours, fixes or refuses each). `executor`: reuse one built earlier for the same model (a
         fresh engine over its KV cache, whose stale contents are never read: every block is written before it
-        is attended over); its block size and tensor-parallel size must match these engine arguments.
+        is attended over); its block size and tensor-parallel size must match these engine arguments. An executor
+        with no model runner (testbed.sim.emulator.EmulatedExecutor, built for these engine arguments) is taken as
+        it is: the offline engine then steps at the emulated GPU's pace.
         `data_parallel_size` > 1 starts the replica processes (no executor to reuse). `pooler_config` (a
         PoolerConfig or a dict of its fields) is how `embed` pools unless its PoolingParams say otherwise.
         `trust_remote_code` lets the tokenizer run code shipped with the model."""
@@ -80,7 +82,7 @@ class LLM:
             if executor is None:
                 from testbed.worker.executor import create_executor
                 executor = create_executor(model, self.config, load_format, dtype, device, enforce_eager)
-            else:
+            elif getattr(executor, "runner", None) is not None:  # a real executor built earlier: check its build
                 runner = executor.runner
                 slots = runner.lora.num_slots if runner.lora is not None else 0
                 if self.config.enable_lora and (slots < self.config.max_loras

@@ -1,6 +1,6 @@
 """Async client of the engine-core process, living in the API server's event loop.
 
-It starts the process, routes each CoreOutput to the asyncio queue of its request, keeps the
+It starts the process, routes each CoreOutput to the RequestStream of its request, keeps the
 latest SchedulerStats, and watches the process: when it dies (or reports EngineError) every
 in-flight request gets an EngineDeadError at once, later adds fail fast, and `on_death` is called,
 so nothing hangs. `fail_all` ends every in-flight request the same way while the engine lives (a
@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import deque
 from typing import Callable
 
 import msgspec
@@ -39,24 +40,42 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestStream:
-    """Outputs of one core request, in order; raises EngineDeadError if the engine dies first."""
+    """Outputs of one core request (or of several sharing the stream), in order; raises EngineDeadError if the
+    engine dies first. A deque and one waiter future: the output loop puts a step's output for every live stream,
+    so this is on the per-token path (asyncio.Queue's bookkeeping cost more than the rest of the hand-over)."""
+
+    __slots__ = ("request_id", "items", "waiter", "engines")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: deque = deque()  # CoreOutputs, or the exception every later get raises
+        self.waiter: asyncio.Future | None = None  # the pending get's, woken by put
         self.engines: dict[str, int] = {}  # core request id -> the DP replica serving it, once known
 
+    def put(self, item: P.CoreOutput | BaseException) -> None:
+        """Queue an output (or the error that ends the stream) and wake the waiting get."""
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
     async def get(self) -> P.CoreOutput:
-        item = await self.queue.get()
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        item = self.items.popleft()
         if isinstance(item, BaseException):
             raise item
         return item
 
     def get_nowait(self) -> P.CoreOutput | None:
         """The next output if one is already queued (lets a handler batch deltas)."""
-        if self.queue.empty():
+        if not self.items:
             return None
-        item = self.queue.get_nowait()
+        item = self.items.popleft()
         if isinstance(item, BaseException):
             raise item
         return item
@@ -167,7 +186,7 @@ class EngineClient:
             self.dead_reason = reason
         err = EngineDeadError(f"engine core is dead: {self.dead_reason}")
         for stream in self.streams.values():
-            stream.queue.put_nowait(err)
+            stream.put(err)
         self.streams.clear()
         if first and not self._closing and self.on_death is not None:
             self.on_death(reason)
@@ -179,7 +198,7 @@ class EngineClient:
         failed = list(self.streams.values())
         self.abort(list(self.streams))
         for stream in failed:
-            stream.queue.put_nowait(self.refusal)
+            stream.put(self.refusal)
 
     async def _watch_loop(self) -> None:
         while self.proc.poll() is None:
@@ -197,7 +216,7 @@ class EngineClient:
                     for o in msg.outputs:
                         stream = streams.get(o.request_id)
                         if stream is not None:
-                            stream.queue.put_nowait(o)
+                            stream.put(o)
                             if o.finished:
                                 del streams[o.request_id]
                     self.stats = msg.stats

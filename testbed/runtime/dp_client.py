@@ -158,7 +158,7 @@ class DPEngineClient(EngineClient):
             stream = self.streams.pop(rid, None)
             self.engine_by_id.pop(rid, None)
             if stream is not None:
-                stream.queue.put_nowait(err)
+                stream.put(err)
 
     def _replica_dead(self, r: int, reason: str) -> None:
         """Fail replica r's requests and forget its load (the waiting estimate counts live replicas
@@ -185,7 +185,7 @@ class DPEngineClient(EngineClient):
                 if stream is not None:
                     stream.engines[o.request_id] = e
                     self.engine_by_id[o.request_id] = e
-                    stream.queue.put_nowait(o)
+                    stream.put(o)
                     if o.finished:
                         del streams[o.request_id]
                         del self.engine_by_id[o.request_id]

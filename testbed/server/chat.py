@@ -14,7 +14,7 @@ from testbed.server.schemas import ChatCompletionRequest, ChatMessage, bad_reque
 from testbed.server.params import beam_search_params, request_params, truncate_prompts
 from testbed.server.serving import GenerationRun, floor_logprob, prompt_logprobs_json
 from testbed.server.state import ServerState, new_id
-from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
+from testbed.server.streaming import EventFramer, SSEResponse, client_closed_response, collect, event_stream, sse
 
 
 def message_texts(messages: list[ChatMessage]) -> list[str]:
@@ -109,10 +109,15 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
 
 
 async def _stream(run: GenerationRun, req: ChatCompletionRequest, head: dict) -> AsyncIterator[bytes]:
+    """The role event at once, then one chunk per wakeup: every event that the outputs applied at once make (and
+    the usage event once the run is done) goes out in one write."""
     head = {**head, "object": "chat.completion.chunk"}
     yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None} for c in run.choices]})
+    framer = EventFramer(head)
+    usage = req.stream_options is not None and req.stream_options.include_usage
     while not run.done:
+        events: list[bytes] = []
         for c in await run.next():
             if not c.delta_ids and not c.delta_text and not c.finished:
                 continue
@@ -123,6 +128,8 @@ async def _stream(run: GenerationRun, req: ChatCompletionRequest, head: dict) ->
                 d["stop_reason"] = c.stop_reason
             if req.return_token_ids:
                 d["token_ids"] = c.delta_ids
-            yield sse({**head, "choices": [d]})
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse({**head, "choices": [], "usage": run.usage()})
+            events.append(framer.event(d))
+        if run.done and usage:
+            events.append(sse({**head, "choices": [], "usage": run.usage()}))
+        if events:
+            yield b"".join(events)

@@ -12,7 +12,7 @@ from testbed.server.params import beam_search_params, request_params, truncate_p
 from testbed.server.serving import (Choice, GenerationRun, check_choice_count, floor_logprob as _floor,
                                     prompt_logprobs_json)
 from testbed.server.state import ServerState, new_id
-from testbed.server.streaming import SSEResponse, client_closed_response, collect, event_stream, sse
+from testbed.server.streaming import EventFramer, SSEResponse, client_closed_response, collect, event_stream, sse
 
 
 INLINE_IDS = 16384  # token-id prompts up to this many ids in all are checked on the event loop (tens of us)
@@ -129,9 +129,14 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
 
 
 async def _stream(run: GenerationRun, req: CompletionRequest, head: dict, echoes: list[str]) -> AsyncIterator[bytes]:
+    """The stream's events, one chunk per wakeup: every event that the outputs applied at once make (and the usage
+    event once the run is done) goes out in one write."""
     offsets = {c.index: len(echoes[c.prompt_index]) for c in run.choices}
     started: set[int] = set()
+    framer = EventFramer(head)
+    usage = req.stream_options is not None and req.stream_options.include_usage
     while not run.done:
+        events: list[bytes] = []
         for c in await run.next():
             if not c.delta_ids and not c.delta_text and not c.finished:
                 continue
@@ -149,11 +154,13 @@ async def _stream(run: GenerationRun, req: CompletionRequest, head: dict, echoes
                     last = k == len(c.delta_ids) - 1
                     choice = _choice(run, req, c, text if k == 0 else "", [tid], [lps[k]] if c.delta_logprobs else [],
                                      offsets[c.index], prompt_ids if k == 0 else None, last)
-                    yield sse({**head, "choices": [choice]})
+                    events.append(framer.event(choice))
                 continue
             choice = _choice(run, req, c, text, c.delta_ids, c.delta_logprobs, offsets[c.index], prompt_ids)
             if choice["logprobs"] and run.state.tokenizer is not None:
                 offsets[c.index] += sum(len(run.token_text(t)) for t in c.delta_ids)
-            yield sse({**head, "choices": [choice]})
-    if req.stream_options is not None and req.stream_options.include_usage:
-        yield sse({**head, "choices": [], "usage": run.usage()})
+            events.append(framer.event(choice))
+        if run.done and usage:
+            events.append(sse({**head, "choices": [], "usage": run.usage()}))
+        if events:
+            yield b"".join(events)

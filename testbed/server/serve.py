@@ -46,6 +46,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder or hub id (default: the model's; with --emulate of a preset, the bundled "
                         "SmolLM2 tokenizer)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer (as with dummy weights of a preset): prompts are token ids only, outputs "
+                        "carry no text and each streamed token is an event of its own")
     g.add_argument("--revision", default=None, help="with a hub id: the revision in the local Hugging Face cache")
     g.add_argument("--download-dir", default=None,
                    help="the Hugging Face cache a hub id is read from (default: $HF_HUB_CACHE, $HF_HOME/hub, "
@@ -267,6 +270,8 @@ async def run_server(args: argparse.Namespace) -> int:
     from testbed.server.state import ServerState
     from testbed.worker.executor import resolve_model
 
+    if args.skip_tokenizer_init and args.tokenizer is not None:
+        raise ConfigError("--tokenizer: give either --tokenizer or --skip-tokenizer-init, not both")
     cfg = engine_config(args)
     pooler = PoolerConfig.of(json_flag(args.pooler_config, "--pooler-config", '{"pooling_type": "MEAN"}'))
     topology = dp_topology(args, cfg.data_parallel_size)
@@ -287,12 +292,15 @@ async def run_server(args: argparse.Namespace) -> int:
         client = DPEngineClient(proc_cfg, topology)
     tokenizer_path = model if args.tokenizer is None else resolve_model(args.tokenizer, "auto", None,
                                                                         args.download_dir)
-    if args.emulate and args.tokenizer is None and not Path(model).exists():
+    if args.skip_tokenizer_init:
+        tokenizer_path = None
+    elif args.emulate and args.tokenizer is None and not Path(model).exists():
         # a preset has no tokenizer files: emulate with the bundled SmolLM2's, so text prompts and chat work
         # (its ids fit every preset's vocabulary)
         tokenizer_path = resolve_model(None, "auto")
         _log(f"emulating {model} with the bundled SmolLM2 tokenizer (--tokenizer PATH for another)")
-    tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path, args.trust_remote_code))
+    tokenizer_job = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, tokenizer_path, args.trust_remote_code)
+                                          if tokenizer_path is not None else asyncio.sleep(0, None))
     start = asyncio.ensure_future(client.start())
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait((start, stopper), return_when=asyncio.FIRST_COMPLETED)

@@ -74,6 +74,7 @@ class Choice:
         self.delta_text = ""
         self.delta_ids: list[int] = []
         self.delta_logprobs: list = []
+        self.engine_metrics = None  # the serving replica's EngineMetrics, once an output named the replica
 
     @property
     def finished(self) -> bool:
@@ -211,7 +212,9 @@ class GenerationRun:
         return list(changed.values())
 
     def _apply(self, c: Choice, out) -> None:
-        st, m, now = self.state, self.metrics(c), time.time()
+        st, m, now = self.state, c.engine_metrics, time.time()
+        if m is None:  # an output came: its replica is known from now on
+            m = c.engine_metrics = self.metrics(c)
         if out.finish_reason == "rejected":
             self._finish(c, "error", None, now)
             raise APIError(503 if "waiting" in str(out.stop_reason) else 400, f"request rejected: {out.stop_reason}")

@@ -23,28 +23,81 @@ def sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+class EventFramer:
+    """The SSE events of one stream, `data: {**head, "choices": [choice]}`: byte for byte what sse() gives, with
+    the constant head (id, object, created, model) encoded once per stream instead of once per event."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        whole = msgspec.json.encode({**head, "choices": []})  # ...,"choices":[]}
+        self.prefix = b"data: " + whole[:-2]
+
+    def event(self, choice: dict[str, Any]) -> bytes:
+        return self.prefix + msgspec.json.encode(choice) + b"]}\n\n"
+
+
+class LastChunk(bytes):
+    """A stream's final bytes: SSEResponse ends the HTTP body with them, in one write."""
+
+
 class SSEResponse(StreamingResponse):
-    """text/event-stream whose body generator is always closed (its cleanup runs on disconnect too)."""
+    """text/event-stream whose body generator is always closed (its cleanup runs on disconnect too).
+
+    One write per chunk as it comes (a chunk is whatever a stream had ready at one wakeup: no event waits for
+    another); the LastChunk ends the body in the same write. A client that disconnects cancels the streaming (a
+    plain asyncio task listens for it; Starlette's anyio task group cost more than the rest of a request's
+    admission under a burst)."""
 
     media_type = "text/event-stream"
 
-    async def stream_response(self, send) -> None:
+    async def __call__(self, scope, receive, send) -> None:
+        streaming = asyncio.current_task()
+        gone = False
+
+        async def until_disconnect() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            streaming.cancel()
+
+        watcher = asyncio.ensure_future(until_disconnect())
         try:
-            await super().stream_response(send)
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone or streaming.uncancel() > 0:  # cancelled from elsewhere too: propagate
+                raise
+        except OSError:
+            pass  # the client is gone (ASGI servers of spec 2.4 raise it from send)
         finally:
+            watcher.cancel()
             await self.body_iterator.aclose()
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            last = isinstance(chunk, LastChunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+            if last:
+                return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def event_stream(run: GenerationRun, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Frame a generator of chunks: an error becomes an error event; [DONE] ends every stream that
-    was not cancelled; the run is aborted whatever happens."""
+    was not cancelled; the run is aborted whatever happens. Chunks that come once the run is done (its
+    last events, usage) need no more waiting: they go out with [DONE] as one LastChunk."""
     try:
-        async for chunk in chunks:
-            yield chunk
-        yield DONE
-    except APIError as e:
-        yield sse(e.body())
-        yield DONE
+        tail: list[bytes] = []
+        try:
+            async for chunk in chunks:
+                if run.done:
+                    tail.append(chunk)
+                else:
+                    yield chunk
+            tail.append(DONE)
+        except APIError as e:
+            tail += [sse(e.body()), DONE]
+        yield LastChunk(b"".join(tail))
     finally:
         run.abort()
 
