@@ -1,13 +1,16 @@
 """The DP replica host term (the profile's `dp_replica_host`) on the committed 2-H100 DP runs: each group's real
 runs simulated again with the profile its RESULTS row used, and with that profile plus the term fitted by
 `testbed calibrate RUN --dp-replica-host-only` on one DP run of the group (or of another group on the same
-profile), and the errors before and after.
+profile), and with that profile plus the term measured on this host (`testbed profile --dp-replica-host
+--cost-model PROFILE`: the real replica processes' loop against the in-process engine's, emulated steps), and
+the errors before -> fitted -> measured.
 
   python benchmarks/dp_host_term.py --out OUT       # CPU, about 5 minutes on 2 shared cores
 
-Per group: OUT/GROUP/profile_dp.json (the profile with the term), OUT/GROUP/{before,after}/ (`dp.py --resimulate`
-outputs: dp_results.json, tables, decision parity of every run replayed from its own timings), and OUT/dp_host.md:
-throughput and TTFT/TPOT/E2E mean/p50/p99 errors, before -> after, per run; OUT/terms.json: each term and its fit.
+Per group: OUT/GROUP/profile_{dp,measured}.json (the profile with the fitted / measured term),
+OUT/GROUP/{before,after,measured}/ (`dp.py --resimulate` outputs: dp_results.json, tables, decision parity of every
+run replayed from its own timings), and OUT/dp_host.md: throughput and TTFT/TPOT/E2E mean/p50/p99 errors, before
+-> fitted -> measured, per run; OUT/terms.json: each term and how it was obtained.
 
 Then the same for a profile calibrated on a DP run (the f4fe111 Llama-3.2-1B DP=2 run at 80 req/s): its scales
 fitted with the replicas' extra host work folded in (what `testbed calibrate` did before the term existed,
@@ -74,15 +77,18 @@ def folded_calibration(run_dir: Path, profile: Path, out: Path) -> None:
                                           config.data_parallel_size))
 
 
-def table(lines: list[str], label: str, runs_before: list[dict], runs_after: list[dict], term: float) -> None:
-    for b, a in zip(runs_before, runs_after):
+def table(lines: list[str], label: str, variants: list[list[dict]], terms: list[str]) -> None:
+    """One row per run: each metric's error under each variant (its runs, in order), joined by arrows; `terms`:
+    the DP term of each variant after the first, as the row shows it."""
+    for runs in zip(*variants):
         cells = []
         for k, q in COLS:
-            x, y = err(b, k, q), err(a, k, q)
-            cells.append("-" if x is None or y is None else f"{x:+.1%} → {y:+.1%}")
-        parity = {b.get("decision_parity", "?").split(":")[0], a.get("decision_parity", "?").split(":")[0]}
-        lines.append(f"| {label} | {b['layout']} | {b['rate']:g} | {term * 1e3 if b['dp'] > 1 else 0:.3f} | "
-                     + " | ".join(cells) + f" | {'/'.join(parity)} |")
+            xs = [err(r, k, q) for r in runs]
+            cells.append("-" if None in xs else " → ".join(f"{x:+.1%}" for x in xs))
+        parity = {r.get("decision_parity", "?").split(":")[0] for r in runs}
+        lines.append(f"| {label} | {runs[0]['layout']} | {runs[0]['rate']:g} | "
+                     f"{' / '.join(terms) if runs[0]['dp'] > 1 else '-'} | " + " | ".join(cells)
+                     + f" | {'/'.join(sorted(parity))} |")
 
 
 def resimulate(earlier: Path, cost_model: Path, out: Path) -> list[dict]:
@@ -96,7 +102,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--groups", nargs="*", default=None, help="only these groups")
     args = ap.parse_args()
-    lines = ["| group | layout | rate | term (ms) | " + " | ".join(f"{k.removesuffix('_s')}{' ' + q if q else ''}"
+    lines = ["| group | layout | rate | term | " + " | ".join(f"{k.removesuffix('_s')}{' ' + q if q else ''}"
                                                                 for k, q in COLS) + " | parity |",
              "|---|---|---|---|" + "---|" * len(COLS) + "---|"]
     terms: dict = {}
@@ -108,13 +114,19 @@ def main() -> int:
         with_term = g / "profile_dp.json"
         run(["-m", "testbed.cli", "calibrate", str(fit_on), "--cost-model", str(profile), "--dp-replica-host-only",
              "-o", str(with_term)], 600)
-        prof = json.loads(with_term.read_text())
+        measured = g / "profile_measured.json"
+        run(["-m", "testbed.cli", "profile", "--dp-replica-host", "--cost-model", str(profile), "--max-model-len",
+             "4096", "-o", str(measured)], 600)
+        prof, meas = json.loads(with_term.read_text()), json.loads(measured.read_text())["dp_replica_host"]
         term = prof["dp_replica_host"]["step_s"]
         terms[group] = {"profile": str(profile.relative_to(ROOT)), "fitted_on": str(fit_on.relative_to(ROOT)),
-                        "dp_replica_host": prof["dp_replica_host"], "fit": prof["calibration"]["dp_replica_host"]}
+                        "dp_replica_host": prof["dp_replica_host"], "fit": prof["calibration"]["dp_replica_host"],
+                        "measured": meas}
+        shown = [f"{term * 1e3:.3f} ms", f"{meas['step_s'] * 1e3:.3f} ms + {meas['row_s'] * 1e6:.2f} us/row"]
         for e in earlier:
-            table(lines, f"{group}{'/' + e.name if len(earlier) > 1 else ''}", resimulate(e, profile, g / "before" / e.name),
-                  resimulate(e, with_term, g / "after" / e.name), term)
+            table(lines, f"{group}{'/' + e.name if len(earlier) > 1 else ''}",
+                  [resimulate(e, profile, g / "before" / e.name), resimulate(e, with_term, g / "after" / e.name),
+                   resimulate(e, measured, g / "measured" / e.name)], shown)
         print(f"# {group}: term {term * 1e3:.3f} ms from {fit_on.relative_to(ROOT)}", file=sys.stderr, flush=True)
     if not args.groups or "calibrated" in args.groups:
         g = args.out / "calibrated"
@@ -131,8 +143,8 @@ def main() -> int:
         lines += ["", "scales folded: " + ", ".join(f"{k} {v:.3f}" for k, v in prof["folded"]["scales"].items())
                   + "; scales + term: " + ", ".join(f"{k} {v:.3f}" for k, v in prof["separate"]["scales"].items())
                   + f", term {term * 1e3:.3f} ms a step (host scale x step_s)", "", lines[0], lines[1]]
-        table(lines, "calibrated on 2x1-rate80", resimulate(F4, folded, g / "folded"),
-              resimulate(F4, separate, g / "separate"), term)
+        table(lines, "calibrated on 2x1-rate80", [resimulate(F4, folded, g / "folded"),
+                                                  resimulate(F4, separate, g / "separate")], [f"{term * 1e3:.3f} ms"])
     (args.out / "terms.json").write_text(json.dumps(terms, indent=1) + "\n")
     (args.out / "dp_host.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
