@@ -14,10 +14,10 @@ either way.
 Per run (a fresh server each; one warm-up pass of the burst, then the measured one): output tok/s and makespan as
 the client sees them, and from the server's step log what the engine did: `head` from the first request's
 send to the engine's first step, `tail` from its last step's end to the last response's arrival at the client,
-`engine` the steps' summed time, and `server_cpu_s` the API server process's CPU time in the measured pass. On a
-GPU the engine's steps match the offline engine's pace (RESULTS, "Serving"), so head and tail are the served
-path's loss; here the client, the API server and the engine share the machine's cores, so compare runs of one
-call, pair by pair (server_cpu_s is the least disturbed by other processes).
+`engine` the steps' summed time, and `server_cpu_s` / `client_cpu_s` the API server's / the client's CPU time
+in the measured pass. On a GPU the engine's steps match the offline engine's pace (RESULTS, "Serving"), so head
+and tail are the served path's loss; here the client, the API server and the engine share the machine's cores,
+so compare runs of one call, pair by pair (the CPU times are the least disturbed by other processes).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -46,6 +47,12 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return float("nan")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU time (user + system, s) of this process's ended children (the benchmark client's runs)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def no_tokenizer_flags(root: Path, work: Path) -> list[str]:
@@ -74,10 +81,10 @@ def one_run(root: Path, work: Path, with_tokenizer: bool) -> dict:
         cenv = {**os.environ, "PYTHONPATH": str(HERE)}
         subprocess.run([*client, "--seed", "1", "-o", str(work / "warm")], check=True, cwd=HERE, env=cenv,
                        stdout=subprocess.DEVNULL)
-        cpu = cpu_seconds(server.pid)
+        cpu, client_cpu = cpu_seconds(server.pid), children_cpu_seconds()
         subprocess.run([*client, "--seed", "0", "--server-log-steps", str(steps), "-o", str(work / "run")],
                        check=True, cwd=HERE, env=cenv, stdout=subprocess.DEVNULL)
-        cpu = cpu_seconds(server.pid) - cpu
+        cpu, client_cpu = cpu_seconds(server.pid) - cpu, children_cpu_seconds() - client_cpu
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -90,7 +97,8 @@ def one_run(root: Path, work: Path, with_tokenizer: bool) -> dict:
     return {"output_tok_s": summary["output_throughput"], "makespan_s": summary["makespan_s"],
             "head_s": float(st.start.min() - rq.arrival.min()),
             "tail_s": float(rq.finish.max() - (st.start + st.duration).max()),
-            "engine_s": float(st.duration.sum()), "ttft_p50_s": summary["ttft_s"]["p50"], "server_cpu_s": cpu}
+            "engine_s": float(st.duration.sum()), "ttft_p50_s": summary["ttft_s"]["p50"], "server_cpu_s": cpu,
+            "client_cpu_s": client_cpu}
 
 
 def offline_run() -> float:
