@@ -211,6 +211,9 @@ class ServingReplica(ReplicaLoop):
         self.sim = sim
         self.skip = fast_forward_decodes and not self.overlap
         self.stretch_from = 0  # steps_done when the current stretch began
+        # a recorded timeline's first step starts where the real one did (not at the first arrival): its cycles, and
+        # so every later step, then start where the real ones did, with the same requests arrived by then
+        self.start_at: float | None = getattr(sim.cost_model, "first_start", None)
         self.process: simpy.Process | None = None  # this loop's, once started
         self.cut_stretch: tuple = ()  # (steps, end, finished, the event at its end) of a stretch `cut` ended
 
@@ -222,6 +225,10 @@ class ServingReplica(ReplicaLoop):
             wake = sim.wake[r] = self.env.event()
             yield wake
             sim.idle.discard(r)
+        if self.start_at is not None:
+            t, self.start_at = self.start_at, None
+            if t > self.env.now:
+                yield self.env.timeout_at(t)
         return self.env.now
 
     def fast_forward(self) -> Generator[simpy.Event, object, bool]:

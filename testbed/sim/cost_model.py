@@ -205,13 +205,17 @@ class RecordedCostModel:
 
     Step k lasts until the real step k+1 was scheduled (the last one its measured duration), so when
     the simulator schedules step k+1 exactly the arrivals the real engine had admitted are in, and the
-    same sans-I/O scheduler must then form the same batch. Running out of recorded steps means the
-    two runs diverged, which is an error, not a fallback."""
+    same sans-I/O scheduler must then form the same batch. A batch unlike the recorded one (its rows, prefill
+    and decode tokens: `shapes`, where the record has them) or running out of recorded
+    steps means the two runs diverged, which is an error, not a fallback."""
 
-    def __init__(self, starts: list[float], durations: list[float]) -> None:
-        if not starts or len(starts) != len(durations):
+    def __init__(self, starts: list[float], durations: list[float],
+                 shapes: list[tuple[int, int, int]] | None = None) -> None:
+        if not starts or len(starts) != len(durations) or shapes is not None and len(shapes) != len(starts):
             raise ValueError("a recorded timeline needs one start and one duration per step (and at least one step)")
         self.durations = recorded_cycles(starts, durations)
+        self.shapes = shapes
+        self.first_start = starts[0]  # the replay's first step starts here too (its cycles then follow the record)
         self.step = 0
         # request id -> (when its grammar outcome reached the scheduler, None or why it failed, the index of the
         # first step scheduled after it): the run's grammars.parquet, replayed by the simulator (sim/grammars.py)
@@ -227,11 +231,11 @@ class RecordedCostModel:
             raise ValueError(f"{path}: this run used --async-scheduling, whose recorded steps overlap their "
                              "scheduling; recorded timelines replay runs without it (re-run the replay without "
                              "--async-scheduling, or simulate it with a profile from `testbed profile`)")
-        steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration"])
+        steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration", *STEP_SHAPE])
         if steps["replica"].nunique() > 1:
             raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")
         starts = steps["start"].tolist()
-        model = cls(starts, steps["duration"].tolist())
+        model = cls(starts, steps["duration"].tolist(), list(zip(*(steps[c].tolist() for c in STEP_SHAPE))))
         model.grammar_events = recorded_grammar_events(path, starts)
         return model
 
@@ -239,9 +243,22 @@ class RecordedCostModel:
         if self.step >= len(self.durations):
             raise RuntimeError(f"the simulation needs more than the {len(self.durations)} recorded steps: its "
                                "decisions diverged from the recorded run (different trace, flags or cache size?)")
-        d = self.durations[self.step]
+        k, d = self.step, self.durations[self.step]
+        if self.shapes is not None:
+            shape = (len(so.requests), so.num_prefill_tokens, so.num_decode_tokens)
+            if shape != self.shapes[k]:
+                raise RuntimeError(f"step {k}: the simulation formed a batch of " + _shape(shape) + ", the recorded "
+                                   "run " + _shape(self.shapes[k]) + ": its decisions diverged from the recorded run "
+                                   "(different trace, flags or cache size?)")
         self.step += 1
         return d
+
+
+STEP_SHAPE = ("num_reqs", "num_prefill_tokens", "num_decode_tokens")  # a step's batch, as recorded
+
+
+def _shape(s: tuple) -> str:
+    return f"{s[0]} requests, {s[1]} prefill and {s[2]} decode tokens"
 
 
 def num_gpu_blocks(model: ModelSpec, gpu: GPUSpec, block_size: int, gpu_memory_utilization: float = 0.9,
