@@ -4,7 +4,8 @@ The run's requests become the trace (`load_trace` reads a run directory as the t
 recorded); its KV-cache size and max_model_len fill the engine settings the flags left unset, so the
 simulator schedules into the same memory as the run (a real `bench serve`, `replay`, or another simulation).
 `run_setup` gives the model and GPU presets and the engine flags the run recorded, which `testbed simulate
---like` takes for every flag not given on its command line.
+--like` takes for every flag not given on its command line. `run_workload` gives the requests a run served, for a
+replay of its own timeline (`testbed calibrate`): from the trace it served where that is at hand.
 """
 from __future__ import annotations
 
@@ -64,3 +65,24 @@ def run_setup(run: Run) -> tuple[str | None, str | None, dict]:
     config = m.get("config") if isinstance(m.get("config"), dict) else {}
     engine = {k: v for k, v in config.items() if k in fields} if set(config) <= fields else {}
     return _preset(m.get("model"), get_model_spec), _preset(m.get("hardware"), get_gpu_spec), engine
+
+
+def run_workload(run: Run, trace: str | Path | None, seed: int):
+    """(requests, where they came from) a run served: from `trace`, or where none is given the trace file its
+    manifest names if it is here, drawn as the run drew them (its --request-rate, --burstiness and --limit, `seed`);
+    else from the run directory itself (which holds every request's lengths and arrival, not a prefix-caching run's
+    prompts: load_trace then says so). A trace that does not give the run's requests is a ValueError."""
+    from testbed.workload.trace import load_trace
+    tr = run.manifest.get("trace") or {}
+    source = trace if trace is not None else tr.get("path")
+    if source is None or (trace is None and not Path(source).is_file()):
+        return load_trace(str(run.path), seed=seed), str(run.path)
+    reqs = load_trace(source, request_rate=tr.get("request_rate"), burstiness=tr.get("burstiness") or 1.0, seed=seed,
+                      limit=tr.get("limit"), fmt=tr.get("format") or "auto")
+    served = set(run.requests(columns=["request_id"])["request_id"])
+    ours = {r.id for r in reqs}
+    if not served <= ours:
+        missing = sorted(served - ours)
+        raise ValueError(f"{source} is not the trace {run.path} served: {len(missing)} of its requests are not in it "
+                         f"(e.g. {missing[0]!r}); give that trace with --trace")
+    return reqs, str(source)

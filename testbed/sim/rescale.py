@@ -190,23 +190,24 @@ class StepPairing:
                                            cycle - own if back_to_back else None))
 
 
-def samples_from_run(run, model: str, config, cost_model) -> list[StepSample]:
+def samples_from_run(run, model: str, config, cost_model, trace=None) -> list[StepSample]:
     """Replay a run (a read Run of `model` with engine `config`: one replica, or data-parallel replicas with the
     coordinator's record) from its recorded timelines and pair each step of every replica with its terms under
-    `cost_model` (a ProfiledCostModel) and the time it took (StepPairing)."""
+    `cost_model` (a ProfiledCostModel) and the time it took (StepPairing). `trace`: the requests it served (default:
+    like.run_workload's, without a trace given)."""
     from testbed.sim.cluster import simulate
     from testbed.sim.cost_model import RecordedCostModel
-    from testbed.sim.like import run_cache
+    from testbed.sim.like import run_cache, run_workload
     from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
     from testbed.specs.presets import get_model_spec
-    from testbed.workload.trace import load_trace
 
     blocks, max_len = run_cache(run)
     config = dataclasses.replace(config, num_gpu_blocks=blocks, max_model_len=max_len)
     spec = get_model_spec(model)
     max_len = max_len or spec.max_position_embeddings
     cpu_blocks = run.manifest.get("num_cpu_blocks")
-    trace = load_trace(str(run.path), seed=config.seed)
+    if trace is None:
+        trace, _ = run_workload(run, None, config.seed)
     if config.data_parallel_size > 1:  # every replica on its own timeline, routed as recorded
         rec = RecordedDPRun.from_run_dir(run.path)  # refuses async runs, whose steps overlap
         pairing = StepPairing(cost_model, rec.starts, rec.durations)
@@ -243,11 +244,13 @@ def rescaled_profile(profile: dict, scales: Scales, record: dict, before: dict, 
 
 
 def calibrated_profile(profile: dict, scales: Scales, source: str, before: dict, after: dict,
-                       data_parallel_size: int = 1, dp_host: DPHostFit | None = None) -> dict:
+                       data_parallel_size: int = 1, dp_host: DPHostFit | None = None, trace: str | None = None) -> dict:
     """A copy of `profile` carrying the scales fitted to the run at `source` (of `data_parallel_size` replicas),
     and the record of the fit; with `dp_host` (a DP run's fitted term, in the run's seconds) its
     `dp_replica_host` section too, in the profile's host seconds (the simulator charges host scale x step_s)."""
     record = {"method": "run", "fitted_on": source, "data_parallel_size": data_parallel_size}
+    if trace is not None:  # the requests the replay served, where not the run directory's
+        record["trace"] = trace
     if dp_host is not None:
         record["dp_replica_host"] = dp_host.to_dict()
     out = rescaled_profile(profile, scales, record, before, after)
@@ -257,14 +260,16 @@ def calibrated_profile(profile: dict, scales: Scales, source: str, before: dict,
     return out
 
 
-def calibrate(run_dir: str | Path, cost_model: str = "auto", dp_host_only: bool = False) -> tuple[dict, dict, dict]:
+def calibrate(run_dir: str | Path, cost_model: str = "auto", dp_host_only: bool = False,
+              trace: str | Path | None = None) -> tuple[dict, dict, dict]:
     """(calibrated profile, per-step error before, after) of `cost_model` ('auto': the profile shipped for the
-    run's model, GPU and TP; or a profile file) fitted to a run's recorded steps. A data-parallel run also gives
+    run's model, GPU and TP; or a profile file) fitted to a run's recorded steps, replayed with the requests it
+    served (`trace`: the trace it served; default as like.run_workload). A data-parallel run also gives
     the DP replica's host term (dp_host_fit.py), fitted apart from the scales; `dp_host_only`: that term alone,
     the profile's scales kept."""
     from testbed.engine.config import EngineConfig
     from testbed.runs.rundir import read_run
-    from testbed.sim.like import run_setup
+    from testbed.sim.like import run_setup, run_workload
     from testbed.sim.profiled import ProfiledCostModel
     from testbed.sim.factory import load_cost_model
     from testbed.specs.hardware import get_gpu_spec
@@ -288,12 +293,14 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto", dp_host_only: bool 
     if not isinstance(cm, ProfiledCostModel):
         raise ValueError(f"--cost-model {cost_model}: no profile ships for {model} on {gpu}; give a profile file "
                          "(`testbed profile` writes one)")
-    samples = samples_from_run(run, model, config, cm)
+    requests, source = run_workload(run, trace, config.seed)
+    source = None if source == str(run.path) else source
+    samples = samples_from_run(run, model, config, cm, requests)
     if dp == 1:
         before = error_report(samples, cm.scales)
         scales = fit_scales(samples, cm.scales)
         after = error_report(samples, scales)
-        return calibrated_profile(cm.profile, scales, str(run_dir), before, after), before, after
+        return calibrated_profile(cm.profile, scales, str(run_dir), before, after, trace=source), before, after
     base = dp_replica_host(cm.profile, cm.name)
     before = error_report(with_dp_term(samples, *(base or (0.0, 0.0))), cm.scales)  # as the profile simulates it
     fit = fit_dp_host(*gap_samples(samples))
@@ -302,13 +309,13 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto", dp_host_only: bool 
         scales = fit_scales([dataclasses.replace(s, seconds=max(s.seconds - fit.step_s, 1e-6)) for s in samples],
                             cm.scales)
     after = error_report(with_dp_term(samples, fit.step_s / scales.host), scales)
-    return calibrated_profile(cm.profile, scales, str(run_dir), before, after, dp, fit), before, after
+    return calibrated_profile(cm.profile, scales, str(run_dir), before, after, dp, fit, source), before, after
 
 
 def cmd_calibrate(args) -> int:
     import sys
     from testbed.profiling.profile_file import write_profile
-    profile, before, after = calibrate(args.run_dir, args.cost_model, args.dp_replica_host_only)
+    profile, before, after = calibrate(args.run_dir, args.cost_model, args.dp_replica_host_only, args.trace)
     out = write_profile(args.output, profile)
     print_fit(profile["scales"], before, after)
     fit = profile["calibration"].get("dp_replica_host")
@@ -344,6 +351,10 @@ def add_calibrate_parser(sub) -> None:
     p.add_argument("--cost-model", default="auto",
                    help="the profile to rescale: 'auto' (the one shipped for the run's model, GPU and TP) or a file")
     p.add_argument("--output", "-o", required=True, help="the calibrated profile JSON to write")
+    p.add_argument("--trace", default=None,
+                   help="the trace the run served, drawn as the run drew it (its --request-rate, --burstiness and "
+                        "--limit); default: the one its manifest names, where that file is here, else the run "
+                        "directory (which cannot give a prefix-caching run's prompts)")
     p.add_argument("--dp-replica-host-only", action="store_true",
                    help="with a data-parallel run: fit only the DP replica's host term per step (what its engine "
                         "process does between steps beyond a single engine) and keep the profile's scales")

@@ -333,12 +333,22 @@ def _load_azure(path, lines) -> list[TraceRequest]:
 def _load_run(path: Path) -> list[TraceRequest]:
     """The requests a run directory recorded (testbed.runs.rundir), with their ids, arrivals, priorities and the
     input and output tokens they were served with, in arrival order (ties in the order the engine received them,
-    its `seq`, so a replay queues them as the run did). A request the engine rejected is kept, asking for
+    its `seq`, so a replay queues them as the run did; prompts are not recorded, so a run whose requests hit the
+    prefix cache is a RunDirError).
+    A request the engine rejected is kept, asking for
     REJECTED_OUTPUT_TOKENS (more than any max_model_len), so a replay sees it arrive and rejects it too, whatever
     the run's reason was (a data-parallel run routed it first); one that failed or was aborted before its first
     token has no output length to reproduce and is left out."""
     from testbed.runs.rundir import RunDirError, read_run
     run = read_run(path)
+    if (run.manifest.get("config") or {}).get("enable_prefix_caching") and (
+            run.requests(columns=["cached_tokens"])["cached_tokens"] > 0).any():
+        source = (run.manifest.get("trace") or {}).get("path")
+        raise RunDirError(f"{path}: this run's requests hit the prefix cache, and the prompts they shared are not in "
+                          "the run directory, so it cannot be its own trace (a replay would miss where the run hit); "
+                          "give the trace it served instead"
+                          + (f" (its manifest names {source}, with the run's --request-rate, --burstiness and --limit)"
+                             if source else ""))
     names = run.request_column_names()
     lora = ["lora"] if "lora" in names else []  # runs with LoRA adapters have it
     seq = ["replica", "seq"] if "seq" in names else []  # runs written before it: requests in the order they ended
