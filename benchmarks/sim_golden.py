@@ -39,13 +39,33 @@ RECORD_FILES = ("steps.parquet", "requests.parquet", "routes.parquet", "publicat
 
 
 def replayable_runs() -> list[Path]:
-    """Committed real runs that `recorded:` can replay (not async-scheduled: their steps overlap)."""
+    """Committed real runs that `recorded:` can replay: not async-scheduled (their steps overlap), and not `bench
+    serve` runs (they record when the client sent each request, not when the engine took it)."""
     runs = []
     for m in sorted(RESULTS.rglob("manifest.json")):
         manifest = json.loads(m.read_text())
-        if manifest.get("mode") == "real" and not (manifest.get("config") or {}).get("async_scheduling"):
+        if (manifest.get("mode") == "real" and not (manifest.get("config") or {}).get("async_scheduling")
+                and "server" not in manifest):
             runs.append(m.parent)
     return runs
+
+
+def served(run: Path) -> list[str]:
+    """The trace arguments of a replay of `run`: the run directory (none), unless it cannot give the workload (a
+    prefix-caching run's prompts; the queue order of requests that arrived together at one engine, in runs recorded
+    before the engine's `seq`): then the trace file its manifest names, drawn as the run drew it."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    tr, path = manifest.get("trace") or {}, (manifest.get("trace") or {}).get("path")
+    config = manifest.get("config") or {}
+    lossy = config.get("enable_prefix_caching") or (  # a DP replay queues by the coordinator's record
+        config.get("data_parallel_size", 1) == 1 and "seq" not in pq.read_schema(run / "requests.parquet").names)
+    if not lossy or not path or not (ROOT / path).is_file():
+        return []  # `--like RUN` with no trace: the run directory is the trace
+    flags = [str(ROOT / path)]
+    for key, flag in (("request_rate", "--request-rate"), ("burstiness", "--burstiness"), ("limit", "--limit")):
+        if tr.get(key) is not None:
+            flags += [flag, str(tr[key])]
+    return flags
 
 
 def priority_trace(path: Path) -> Path:
@@ -64,8 +84,8 @@ def cases(tmp: Path) -> dict[str, list[str]]:
     """name -> `testbed simulate` arguments (without -o)."""
     azure, moon = str(TRACES / "azure_conv_10min.jsonl"), str(TRACES / "mooncake_synthetic_tail500.jsonl")
     prio = str(priority_trace(tmp / "priority.jsonl"))
-    out = {f"recorded:{run.relative_to(RESULTS)}": ["--like", str(run), "--cost-model", f"recorded:{run}"]
-           for run in replayable_runs()}
+    out = {f"recorded:{run.relative_to(RESULTS)}": [*served(run), "--like", str(run), "--cost-model",
+                                                    f"recorded:{run}"] for run in replayable_runs()}
     out |= {
         "azure10-profiled": [azure],
         "azure10-roofline": [azure, "--cost-model", "roofline"],
