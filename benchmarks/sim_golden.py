@@ -1,19 +1,21 @@
 """Golden outputs of `testbed simulate`: save them on one commit, check another against them.
 
 Speed work on the simulator must not change a single decision or record. This runs a fixed set of
-simulations -- every committed real run under benchmarks/results replayed with `--cost-model
-recorded:RUN --like RUN` (decision parity), plus synthetic cases covering the profiled and roofline
+simulations -- every replayable committed real run under benchmarks/results replayed with `--cost-model
+recorded:RUN --like RUN` (decision parity; each batch held to the run's), plus synthetic cases covering the profiled and roofline
 models, async scheduling, data parallelism with every routing policy, prefix caching, preemption,
 the priority policy and whole-prompt prefill -- and keeps, per case, the summary.json text and a
 digest of the content of steps.parquet and requests.parquet (and of the DP tables when written).
 
 Usage:  python benchmarks/sim_golden.py save DIR     (on the reference commit)
         python benchmarks/sim_golden.py check DIR    (exit 1 and name the cases that differ)
-The reference of the simulator-speed work (6f3747a) is in benchmarks/results/2026-11-26_6f3747a/golden.json; the
-current one is benchmarks/results/2026-11-26_c6b5e19/golden.json (saved once requests.parquet gained its seq
-column; against ab984d9's reference every summary and steps.parquet was identical and requests.parquet differed by
-that column only; ab984d9's, fd719fe's, b94ceec's and 6f3747a's are earlier references): `check
-benchmarks/results/2026-11-26_c6b5e19` compares the working tree with it.
+The current reference is benchmarks/results/2026-11-26_cd734f8/golden.json: `check benchmarks/results/2026-11-26_cd734f8`
+compares the working tree with it. It was saved once recorded replays started their first step where the run did
+and held every batch to the recorded one (6d0f95b, 08210de): against the one before it (2026-11-26_c6b5e19, saved
+when requests.parquet gained its seq column), every synthetic case and every data-parallel replay was identical,
+the single-engine replays' times moved by their runs' first-step lag, and the replays that had diverged from their
+runs (bursts recorded before seq, prefix-caching runs read from their run directories) now form the runs' batches.
+Earlier references: 2026-11-26_c6b5e19, ab984d9, fd719fe, b94ceec and 6f3747a (the simulator-speed work's start).
 """
 from __future__ import annotations
 
