@@ -88,7 +88,9 @@ def test_the_response_ends_its_body_with_the_last_chunk():
         await asyncio.sleep(3600)  # the client stays
         return {"type": "http.disconnect"}
 
-    asyncio.run(SSEResponse(chunks())({"type": "http"}, receive, send))
+    closed: list[bool] = []
+    asyncio.run(SSEResponse(chunks(), lambda: closed.append(True))({"type": "http"}, receive, send))
+    assert closed == [True]
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body", "http.response.body"]
     assert [m["more_body"] for m in sent[1:]] == [True, False] and sent[2]["body"].endswith(DONE)
 
@@ -111,8 +113,10 @@ def test_a_disconnect_cancels_the_stream_and_closes_its_generator():
         pass
 
     async def scenario() -> None:
-        await asyncio.wait_for(SSEResponse(forever())({"type": "http"}, receive, send), 10)
-        assert closed.is_set()
+        on_close: list[bool] = []
+        await asyncio.wait_for(SSEResponse(forever(), lambda: on_close.append(True))({"type": "http"}, receive, send),
+                               10)
+        assert closed.is_set() and on_close == [True]
 
     asyncio.run(scenario())
 

@@ -90,7 +90,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     run.start()
     head = {"id": run.request_id, "created": int(time.time()), "model": run.model}
     if req.stream:
-        return SSEResponse(event_stream(run, _stream(run, req, head)))
+        return SSEResponse(event_stream(run, _stream(run, req, head)), run.abort)
     if not await collect(run, request):
         return client_closed_response()
     choices = []

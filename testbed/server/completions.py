@@ -117,7 +117,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     head = {"id": run.request_id, "object": "text_completion", "created": int(time.time()),
             "model": run.model}
     if req.stream:
-        return SSEResponse(event_stream(run, _stream(run, req, head, echoes)))
+        return SSEResponse(event_stream(run, _stream(run, req, head, echoes)), run.abort)
     if not await collect(run, request):
         return client_closed_response()
     choices = []

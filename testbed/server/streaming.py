@@ -7,7 +7,7 @@ disconnect and cancels the generation (which aborts) when the client leaves firs
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from starlette.requests import Request
@@ -50,6 +50,12 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None] | None = None) -> None:
+        """`on_close` runs however the response ends, even if the stream was cancelled before it began (a
+        generator that never started runs no `finally`)."""
+        super().__init__(content)
+        self.on_close = on_close
+
     async def __call__(self, scope, receive, send) -> None:
         async def until_disconnect() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -67,6 +73,8 @@ class SSEResponse(StreamingResponse):
                 streaming.cancel()
                 await asyncio.gather(streaming, return_exceptions=True)
             await self.body_iterator.aclose()
+            if self.on_close is not None:
+                self.on_close()
 
     async def stream_response(self, send) -> None:
         try:
