@@ -209,7 +209,7 @@ def run_bench(args: argparse.Namespace) -> tuple[Path | None, dict]:
         "hardware": None, "emulated": info.get("emulated"), "seed": args.seed, "wall_time_s": duration, "step_log": args.server_log_steps,
         **environment_info(),
     }
-    return write_run(out, manifest, rec, summary), summary
+    return write_run(out, manifest, rec, summary)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

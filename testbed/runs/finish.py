@@ -32,8 +32,9 @@ def finish_run(records: Recorder, output: str | Path | None, manifest: dict, slo
     environment (host, versions, git sha). `columns`: the records' (request, step) columns where the caller has
     them already."""
     req_cols, step_cols = columns or (records.request_columns(), records.step_columns())
-    summary = summarize(req_cols, step_cols, records.itl, slo_ttft, slo_tpot, *prefix)
-    summary.update(summary_extra or {})
+
+    def summary() -> dict:
+        return {**summarize(req_cols, step_cols, records.itl, slo_ttft, slo_tpot, *prefix), **(summary_extra or {})}
     if output is None:
-        return None, summary
-    return write_run(output, {**manifest, **environment_info()}, records, summary, (req_cols, step_cols)), summary
+        return None, summary()
+    return write_run(output, {**manifest, **environment_info()}, records, summary, (req_cols, step_cols))

@@ -24,10 +24,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -115,29 +116,23 @@ def _is_our_manifest(path: Path) -> bool:
     return isinstance(m, dict) and all(k in m for k in MANIFEST_KEYS) and m.get("mode") in ("sim", "real")
 
 
-def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: dict,
-              columns: tuple[dict, dict] | None = None) -> Path:
-    """Write the four files of a run directory, replacing any run already there in one rename;
-    returns its path. `columns`: the records' (request_columns(), step_columns()), where the caller has them."""
+def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: dict | Callable[[], dict],
+              columns: tuple[dict, dict] | None = None) -> tuple[Path, dict]:
+    """Write the four files of a run directory, replacing any run already there in one rename; returns its path
+    and the summary written. `summary`: the summary, or what computes it (called here while another thread writes
+    the tables: their encoding and compression run outside the GIL). `columns`: the records' (request_columns(),
+    step_columns()), where the caller has them."""
     out = check_output(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        req_cols, step_cols = columns or (records.request_columns(), records.step_columns())
-        table = {c: column(req_cols[c], _REQ_TYPES[c]) for c in REQUEST_COLUMNS}
-        if records.loras:  # a run with LoRA adapters: each request's adapter by name (null: the base model)
-            table["lora"] = pa.array([records.loras.get(r) for r in req_cols["request_id"]], pa.string())
-        pq.write_table(pa.table(table), tmp / "requests.parquet")
-        pq.write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c])  # a pipeline-parallel run's columns too
-                                 for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS if c in step_cols}),
-                       tmp / "steps.parquet")
-        for name, (attr, columns, floats, strings) in _OPTIONAL_TABLES.items():
-            rows = getattr(records, attr)
-            if rows:
-                typ = {c: pa.float64() if c in floats else pa.string() if c in strings else pa.int64()
-                       for c in columns}
-                pq.write_table(pa.table({c: column(col, typ[c]) for c, col in zip(columns, zip(*rows))}),
-                               tmp / name)
+        with ThreadPoolExecutor(1) as pool:
+            tables = pool.submit(_write_tables, tmp, records, columns)
+            try:
+                if callable(summary):
+                    summary = summary()
+            finally:
+                tables.result()  # the tables written (or their error raised)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it private; a run directory is an ordinary folder
@@ -147,7 +142,24 @@ def write_run(out_dir: str | Path, manifest: dict, records: Recorder, summary: d
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return out
+    return out, summary
+
+
+def _write_tables(tmp: Path, records: Recorder, columns: tuple[dict, dict] | None) -> None:
+    """The run's parquet tables into `tmp`: requests, steps, and the optional tables its records hold."""
+    req_cols, step_cols = columns or (records.request_columns(), records.step_columns())
+    table = {c: column(req_cols[c], _REQ_TYPES[c]) for c in REQUEST_COLUMNS}
+    if records.loras:  # a run with LoRA adapters: each request's adapter by name (null: the base model)
+        table["lora"] = pa.array([records.loras.get(r) for r in req_cols["request_id"]], pa.string())
+    pq.write_table(pa.table(table), tmp / "requests.parquet")
+    pq.write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c])  # a pipeline-parallel run's columns too
+                             for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS if c in step_cols}),
+                   tmp / "steps.parquet")
+    for name, (attr, names, floats, strings) in _OPTIONAL_TABLES.items():
+        rows = getattr(records, attr)
+        if rows:
+            typ = {c: pa.float64() if c in floats else pa.string() if c in strings else pa.int64() for c in names}
+            pq.write_table(pa.table({c: column(col, typ[c]) for c, col in zip(names, zip(*rows))}), tmp / name)
 
 
 def _swap_into_place(new: Path, target: Path) -> Path | None:
