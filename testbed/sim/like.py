@@ -68,15 +68,16 @@ def run_setup(run: Run) -> tuple[str | None, str | None, dict]:
 
 
 def run_workload(run: Run, trace: str | Path | None, seed: int):
-    """(requests, where they came from) a run served: from `trace`, or where none is given the trace file its
+    """(requests, the trace file they came from) a run served: from `trace`, or where none is given the trace file its
     manifest names if it is here, drawn as the run drew them (its --request-rate, --burstiness and --limit, `seed`);
-    else from the run directory itself (which holds every request's lengths and arrival, not a prefix-caching run's
-    prompts: load_trace then says so). A trace that does not give the run's requests is a ValueError."""
+    else from the run directory itself, the file then None (it holds every request's lengths and arrival, not a
+    prefix-caching run's prompts: load_trace then says so). A trace that does not give the run's requests is a
+    ValueError."""
     from testbed.workload.trace import load_trace
     tr = run.manifest.get("trace") or {}
     source = trace if trace is not None else tr.get("path")
     if source is None or (trace is None and not Path(source).is_file()):
-        return load_trace(str(run.path), seed=seed), str(run.path)
+        return load_trace(str(run.path), seed=seed), None
     reqs = load_trace(source, request_rate=tr.get("request_rate"), burstiness=tr.get("burstiness") or 1.0, seed=seed,
                       limit=tr.get("limit"), fmt=tr.get("format") or "auto")
     served = set(run.requests(columns=["request_id"])["request_id"])

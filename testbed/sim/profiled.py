@@ -232,6 +232,13 @@ class ProfiledCostModel:
             t += self.admit["prefix_caching" if self.prefix_caching else "plain"](prefill_tokens)
         return t
 
+    def _engine_term(self, b: int, prefill_tokens: int) -> float:
+        """The engine term a step of b rows pays: _engine's, and on it a DP replica's dp_replica_host term."""
+        t = self._engine(b, prefill_tokens)
+        if self.dp_host is not None:
+            t += self.dp_step(b)
+        return t
+
     def dp_step(self, b: int) -> float:
         """A DP replica's extra host seconds in a step of b rows (0.0 for a single engine or without the term)."""
         if self.dp_host is None:
@@ -297,9 +304,7 @@ class ProfiledCostModel:
             return None
         s = self.scales
         h, sd = s.host, s.decode
-        he, hg = h * self.engine_step(B), h * grammar
-        if self.dp_host is not None:  # as terms() adds it to the engine term
-            he = h * (self.engine_step(B) + self.dp_step(B))
+        he, hg = h * self._engine_term(B, 0), h * grammar
         hosted = h != sd  # else combine reads no runner-host term
         wall, host = RowPieces(self.dec_wall, B), RowPieces(self.dec_host, B)
         tail = RowPieces(self.dec_tail.table, B) if self.dec_tail else None
@@ -352,18 +357,14 @@ class ProfiledCostModel:
         if so.num_decode_tokens == B and B <= self.graph_max:
             ctx = so.sum_context_tokens / B - 1.0  # tokens cached before the new one, as the table is indexed
             skew = so.max_context_tokens - 1.0 - ctx  # how far the longest row is past the mean
-            eng = self.engine_step(B) if engine is None else engine
-            if self.dp_host is not None and engine is None:
-                eng += self.dp_step(B)
+            eng = self._engine_term(B, 0) if engine is None else engine
             if overlap and self.dec_async is not None:
                 cycle = self.dec_async(B, ctx) + (self.dec_tail_async(B, skew) if self.dec_tail_async else 0.0)
                 return DECODE_ASYNC, (eng, cycle, self.dec_host(B, ctx))
             return DECODE_SYNC, (eng, self.dec_wall(B, ctx), self.dec_host(B, ctx),
                                  self.dec_tail(B, skew) if self.dec_tail else 0.0, grammar)
         lin, attn, samp, prep, sampled = self._eager_terms(so)
-        eng = self._engine(B, so.num_prefill_tokens) if engine is None else engine
-        if self.dp_host is not None and engine is None:
-            eng += self.dp_step(B)
+        eng = self._engine_term(B, so.num_prefill_tokens) if engine is None else engine
         out = self.output(sampled) if sampled else 0.0
         return (MIXED_ASYNC if overlap else MIXED_SYNC), (eng, prep, grammar, self.eager_launch, lin, attn, samp,
                                                            out, self.sync_gap)

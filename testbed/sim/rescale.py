@@ -294,7 +294,6 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto", dp_host_only: bool 
         raise ValueError(f"--cost-model {cost_model}: no profile ships for {model} on {gpu}; give a profile file "
                          "(`testbed profile` writes one)")
     requests, source = run_workload(run, trace, config.seed)
-    source = None if source == str(run.path) else source
     samples = samples_from_run(run, model, config, cm, requests)
     if dp == 1:
         before = error_report(samples, cm.scales)

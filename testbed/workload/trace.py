@@ -341,19 +341,18 @@ def _load_run(path: Path) -> list[TraceRequest]:
     token has no output length to reproduce and is left out."""
     from testbed.runs.rundir import RunDirError, read_run
     run = read_run(path)
-    if (run.manifest.get("config") or {}).get("enable_prefix_caching") and (
-            run.requests(columns=["cached_tokens"])["cached_tokens"] > 0).any():
+    names = run.request_column_names()
+    lora = ["lora"] if "lora" in names else []  # runs with LoRA adapters have it
+    seq = ["replica", "seq"] if "seq" in names else []  # runs written before it: requests in the order they ended
+    req = run.requests(columns=["request_id", "arrival", "input_tokens", "output_tokens", "priority",
+                                "finish_reason", "cached_tokens", *lora, *seq])
+    if (run.manifest.get("config") or {}).get("enable_prefix_caching") and (req["cached_tokens"] > 0).any():
         source = (run.manifest.get("trace") or {}).get("path")
         raise RunDirError(f"{path}: this run's requests hit the prefix cache, and the prompts they shared are not in "
                           "the run directory, so it cannot be its own trace (a replay would miss where the run hit); "
                           "give the trace it served instead"
                           + (f" (its manifest names {source}, with the run's --request-rate, --burstiness and --limit)"
                              if source else ""))
-    names = run.request_column_names()
-    lora = ["lora"] if "lora" in names else []  # runs with LoRA adapters have it
-    seq = ["replica", "seq"] if "seq" in names else []  # runs written before it: requests in the order they ended
-    req = run.requests(columns=["request_id", "arrival", "input_tokens", "output_tokens", "priority",
-                                "finish_reason", *lora, *seq])
     if seq:  # requests that arrived at the same instant were queued in the order their engine received them
         req = req.sort_values(["arrival", "replica", "seq"], kind="stable")
     rejected = req["finish_reason"] == "rejected"
