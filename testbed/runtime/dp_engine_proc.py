@@ -2,8 +2,8 @@
 main-thread busy loop, with an input thread and an output thread doing the socket work.
 
 Input thread: receives the coordinator's AddRequest / AbortRequests / Shutdown (ROUTER -> DEALER),
-decodes them and queues them for the main thread. Output thread: encodes and sends the main
-thread's EngineOutputs to the API server and its stats reports to the coordinator, and sends the
+decodes them and queues them for the main thread. Output thread: builds the wire messages of the main thread's
+step outputs, encodes and sends them to the API server and its stats reports to the coordinator, and sends the
 coordinator a Heartbeat whenever it sent the coordinator nothing for HEARTBEAT_INTERVAL_S, however
 busy it is with outputs (the coordinator's liveness check hears from a live replica at least that
 often: neither a long step nor a long decode with no stats report looks like a dead replica). Frames
@@ -11,7 +11,10 @@ are authenticated (frames.py); the input thread drops a forged or malformed one 
 outputs, report stats when StatsPublisher says so. On any exception it sends ReplicaFailed, then
 exits 1; on Shutdown, or when its launcher is gone, it exits 0.
 
-With a log directory it appends DIR/{steps,requests,itl,adds,reports}.R.jsonl (R = its rank).
+With a log directory it appends DIR/{steps,requests,itl,adds,reports}.R.jsonl (R = its rank), written by the
+record log's thread (record_log.py). The main thread's work between one step's update and the next schedule is
+the engine's own and two queue puts: every encoding and write is another thread's (that gap is on every
+replica's critical path; RESULTS.md "Data parallelism" measures it against a single engine's).
 Started as `python -m testbed.runtime.dp_engine_proc CONFIG_JSON`, or run in a Ray actor.
 """
 from __future__ import annotations
@@ -36,8 +39,9 @@ from testbed.runtime import dp_protocol as D
 from testbed.runtime import config_arg, freeze_startup_heap, run_process
 from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames
-from testbed.runtime.engine_proc import (EngineProcConfig, StepLog, abort_in_core, add_to_core, first_scheduled,
+from testbed.runtime.engine_proc import (EngineProcConfig, abort_in_core, add_to_core, first_scheduled,
                                        scheduler_stats, to_wire)
+from testbed.runtime.record_log import RecordLog
 from testbed.engine.stepper import EngineStepper
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -62,8 +66,8 @@ class DPEngineProc:
         self.rank = cfg.rank
         self.frames = Frames.from_env(f"dp replica {cfg.rank}")
         self.ctx = zmq.Context()
-        self.inq: queue.Queue = queue.Queue()
-        self.outq: queue.Queue = queue.Queue()
+        self.inq: queue.SimpleQueue = queue.SimpleQueue()  # C queues: a put costs the loop no Python-level lock
+        self.outq: queue.SimpleQueue = queue.SimpleQueue()
         self.running = True
         self.num_added = 0
         self.num_reports = 0
@@ -126,6 +130,9 @@ class DPEngineProc:
                 to_front, msg = False, beat
             if msg is None:
                 break
+            if to_front:  # a step's outputs: (adds applied, EngineCoreOutputs, stats, first scheduled)
+                num_added, outputs, stats, scheduled = msg
+                msg = D.EngineOutputs(self.rank, num_added, P.Outputs([to_wire(o) for o in outputs], stats, scheduled))
             (front if to_front else coord).send(msg if msg is beat else self.frames.encode(msg))
             if not to_front:
                 last_to_coord = time.monotonic()
@@ -156,10 +163,10 @@ class DPEngineProc:
                                            num_cpu_blocks=getattr(executor, "num_cpu_blocks", None))
         self.eos, self.vocab_size = executor.eos_token_id, executor.vocab_size
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
-        stepper.on_scheduled = lambda so: self.outq.put((True, D.EngineOutputs(  # running during the step
-            self.rank, self.num_added, P.Outputs([], scheduler_stats(core, -1), {}))))
+        stepper.on_scheduled = lambda so: self.outq.put(  # running during the step
+            (True, (self.num_added, [], scheduler_stats(core, -1), {})))
         publisher = StatsPublisher(config.dp_stats_interval)
-        self.log = StepLog(pc.log_steps, f".{self.rank}", LOG_KINDS) if pc.log_steps else None
+        self.log = RecordLog(pc.log_steps, f".{self.rank}", LOG_KINDS) if pc.log_steps else None
         freeze_startup_heap()
         ready = P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
                         executor.vocab_size, os.getpid(), self.core.block_manager.num_cpu_blocks)
@@ -190,15 +197,11 @@ class DPEngineProc:
                             self.outq.put((False, self.report()))
                     if not stepped:  # nothing schedulable until an input or a compiled grammar changes things
                         self.wait_input(0.001 if stepper.compiling else 0.01)
-                if outputs or stepped:
-                    batch = P.Outputs([to_wire(o) for o in outputs], scheduler_stats(core, -1), scheduled)
-                    self.outq.put((True, D.EngineOutputs(self.rank, self.num_added, batch)))
-                rec = core.records
+                if outputs or stepped:  # made into wire messages and sent on the output thread
+                    self.outq.put((True, (self.num_added, outputs, scheduler_stats(core, -1), scheduled)))
                 if self.log is not None:
-                    self.log.write(rec.steps, rec.requests)
-                    self.log.append("itl", [[x] for x in rec.itl])
-                    self.log.append("grammars", rec.grammars)
-                    self.log.append("loras", list(rec.loras.items()))
+                    self.log.take(core)  # encoded and written on the log's thread
+                rec = core.records
                 for rows in (rec.steps, rec.requests, rec.itl, rec.grammars, rec.loras):  # a server runs for days
                     rows.clear()
                 now = time.monotonic()

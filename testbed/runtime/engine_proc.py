@@ -13,7 +13,6 @@ import importlib
 import os
 import sys
 import time
-from pathlib import Path
 
 import msgspec
 import zmq
@@ -26,6 +25,7 @@ from testbed.engine.request import Request
 from testbed.runtime import config_arg, freeze_startup_heap, run_process
 from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames
+from testbed.runtime.record_log import RecordLog
 from testbed.engine.stepper import EngineStepper
 from testbed.worker.threads import set_engine_threads
 
@@ -47,31 +47,6 @@ class EngineProcConfig(msgspec.Struct):
     log_steps: str | None = None  # directory: steps.jsonl and requests.jsonl are appended there
     executor_factory: str = "testbed.worker.executor:create_executor"
     executor_args: dict = {}  # extra keyword arguments of the factory (e.g. --emulate's gpu and cost_model)
-
-
-class StepLog:
-    """Appends the core's step and request records (STEP_COLUMNS / REQUEST_COLUMNS rows) as JSON lines
-    to DIR/steps{suffix}.jsonl and DIR/requests{suffix}.jsonl, and rows of any other `kinds` to
-    DIR/{kind}{suffix}.jsonl (a data-parallel replica logs under its own suffix)."""
-
-    def __init__(self, directory: str, suffix: str = "", kinds: tuple[str, ...] = ("steps", "requests")) -> None:
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        self.files = {k: open(d / f"{k}{suffix}.jsonl", "ab") for k in kinds}
-
-    def write(self, steps: list[tuple], requests: list[tuple]) -> None:
-        self.append("steps", steps)
-        self.append("requests", requests)
-
-    def append(self, kind: str, rows: list) -> None:
-        if rows:
-            f = self.files[kind]
-            f.write(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
-            f.flush()
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
 
 
 def add_to_core(core: EngineCore, m: P.AddRequest, eos: int | None, vocab_size: int,
@@ -151,7 +126,7 @@ class EngineProc:
         stepper.on_scheduled = lambda so: self.send(P.Outputs([], self.stats(), {}))  # running during the step
         self.eos = executor.eos_token_id
         self.vocab_size = executor.vocab_size
-        log = StepLog(self.cfg.log_steps) if self.cfg.log_steps else None
+        log = RecordLog(self.cfg.log_steps) if self.cfg.log_steps else None
         freeze_startup_heap()  # the model, torch and compiled kernels: alive for the process's life
         self.send(P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
                           executor.vocab_size, os.getpid(), core.block_manager.num_cpu_blocks))
@@ -173,10 +148,10 @@ class EngineProc:
                         self.inp.poll(1 if stepper.compiling else 10)
                 if outputs or stepped:
                     self.send(P.Outputs([to_wire(o) for o in outputs], self.stats(), scheduled))
-                rec = core.records
                 if log is not None:
-                    log.write(rec.steps, rec.requests)
-                for rows in (rec.steps, rec.requests, rec.itl, rec.grammars):  # a server runs for days: no history
+                    log.take(core)  # written on the log's thread
+                rec = core.records
+                for rows in (rec.steps, rec.requests, rec.itl, rec.grammars, rec.loras):  # a server runs for days
                     rows.clear()
                 now = time.monotonic()
                 if now - last_parent_check > PARENT_CHECK_S:
