@@ -102,3 +102,49 @@ def test_subset_narrows_the_rows_and_keeps_the_rest_of_the_step():
     kept = [f for f in SchedulerOutput.__dataclass_fields__ if f not in
             ("requests", "num_new_tokens", "num_computed_before", "block_ids", "new_req_ids", "preempted_req_ids")]
     assert all(getattr(sub, f) == getattr(so, f) for f in kept)
+
+
+class LaunchThenWait(FixedTokenExecutor):
+    """FixedTokenExecutor that launches a step (execute_async) and is waited for later, logging both."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+        self.n = 0
+
+    def execute_async(self, so: SchedulerOutput):
+        self.n += 1
+        n, out = self.n, super().execute(so)
+        self.events.append(f"launch {n}")
+
+        def wait() -> ModelRunnerOutput:
+            self.events.append(f"wait {n}")
+            return out
+        return wait
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_while_device_runs_is_called_once_a_step_between_its_launch_and_the_wait(async_scheduling):
+    """The hook an engine process writes its records in runs after each launch and before a result is waited for
+    (sync: the step's own; async: the step before), once a step; the tokens are those of a run without it."""
+    finals = []
+    for hooked in (False, True):
+        events: list[str] = []
+        engine = make_engine(async_scheduling=async_scheduling, block_size=4)
+        clock = itertools.count()
+        stepper = EngineStepper(engine, LaunchThenWait(events), lambda: float(next(clock)), async_scheduling)
+        if hooked:
+            stepper.while_device_runs = lambda: events.append("hook")
+        for rid in ("a", "b"):
+            assert engine.add_request(make_request(rid, 6, max_tokens=4), 0.0) is None
+        outs = _run(stepper)
+        finals.append({rid: [t for o in os_ for t in o.new_token_ids] for rid, os_ in outs.items()})
+    launches = [e for e in events if e.startswith("launch")]
+    assert events.count("hook") == len(launches) > 1
+    for i, e in enumerate(events):
+        if e == "hook":
+            assert events[i - 1].startswith("launch")  # right after a launch, before any wait
+    if not async_scheduling:
+        assert all(events[i:i + 3] == [f"launch {k}", "hook", f"wait {k}"]
+                   for k, i in enumerate(range(0, len(events), 3), start=1))
+    assert finals[0] == finals[1]

@@ -73,6 +73,10 @@ class EngineStepper:
         # called with a step that admits new requests, after scheduling and before executing it: a server
         # reports them running while their (maybe long) first step runs
         self.on_scheduled: Callable[[SchedulerOutput], None] | None = None
+        # called once a step, after its launch and before its result is waited for (before it executes where the
+        # executor cannot launch without waiting): an engine process writes its records then, while the device
+        # works, on its own thread (a second thread would take the GIL from the step's torch calls)
+        self.while_device_runs: Callable[[], None] | None = None
         self.grammars = getattr(executor, "grammars", None)
         core.compile_grammars = self.grammars is not None
         self._compiling: set[str] = set()  # requests whose grammar was submitted and not reported yet
@@ -146,6 +150,8 @@ class EngineStepper:
                 outputs = self.drain()  # the steps before first: this one's placeholders are their tokens
                 self.last_updated = so
                 return so, ready + outputs + core.update(so, self._isolate(so, e), self.clock())
+            if self.while_device_runs is not None:
+                self.while_device_runs()
             if len(self.queue) < self.max_in_flight:
                 return so, ready  # room in flight: schedule the next step before reading this one back
         return so, ready + (self._update_oldest() if self.queue else [])
@@ -173,8 +179,21 @@ class EngineStepper:
                     raise
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        hook = self.while_device_runs
+        launch = getattr(self.executor, "execute_async", None) if hook is not None else None
+        if hook is not None and launch is None:
+            hook()
         try:
-            return self.executor.execute(so)
+            if launch is None:
+                return self.executor.execute(so)
+            wait = launch(so)
+        except Exception as e:  # noqa: BLE001 - sorted out by _isolate
+            if is_fatal(e):
+                raise
+            return self._isolate(so, e)
+        hook()
+        try:
+            return wait()
         except Exception as e:  # noqa: BLE001 - sorted out by _isolate
             if is_fatal(e):
                 raise

@@ -140,7 +140,8 @@ def read_dp_logs(log_dir: Path, size: int, t0: float, sent: dict[str, float]) ->
             for i in _REQUEST_TIMES:
                 row[i] = None if row[i] is None else row[i] - t0
             rec.requests.append(tuple(row))
-        rec.itl.extend(x for (x,) in _rows(log_dir / f"itl.{r}.jsonl"))
+        for samples in _rows(log_dir / f"itl.{r}.jsonl"):  # a step's samples a line (one a line before)
+            rec.itl.extend(samples)
         rec.grammars.extend((rid, rep, t - t0, err) for rid, rep, t, err in _rows(log_dir / f"grammars.{r}.jsonl"))
         rec.loras.update((rid, name) for rid, name in _rows(log_dir / f"loras.{r}.jsonl"))
         added.update((rid, t - t0) for rid, t in _rows(log_dir / f"adds.{r}.jsonl"))

@@ -1,20 +1,20 @@
 """A data-parallel replica (vLLM's DPEngineCoreProc): EngineCore + executor (TP workers inside) in a
-main-thread busy loop, with an input thread and an output thread doing the socket work.
+main-thread busy loop, with an input thread doing the socket waits.
 
-Input thread: receives the coordinator's AddRequest / AbortRequests / Shutdown (ROUTER -> DEALER),
-decodes them and queues them for the main thread. Output thread: builds the wire messages of the main thread's
-step outputs, encodes and sends them to the API server and its stats reports to the coordinator, and sends the
-coordinator a Heartbeat whenever it sent the coordinator nothing for HEARTBEAT_INTERVAL_S, however
-busy it is with outputs (the coordinator's liveness check hears from a live replica at least that
-often: neither a long step nor a long decode with no stats report looks like a dead replica). Frames
-are authenticated (frames.py); the input thread drops a forged or malformed one and carries on. Main thread: apply queued inputs, step once, queue the step's
-outputs, report stats when StatsPublisher says so. On any exception it sends ReplicaFailed, then
-exits 1; on Shutdown, or when its launcher is gone, it exits 0.
+Input thread: receives the coordinator's AddRequest / AbortRequests / Shutdown (ROUTER -> DEALER), decodes them
+and queues them for the main thread, and sends the coordinator a Heartbeat every HEARTBEAT_INTERVAL_S over the
+same socket, however long a step is (the coordinator's liveness check hears from a live replica at least that
+often: neither a long step nor a long decode with no stats report looks like a dead replica). Frames are
+authenticated (frames.py); the input thread drops a forged or malformed one and carries on. Main thread: apply
+queued inputs, step once, send the step's outputs to the API server and, when StatsPublisher says so, a stats
+report to the coordinator (each over a socket of its own). On any exception it sends ReplicaFailed, then exits 1;
+on Shutdown, or when its launcher is gone, it exits 0.
 
-With a log directory it appends DIR/{steps,requests,itl,adds,reports}.R.jsonl (R = its rank), written by the
-record log's thread (record_log.py). The main thread's work between one step's update and the next schedule is
-the engine's own and two queue puts: every encoding and write is another thread's (that gap is on every
-replica's critical path; RESULTS.md "Data parallelism" measures it against a single engine's).
+With a log directory it appends DIR/{steps,requests,itl,adds,reports}.R.jsonl (R = its rank), written while
+the device runs the next step (record_log.py). Nothing but the input thread's socket waits runs beside the main
+thread during a step: Python work on another thread takes the GIL from every torch call of the step, each of
+which hands it over (RESULTS.md "Data parallelism" measures a replica's steps and gaps against a single
+engine's).
 Started as `python -m testbed.runtime.dp_engine_proc CONFIG_JSON`, or run in a Ray actor.
 """
 from __future__ import annotations
@@ -67,13 +67,14 @@ class DPEngineProc:
         self.frames = Frames.from_env(f"dp replica {cfg.rank}")
         self.ctx = zmq.Context()
         self.inq: queue.SimpleQueue = queue.SimpleQueue()  # C queues: a put costs the loop no Python-level lock
-        self.outq: queue.SimpleQueue = queue.SimpleQueue()
         self.running = True
         self.num_added = 0
         self.num_reports = 0
         self._held = None  # an input taken off the queue by wait_input, not applied yet
         self.core: EngineCore | None = None
-        self.output_thread: threading.Thread | None = None
+        self.front: zmq.Socket | None = None  # PUSH to the API server: the main thread's own
+        self.coord: zmq.Socket | None = None  # DEALER to the coordinator (reports): the main thread's own
+        self.log: RecordLog | None = None
         self.input_thread: threading.Thread | None = None
 
     # ---- sockets and threads -------------------------------------------------------------------
@@ -108,36 +109,31 @@ class DPEngineProc:
         return sock
 
     def _input_loop(self, sock: zmq.Socket) -> None:
+        """Queue the coordinator's messages for the main thread, and send it a Heartbeat every
+        HEARTBEAT_INTERVAL_S (over this socket, this thread's alone), however long the main thread's step is."""
+        beat = self.frames.encode(D.Heartbeat(self.rank))
+        next_beat = time.monotonic()
         while self.running:
+            if time.monotonic() >= next_beat:
+                sock.send(beat)
+                next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
             if sock.poll(100):
                 msg = self.frames.decode(sock.recv(), D.to_replica_decoder, "its coordinator socket")
                 if msg is not None:
                     self.inq.put(msg)
         sock.close(linger=0)
 
-    def _output_loop(self) -> None:
-        front = self.ctx.socket(zmq.PUSH)
-        front.setsockopt(zmq.SNDHWM, 0)
-        front.connect(self.output_addr)
-        coord = self._dealer(b"o")
-        beat = self.frames.encode(D.Heartbeat(self.rank))
-        last_to_coord = time.monotonic()
-        while True:
-            wait = last_to_coord + HEARTBEAT_INTERVAL_S - time.monotonic()
-            try:
-                to_front, msg = self.outq.get(timeout=max(wait, 0.0)) if wait > 0 else self.outq.get_nowait()
-            except queue.Empty:
-                to_front, msg = False, beat
-            if msg is None:
-                break
-            if to_front:  # a step's outputs: (adds applied, EngineCoreOutputs, stats, first scheduled)
-                num_added, outputs, stats, scheduled = msg
-                msg = D.EngineOutputs(self.rank, num_added, P.Outputs([to_wire(o) for o in outputs], stats, scheduled))
-            (front if to_front else coord).send(msg if msg is beat else self.frames.encode(msg))
-            if not to_front:
-                last_to_coord = time.monotonic()
-        front.close(linger=2000)  # deliver what is queued (a ReplicaFailed above all)
-        coord.close(linger=2000)
+    def send_coordinator(self, msg) -> None:
+        """A report, ReplicaReady or ReplicaFailed to the coordinator, from the main thread."""
+        if self.coord is not None:
+            self.coord.send(self.frames.encode(msg))
+
+    def send_outputs(self, outputs: list, scheduled: dict[str, float]) -> None:
+        """Send a step's outputs (and the core's stats) to the API server, from the main thread: a step's wire
+        messages cost tens of microseconds of Python, which on another thread would be taken from the step's
+        torch calls, each of which hands the GIL over."""
+        batch = P.Outputs([to_wire(o) for o in outputs], scheduler_stats(self.core, -1), scheduled)
+        self.front.send(self.frames.encode(D.EngineOutputs(self.rank, self.num_added, batch)), copy=False)
 
     def check_parent(self) -> None:
         if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
@@ -150,8 +146,7 @@ class DPEngineProc:
             import torch
             torch.set_num_threads(self.cfg.torch_threads)
         sock = self.handshake()
-        self.output_thread = threading.Thread(target=self._output_loop, name="dp-output", daemon=True)
-        self.output_thread.start()
+        self.coord = self._dealer(b"o")
         self.input_thread = threading.Thread(target=self._input_loop, args=(sock,), name="dp-input", daemon=True)
         self.input_thread.start()
         module, name = pc.executor_factory.split(":")
@@ -163,15 +158,18 @@ class DPEngineProc:
                                            num_cpu_blocks=getattr(executor, "num_cpu_blocks", None))
         self.eos, self.vocab_size = executor.eos_token_id, executor.vocab_size
         stepper = EngineStepper(core, executor, time.time, config.async_scheduling)
-        stepper.on_scheduled = lambda so: self.outq.put(  # running during the step
-            (True, (self.num_added, [], scheduler_stats(core, -1), {})))
+        self.front = self.ctx.socket(zmq.PUSH)
+        self.front.setsockopt(zmq.SNDHWM, 0)
+        self.front.connect(self.output_addr)
+        stepper.on_scheduled = lambda so: self.send_outputs([], {})  # running during the step
         publisher = StatsPublisher(config.dp_stats_interval)
         self.log = RecordLog(pc.log_steps, f".{self.rank}", LOG_KINDS) if pc.log_steps else None
+        stepper.while_device_runs = self.log.write if self.log is not None else None
         freeze_startup_heap()
         ready = P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
                         executor.vocab_size, os.getpid(), self.core.block_manager.num_cpu_blocks)
         self.steps_done = 0
-        self.outq.put((False, D.ReplicaReady(self.rank, ready, self.report())))
+        self.send_coordinator(D.ReplicaReady(self.rank, ready, self.report()))
         last_parent_check = time.monotonic()
         try:
             while self.running:
@@ -179,7 +177,7 @@ class DPEngineProc:
                 if not self.running:
                     break
                 if aborted and publisher.after_update(time.time(), True, not stepper.has_work()):
-                    self.outq.put((False, self.report()))
+                    self.send_coordinator(self.report())
                 scheduled: dict[str, float] = {}
                 stepped = False
                 if stepper.has_work():
@@ -194,13 +192,13 @@ class DPEngineProc:
                         changed = (any(o.finished for o in step_outputs) or bool(updated.new_req_ids)
                                    or bool(updated.preempted_req_ids))
                         if publisher.after_update(time.time(), changed, not stepper.has_work()):
-                            self.outq.put((False, self.report()))
+                            self.send_coordinator(self.report())
                     if not stepped:  # nothing schedulable until an input or a compiled grammar changes things
                         self.wait_input(0.001 if stepper.compiling else 0.01)
-                if outputs or stepped:  # made into wire messages and sent on the output thread
-                    self.outq.put((True, (self.num_added, outputs, scheduler_stats(core, -1), scheduled)))
+                if outputs or stepped:
+                    self.send_outputs(outputs, scheduled)
                 if self.log is not None:
-                    self.log.take(core)  # encoded and written on the log's thread
+                    self.log.take(core)  # written while the device runs the next step, or before waiting idle
                 rec = core.records
                 for rows in (rec.steps, rec.requests, rec.itl, rec.grammars, rec.loras):  # a server runs for days
                     rows.clear()
@@ -235,6 +233,8 @@ class DPEngineProc:
         returns the outputs they produced and whether an abort ended a live request."""
         outputs, aborted, adds = [], False, []
         timeout = PARENT_CHECK_S if block else None
+        if block and self.log is not None:
+            self.log.write(flush=True)  # idle: the records so far are on disk before the wait
         while True:
             msg, self._held = self._held, None
             if msg is None:
@@ -262,20 +262,20 @@ class DPEngineProc:
         return outputs, aborted
 
     def fail(self, e: BaseException, tb: str) -> None:
-        self.outq.put((False, D.ReplicaFailed(self.rank, f"{type(e).__name__}: {e}", tb)))
+        self.send_coordinator(D.ReplicaFailed(self.rank, f"{type(e).__name__}: {e}", tb))
 
     def close(self) -> None:
         """Stop the socket threads and end the zmq context. Invariant: the process always gets past close():
         the context is termed only once every socket is closed (term waits for each socket, forever), so a
         thread still stuck after its grace period is left to die with the process, its socket with it."""
         self.running = False
-        if self.output_thread is not None:
-            self.outq.put((False, None))
-            self.output_thread.join(timeout=5)
+        for sock in (self.front, self.coord):
+            if sock is not None:
+                sock.close(linger=2000)  # deliver what was sent (a ReplicaFailed above all)
         if self.input_thread is not None:
             self.input_thread.join(timeout=2)
-        if any(t is not None and t.is_alive() for t in (self.output_thread, self.input_thread)):
-            return
+            if self.input_thread.is_alive():
+                return
         self.ctx.term()
 
 

@@ -109,6 +109,7 @@ class EngineProc:
         self.core: EngineCore | None = None
         self.eos: int | None = None
         self.vocab_size = 0
+        self.log: RecordLog | None = None
 
     def send(self, msg) -> None:
         self.out.send(self.frames.encode(msg), copy=False)
@@ -126,7 +127,8 @@ class EngineProc:
         stepper.on_scheduled = lambda so: self.send(P.Outputs([], self.stats(), {}))  # running during the step
         self.eos = executor.eos_token_id
         self.vocab_size = executor.vocab_size
-        log = RecordLog(self.cfg.log_steps) if self.cfg.log_steps else None
+        self.log = log = RecordLog(self.cfg.log_steps) if self.cfg.log_steps else None
+        stepper.while_device_runs = log.write if log is not None else None
         freeze_startup_heap()  # the model, torch and compiled kernels: alive for the process's life
         self.send(P.Ready(executor.num_gpu_blocks, config.block_size, executor.max_model_len, executor.eos_token_id,
                           executor.vocab_size, os.getpid(), core.block_manager.num_cpu_blocks))
@@ -149,7 +151,7 @@ class EngineProc:
                 if outputs or stepped:
                     self.send(P.Outputs([to_wire(o) for o in outputs], self.stats(), scheduled))
                 if log is not None:
-                    log.take(core)  # written on the log's thread
+                    log.take(core)  # written while the device runs the next step, or before waiting idle
                 rec = core.records
                 for rows in (rec.steps, rec.requests, rec.itl, rec.grammars, rec.loras):  # a server runs for days
                     rows.clear()
@@ -167,6 +169,8 @@ class EngineProc:
         """Apply every pending message; waits up to PARENT_CHECK_S for the first one when `block`."""
         outputs: list[EngineCoreOutput] = []
         timeout = int(PARENT_CHECK_S * 1000) if block else 0
+        if block and self.log is not None:
+            self.log.write(flush=True)  # idle: the records so far are on disk before the wait
         while self.inp.poll(timeout):
             timeout = 0
             msg = self.frames.decode(self.inp.recv(copy=False).buffer, P.to_engine_decoder, "its input socket")

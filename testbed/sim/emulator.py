@@ -63,6 +63,7 @@ class EmulatedExecutor:
         self.vocab_size = spec.vocab_size
         self.hidden_size = spec.hidden_size
         self.clock, self.sleep = clock, sleep
+        self._sync = not config.async_scheduling and config.pipeline_parallel_size == 1
         self._device_free = 0.0  # when the emulated device finishes its last launched step
         self._late = self._steps = 0  # steps (this window) that ended after their predicted end
         self._late_s = self._pred_s = 0.0
@@ -133,7 +134,11 @@ class EmulatedExecutor:
         return self._output(so, d)
 
     def execute_async(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
-        """Launch: the step starts when the emulated device is free; the returned function waits for its end."""
+        """Launch: the step starts when the emulated device is free; the returned function waits for its end. A
+        synchronous engine (one step at a time) launches a step only to work beside it before waiting: its step is
+        priced as `execute` prices it, from its schedule."""
+        if self._sync:
+            return lambda: self.execute(so)
         d = self._predict(so)
         if hasattr(self.cost, "launch"):  # pipeline stages: the batch queues behind earlier ones stage by stage
             end = self.cost.launch(so, self.clock())
