@@ -4,7 +4,7 @@ papermill-style parameters; figures whose bytes depend only on what they draw.""
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +23,13 @@ NOTEBOOKS = REPO / "experiments"
 VOLATILE = ("created", "wall_time_s", "speedup")
 
 
-def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file under `folder` by relative path; manifests without their wall-clock fields."""
+def snapshot(folder: Path, output: Path) -> dict[str, bytes]:
+    """Every file under `folder` by relative path, the run's output folder `output` written as <output>
+    wherever a file names it; manifests without their wall-clock fields."""
     out = {}
     for p in sorted(folder.rglob("*")):
         if p.is_file():
-            data = p.read_bytes()
+            data = p.read_bytes().replace(str(output).encode(), b"<output>")
             if p.name == "manifest.json":
                 m = json.loads(data)
                 assert all(k in m for k in VOLATILE), p
@@ -47,11 +48,25 @@ def outputs(nb) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def experiments_run(tmp_path_factory) -> Path:
-    """`make experiments`: every notebook with its defaults, into one output folder (two at a time)."""
-    out = tmp_path_factory.mktemp("experiments")
-    assert main([str(NOTEBOOKS), "--output", str(out), "--parallel", "2"]) == 0
-    return out
+def experiments_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """`make experiments` twice at once, each two notebooks at a time into an output folder of its own: every
+    notebook with its defaults, and its rerun. The two output folders."""
+    base = tmp_path_factory.mktemp("experiments")
+    folders = [base / "run", base / "rerun"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen([sys.executable, "-m", "testbed.notebooks", str(NOTEBOOKS), "--output", str(folder),
+                               "--parallel", "2"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for folder in folders]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=1800)
+        assert proc.returncode == 0, out.decode(errors="replace")[-5000:]
+    return folders[0], folders[1]
+
+
+@pytest.fixture(scope="module")
+def experiments_run(experiments_runs) -> Path:
+    """`make experiments`: every notebook with its defaults, into one output folder."""
+    return experiments_runs[0]
 
 
 def test_every_notebook_runs_headless_and_ends_with_a_figure_and_a_table(experiments_run):
@@ -72,22 +87,16 @@ def test_every_notebook_runs_headless_and_ends_with_a_figure_and_a_table(experim
         assert len(injected) == 1 and f"output_dir = {str(folder)!r}" in injected[0].source
 
 
-def test_a_rerun_reproduces_every_file_byte_for_byte(experiments_run, tmp_path):
-    """Same parameters, same output folder: tables, figures, run directories and the executed notebooks are
-    identical (run manifests apart from their wall-clock fields)."""
-    notebooks = find_notebooks([NOTEBOOKS])
-    before = {}
-    for nb in notebooks:
-        folder = experiments_run / nb.stem
-        before[nb] = snapshot(folder)
-        assert any(k.endswith(".png") for k in before[nb]) and any(k.endswith("summary.json") for k in before[nb])
-        shutil.rmtree(folder)
-    assert main([*map(str, notebooks), "--output", str(experiments_run), "--parallel", "2"]) == 0
-    for nb in notebooks:
-        folder, before_nb = experiments_run / nb.stem, before[nb]
-        after = snapshot(folder)
-        assert sorted(after) == sorted(before_nb), nb.stem
-        changed = [k for k in before_nb if before_nb[k] != after[k]]
+def test_a_rerun_reproduces_every_file_byte_for_byte(experiments_runs):
+    """Same parameters (the output folder apart: each file that names it is compared with the name taken out):
+    tables, figures, run directories and the executed notebooks are identical (run manifests apart from their
+    wall-clock fields)."""
+    run, rerun = experiments_runs
+    for nb in find_notebooks([NOTEBOOKS]):
+        before, after = snapshot(run / nb.stem, run), snapshot(rerun / nb.stem, rerun)
+        assert any(k.endswith(".png") for k in before) and any(k.endswith("summary.json") for k in before)
+        assert sorted(after) == sorted(before), nb.stem
+        changed = [k for k in before if before[k] != after[k]]
         assert not changed, f"{nb.stem}: {changed[:5]}"
 
 
