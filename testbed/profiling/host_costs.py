@@ -22,10 +22,10 @@ from testbed.engine.request import Request
 
 
 def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[int], admit_tokens: list[int],
-                      executor=None) -> dict:
+                      executor=None, decode_steps: int = 30) -> dict:
     """Seconds of the EngineCore's own work per step on this host: schedule + update of a decode batch (in a
-    real loop on `executor` when given, else isolated; see the module docstring), and of a step admitting one
-    prompt (with and without prefix caching, isolated)."""
+    real loop on `executor` when given, else isolated; see the module docstring), the median of `decode_steps`
+    steps, and of a step admitting one prompt (with and without prefix caching, isolated)."""
     def timed_steps(core: EngineCore, n: int, execute=None) -> float:
         """Median seconds of schedule + update over n steps; `execute` runs each step between them, untimed
         (None: no model, every row samples token 7, that output's making timed with the update)."""
@@ -68,7 +68,7 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
         for i in range(b):
             admitted(core, Request(f"host-{b}-{i}", rng.integers(low, high, 16, dtype=np.int32), params, 0.0))
         timed_steps(core, 1 if execute is None else 3, execute)  # the prefills (in a loop, two decodes more)
-        decode.append(timed_steps(core, 30, execute))
+        decode.append(timed_steps(core, decode_steps, execute))
     admit = {}
     for caching in (False, True):
         cfg = EngineConfig(**{**config.to_dict(), "enable_prefix_caching": caching})

@@ -64,6 +64,7 @@ class Grid:
     tail_base: int = TAIL_BASE
     host_batches: list[int] = field(default_factory=lambda: [1, 8, 32, 64, 128, 256])
     host_admit_tokens: list[int] = field(default_factory=lambda: [16, 256, 1024, 4096, 8192])
+    host_decode_steps: int = 30  # decode steps per batch whose median is the engine's host time (engine_host_costs)
 
 
 def batch_edges(graph_sizes: list[int], max_num_seqs: int) -> list[int]:
@@ -89,7 +90,7 @@ def default_grid(config: EngineConfig, max_model_len: int, graph_sizes: list[int
         return Grid(small(batches, 4), small(contexts, 64), small(chunks, 64), [0, min(32, max_model_len // 4)],
                     small(rows, 4), num_validation=2, reps=1, warmup=1, tail_batches=small(batches, 4),
                     tail_deltas=[max_model_len // 4], tail_base=max_model_len // 4, host_batches=[1, 4],
-                    host_admit_tokens=[16, 64])
+                    host_admit_tokens=[16, 64], host_decode_steps=3)
     top = max_model_len - TAIL_BASE - 1
     return Grid(batches, contexts, chunks, [c for c in CHUNK_CONTEXTS if c < max_model_len], rows,
                 tail_batches=sorted({b for b in TAIL_BATCHES if b < mns} | {mns}),
@@ -225,7 +226,7 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
             "rows_tail": sweep_rows_tail(m, f, grid, capacity, tick),
             "validation": validation_steps(m, f, grid, config, max_model_len, capacity, tick),
             "engine_host": engine_host_costs(config, max_model_len, grid.host_batches, grid.host_admit_tokens,
-                                             executor),
+                                             executor, grid.host_decode_steps),
             "host_device": measure_block_moves(runner, grid.reps),
         }
         if runner.lora is not None:
