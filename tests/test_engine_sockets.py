@@ -40,6 +40,9 @@ from testbed.runtime.frames import SECRET_ENV, Frames
 pytestmark = pytest.mark.timeout(300)
 
 HEARTBEAT_TIMEOUT_S = 3.0
+# tokens a liveness stream decodes: the emulated Llama-3.1-8B on an H100 (its shipped profile) takes about 6.6 ms a
+# step at batch 1, so a stream lasts at least ~7.9 s, past twice the timeout with a margin
+STREAM_TOKENS = 1200
 
 
 def test_add_request_carries_the_parameters_whole():
@@ -71,7 +74,7 @@ def test_replicas_decoding_for_longer_than_the_heartbeat_timeout_stay_alive(tmp_
             t0 = time.monotonic()
             n, reason = 0, None
             async for chunk in await client.completions.create(
-                    model=srv_model(srv), prompt=[11 + i, 12, 13], max_tokens=1500, stream=True,
+                    model=srv_model(srv), prompt=[11 + i, 12, 13], max_tokens=STREAM_TOKENS, stream=True,
                     extra_body={"ignore_eos": True}):
                 for c in chunk.choices:
                     n += 1 if c.text else 0
