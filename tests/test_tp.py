@@ -347,8 +347,13 @@ def test_serve_with_tensor_parallel_size_3_matches_tp1_text(tmp_path):
     from server_helpers import ServerProcess
     from testbed.worker.smollm2 import default_model_dir
     prompt = "The capital of France is"
-    ref = LLM(str(default_model_dir()), max_model_len=256).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
-    server = ServerProcess("--tensor-parallel-size", "3", log_dir=tmp_path).wait_ready()
+    server = ServerProcess("--tensor-parallel-size", "3", log_dir=tmp_path)  # the reference is computed meanwhile
+    try:
+        ref = LLM(str(default_model_dir()), max_model_len=256).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+        server.wait_ready()
+    except BaseException:
+        server.kill()
+        raise
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         model = client.models.list().data[0].id
