@@ -144,8 +144,28 @@ def relative_error(sim: float | None, real: float | None) -> float | None:
 
 
 def real_entry(run) -> dict:
-    """A real run's part of its benchmark entry: where it is, its summary, DP timings and manifest."""
-    return {"real_dir": str(run.path), "real": run.summary, "dp_timings": dp_timings(run), "manifest": run.manifest}
+    """A real run's part of its benchmark entry: where it is, its summary, DP timings, capacity and manifest."""
+    return {"real_dir": str(run.path), "real": run.summary, "dp_timings": dp_timings(run), "capacity": capacity(run),
+            "manifest": run.manifest}
+
+
+def capacity(run) -> dict | None:
+    """The run's throughput while saturated: output tokens emitted (decode tokens of the steps that ended, first
+    tokens) from the first step until the first replica's waiting queue emptied for good, over that window. A
+    finite trace ends with a drain (the last requests decode at ever smaller batches) that takes about as long
+    whatever the layout, so the whole run's throughput understates what more replicas sustain; this is what the
+    layout sustains while it has work queued. None when no replica ever had a request waiting."""
+    steps = run.steps(["replica", "start", "duration", "num_decode_tokens", "num_waiting"])
+    ends = [g["start"].to_numpy()[np.nonzero(g["num_waiting"].to_numpy() > 0)[0][-1]]
+            for _, g in steps.sort_values("start").groupby("replica") if (g["num_waiting"] > 0).any()]
+    if len(ends) < steps["replica"].nunique():
+        return None
+    t0, t1 = float(steps["start"].min()), float(min(ends))
+    done = steps[steps["start"] + steps["duration"] <= t1]
+    first = run.requests(["first_token"])["first_token"]
+    tokens = int(done["num_decode_tokens"].sum() + (first <= t1).sum())
+    return {"saturated_s": t1 - t0, "saturated_tokens": tokens,
+            "saturated_output_throughput": tokens / (t1 - t0) if t1 > t0 else None}
 
 
 def dp_timings(run) -> dict | None:
@@ -381,6 +401,10 @@ def fmt(v: float | None, err: bool = False) -> str:
     return f"{v:+.1%}" if err else f"{v:.4g}"
 
 
+def _times(v: float, ref: float | None) -> str:
+    return f"{v / ref:.2f}x" if ref else "-"
+
+
 def render_tables(results: dict) -> str:
     cols = [("output_throughput", None), ("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99")]
     head = " | ".join(f"{k.removesuffix('_s')}{' ' + q if q else ''} real | sim | err" for k, q in cols)
@@ -396,6 +420,18 @@ def render_tables(results: dict) -> str:
         cells = " | ".join(f"{fmt(value(r['real'], k, q))} | {fmt(value(r['sim'], k, q))} | "
                            f"{fmt(r['errors'][f'{k} {q}' if q else k], err=True)}" for k, q in cols)
         lines.append(f"| {r['layout']} | {r['rate']:g} | {cells} | {r['decision_parity'].split(':')[0]} |")
+    sat = [r for r in results["runs"] if (r.get("capacity") or {}).get("saturated_output_throughput")]
+    if sat:
+        base = {r["rate"]: r for r in results["runs"] if r.get("dp") == 1 and "real" in r}
+        lines += ["", "| layout | rate | output tok/s, whole run | x DP=1 | saturated window (s) | output tok/s while "
+                      "saturated | x DP=1 |", "|---|---|---|---|---|---|---|"]
+        for r in sat:
+            b = base.get(r["rate"])
+            whole, capa = r["real"]["output_throughput"], r["capacity"]["saturated_output_throughput"]
+            b_whole = b["real"]["output_throughput"] if b else None
+            b_capa = ((b or {}).get("capacity") or {}).get("saturated_output_throughput")
+            lines.append(f"| {r['layout']} | {r['rate']:g} | {whole:.0f} | {_times(whole, b_whole)} | "
+                         f"{r['capacity']['saturated_s']:.2f} | {capa:.0f} | {_times(capa, b_capa)} |")
     timed = [r for r in results["runs"] if r.get("dp_timings")]
     if timed:
         lines += ["", "| layout | rate | routing hop p50 / p99 (ms) | route -> admission p50 / p99 (ms) | "
