@@ -4,9 +4,10 @@ per socket reads its whole union. The single-engine structs of protocol.py are r
   API server  --PUSH/PULL (ipc)-->  coordinator:  AddRequest, DPAbort, ReplicaGone, Shutdown
   coordinator --ROUTER/DEALER (tcp, --data-parallel-rpc-port)--> replica input thread:
                  Welcome | Refused, then AddRequest, AbortRequests, Shutdown
-  replica output thread --DEALER--> coordinator:  Hello, ReplicaReady, Report, Heartbeat, ReplicaFailed
+  replica main thread --DEALER--> coordinator:  ReplicaReady, Report, ReplicaFailed (the input thread's DEALER:
+                 Hello, Heartbeat)
   headless node launcher <--DEALER--> coordinator:  Hello, ReplicaGone / Ping, ReplicaUp, Shutdown
-  replica output thread --PUSH (tcp)--> API server:  EngineOutputs
+  replica main thread --PUSH (tcp)--> API server:  EngineOutputs
   coordinator --PUSH (tcp)--> API server:  Routed, Unroutable, ReplicaUp, ReplicaDead
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ engine loop. For each batch size b, b requests per replica (PROMPT_TOKENS in, OU
 decode together; a step's gap runs from its update's start to the next schedule (its records: start + duration to
 the next start). The median gaps of the decode steps at exactly b rows, DP replica less single engine, are fitted
 as step_s + row_s x b (non-negative least squares). The host is the one the profile is made on: its cores decide
-how much the replica's output thread takes from its main loop.
+how fast the replica's loop publishes its outputs and reports.
 """
 from __future__ import annotations
 
