@@ -154,7 +154,10 @@ def capacity(run) -> dict | None:
     tokens) from the first step until the first replica's waiting queue emptied for good, over that window. A
     finite trace ends with a drain (the last requests decode at ever smaller batches) that takes about as long
     whatever the layout, so the whole run's throughput understates what more replicas sustain; this is what the
-    layout sustains while it has work queued. None when no replica ever had a request waiting."""
+    layout sustains while it has work queued. It includes the ramp (batches filling as requests arrive), and the
+    window covers another part of the trace in each layout (a shorter, earlier one with more replicas), so it
+    compares layouts fairly only when the window is long beside the ramp. None when no replica ever had a
+    request waiting."""
     steps = run.steps(["replica", "start", "duration", "num_decode_tokens", "num_waiting"])
     ends = [g["start"].to_numpy()[np.nonzero(g["num_waiting"].to_numpy() > 0)[0][-1]]
             for _, g in steps.sort_values("start").groupby("replica") if (g["num_waiting"] > 0).any()]
