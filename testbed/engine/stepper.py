@@ -74,8 +74,8 @@ class EngineStepper:
         # reports them running while their (maybe long) first step runs
         self.on_scheduled: Callable[[SchedulerOutput], None] | None = None
         # called once a step, after its launch and before its result is waited for (before it executes where the
-        # executor cannot launch without waiting): an engine process writes its records then, while the device
-        # works, on its own thread (a second thread would take the GIL from the step's torch calls)
+        # executor cannot launch without waiting): an engine process writes its records then, on the loop's own
+        # thread while the device works (a second thread would take the GIL from the step's torch calls)
         self.while_device_runs: Callable[[], None] | None = None
         self.grammars = getattr(executor, "grammars", None)
         core.compile_grammars = self.grammars is not None
