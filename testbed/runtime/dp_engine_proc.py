@@ -41,7 +41,7 @@ from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames
 from testbed.runtime.engine_proc import (EngineProcConfig, abort_in_core, add_to_core, first_scheduled,
                                        scheduler_stats, to_wire)
-from testbed.runtime.record_log import RecordLog
+from testbed.runtime.record_log import RecordLog, hand_over
 from testbed.engine.stepper import EngineStepper
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -197,11 +197,7 @@ class DPEngineProc:
                         self.wait_input(0.001 if stepper.compiling else 0.01)
                 if outputs or stepped:
                     self.send_outputs(outputs, scheduled)
-                if self.log is not None:
-                    self.log.take(core)  # written while the device runs the next step, or before waiting idle
-                rec = core.records
-                for rows in (rec.steps, rec.requests, rec.itl, rec.grammars, rec.loras):  # a server runs for days
-                    rows.clear()
+                hand_over(core, self.log)
                 now = time.monotonic()
                 if now - last_parent_check > PARENT_CHECK_S:
                     last_parent_check = now

@@ -25,7 +25,7 @@ from testbed.engine.request import Request
 from testbed.runtime import config_arg, freeze_startup_heap, run_process
 from testbed.runtime import protocol as P
 from testbed.runtime.frames import Frames
-from testbed.runtime.record_log import RecordLog
+from testbed.runtime.record_log import RecordLog, hand_over
 from testbed.engine.stepper import EngineStepper
 from testbed.worker.threads import set_engine_threads
 
@@ -150,11 +150,7 @@ class EngineProc:
                         self.inp.poll(1 if stepper.compiling else 10)
                 if outputs or stepped:
                     self.send(P.Outputs([to_wire(o) for o in outputs], self.stats(), scheduled))
-                if log is not None:
-                    log.take(core)  # written while the device runs the next step, or before waiting idle
-                rec = core.records
-                for rows in (rec.steps, rec.requests, rec.itl, rec.grammars, rec.loras):  # a server runs for days
-                    rows.clear()
+                hand_over(core, log)
                 now = time.monotonic()
                 if now - last_parent_check > PARENT_CHECK_S:
                     last_parent_check = now

@@ -89,3 +89,14 @@ class RecordLog:
         f = self.files.get(kind)
         if f is not None and rows:
             f.write(b"\n".join(map(_encode, rows)) + b"\n")
+
+
+def hand_over(core, log: RecordLog | None) -> None:
+    """After a step of an engine process: the core's records go to `log` (written while the device runs the next
+    step, or before the loop waits idle), or are dropped where nothing logs them (a server runs for days: the core
+    keeps no history)."""
+    if log is not None:
+        log.take(core)
+    rec = core.records
+    for rows in (rec.steps, rec.requests, rec.itl, rec.grammars, rec.loras):
+        rows.clear()
