@@ -164,11 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.parallel < 1:
             raise ValueError(f"--parallel {args.parallel}: give at least 1")
         notebooks = find_notebooks(args.notebooks)
+        # absolute: the kernel works from the repository root (experiment.start), so a relative folder would
+        # put the notebooks' files there and the executed .ipynb here when run from elsewhere
+        output = Path(args.output).resolve()
+        args.output = str(output)
         if args.parallel > 1 and len(notebooks) > 1:
             return run_in_processes(notebooks, args)
         for nb in notebooks:
             print(f"running {nb} ...", flush=True)
-            target = execute_notebook(nb, Path(args.output) / nb.stem, params, timeout=args.timeout, progress=True)
+            target = execute_notebook(nb, output / nb.stem, params, timeout=args.timeout, progress=True)
             print(f"wrote {target}", flush=True)
     except (ValueError, OSError, NotebookError) as e:
         print(f"testbed.notebooks: error: {e}", file=sys.stderr)

@@ -141,6 +141,18 @@ def test_notebook_runner_errors_are_one_line(tmp_path, capfd):
     assert len(err.strip().splitlines()) == 1 and "encryption" not in err, err
 
 
+def test_a_relative_output_folder_is_read_from_where_the_command_runs(tmp_path, monkeypatch):
+    """The kernel works from elsewhere (the notebooks chdir to the repository root), so a relative --output is
+    made absolute first: the notebook's own files and the executed .ipynb land side by side under the caller's
+    folder."""
+    nb = tmp_path / "01_moves.py"
+    nb.write_text('# %% tags=["parameters"]\noutput_dir = "x"\n\n# %%\nimport os\nos.chdir("/")\n'
+                  'open(os.path.join(output_dir, "made.txt"), "w").write("1")\n')
+    monkeypatch.chdir(tmp_path)
+    assert main([str(nb), "-o", "rel"]) == 0
+    assert sorted(p.name for p in (tmp_path / "rel" / "01_moves").iterdir()) == ["01_moves.ipynb", "made.txt"]
+
+
 def test_png_bytes_depend_only_on_the_figure():
     code = ("import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt, sys\n"
             "from testbed.runs.plots import to_png\n"
