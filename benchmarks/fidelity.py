@@ -140,6 +140,7 @@ class Paired:
 
     def __init__(self, recorded, model, durations: list[float]) -> None:
         self.recorded, self.model, self.durations, self.pairs = recorded, model, durations, []
+        self.first_start = recorded.first_start  # the replay's first step starts where the run's did
 
     def step_time(self, so) -> float:
         k = self.recorded.step

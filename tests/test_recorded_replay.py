@@ -63,6 +63,8 @@ def test_a_replay_starts_its_first_step_where_the_run_did(tmp_path):
     replay = pd.read_parquet(tmp_path / "replay" / "steps.parquet")
     assert replay["num_reqs"].iloc[0] == 2
     assert replay["start"].tolist() == pytest.approx(steps["start"].tolist(), abs=1e-12)
+    # `testbed calibrate` replays the run the same way (its steps paired with a profile's terms)
+    assert main(["calibrate", str(real), "--trace", str(late), "-o", str(tmp_path / "cal.json")]) == 0
 
 
 def test_a_run_whose_requests_hit_the_prefix_cache_is_not_its_own_trace(tmp_path, capsys):

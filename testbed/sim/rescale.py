@@ -219,6 +219,7 @@ def samples_from_run(run, model: str, config, cost_model, trace=None) -> list[St
 
     class Paired:
         """The recorded time of each step (so the batches stay the run's), the step noted with the pairing."""
+        first_start = recorded.first_start  # the replay's first step starts where the run's did, so its later ones do
 
         def step_time(self, so) -> float:
             k, seconds = recorded.step, recorded.step_time(so)  # raises when the replay outruns the record
