@@ -14,7 +14,8 @@ from testbed.server.schemas import ChatCompletionRequest, ChatMessage, bad_reque
 from testbed.server.params import beam_search_params, request_params, truncate_prompts
 from testbed.server.serving import GenerationRun, floor_logprob, prompt_logprobs_json
 from testbed.server.state import ServerState, new_id
-from testbed.server.streaming import EventFramer, SSEResponse, client_closed_response, collect, event_stream, sse
+from testbed.server.streaming import (EventFramer, SSEResponse, client_closed_response, collect, event_stream, sse,
+                                       wakeup_chunks)
 
 
 def message_texts(messages: list[ChatMessage]) -> list[str]:
@@ -115,21 +116,17 @@ async def _stream(run: GenerationRun, req: ChatCompletionRequest, head: dict) ->
     yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None} for c in run.choices]})
     framer = EventFramer(head)
+
+    def events_of(c) -> list[bytes]:
+        d = {"index": c.index, "delta": {"content": c.delta_text},
+             "logprobs": chat_logprobs(run, c.delta_ids, c.delta_logprobs) if req.logprobs else None,
+             "finish_reason": c.finish_reason}
+        if c.finished:
+            d["stop_reason"] = c.stop_reason
+        if req.return_token_ids:
+            d["token_ids"] = c.delta_ids
+        return [framer.event(d)]
+
     usage = req.stream_options is not None and req.stream_options.include_usage
-    while not run.done:
-        events: list[bytes] = []
-        for c in await run.next():
-            if not c.delta_ids and not c.delta_text and not c.finished:
-                continue
-            d = {"index": c.index, "delta": {"content": c.delta_text},
-                 "logprobs": chat_logprobs(run, c.delta_ids, c.delta_logprobs) if req.logprobs else None,
-                 "finish_reason": c.finish_reason}
-            if c.finished:
-                d["stop_reason"] = c.stop_reason
-            if req.return_token_ids:
-                d["token_ids"] = c.delta_ids
-            events.append(framer.event(d))
-        if run.done and usage:
-            events.append(sse({**head, "choices": [], "usage": run.usage()}))
-        if events:
-            yield b"".join(events)
+    async for chunk in wakeup_chunks(run, head, usage, events_of):
+        yield chunk

@@ -12,7 +12,8 @@ from testbed.server.params import beam_search_params, request_params, truncate_p
 from testbed.server.serving import (Choice, GenerationRun, check_choice_count, floor_logprob as _floor,
                                     prompt_logprobs_json)
 from testbed.server.state import ServerState, new_id
-from testbed.server.streaming import EventFramer, SSEResponse, client_closed_response, collect, event_stream, sse
+from testbed.server.streaming import (EventFramer, SSEResponse, client_closed_response, collect, event_stream,
+                                       wakeup_chunks)
 
 
 INLINE_IDS = 16384  # token-id prompts up to this many ids in all are checked on the event loop (tens of us)
@@ -134,33 +135,28 @@ async def _stream(run: GenerationRun, req: CompletionRequest, head: dict, echoes
     offsets = {c.index: len(echoes[c.prompt_index]) for c in run.choices}
     started: set[int] = set()
     framer = EventFramer(head)
+
+    def events_of(c) -> list[bytes]:
+        text = c.delta_text
+        prompt_ids = None
+        if c.index not in started:
+            started.add(c.index)
+            text = echoes[c.prompt_index] + text
+            prompt_ids = run.prompts[c.prompt_index]
+        if run.state.tokenizer is None and len(c.delta_ids) > 1:
+            # no text to carry (no tokenizer): one event per token, so a client can still count and time
+            # them (several tokens queued behind a slow reader otherwise go out as one event, as in vLLM)
+            lps = c.delta_logprobs or [None] * len(c.delta_ids)
+            last = len(c.delta_ids) - 1
+            return [framer.event(_choice(run, req, c, text if k == 0 else "", [tid],
+                                         [lps[k]] if c.delta_logprobs else [], offsets[c.index],
+                                         prompt_ids if k == 0 else None, k == last))
+                    for k, tid in enumerate(c.delta_ids)]
+        choice = _choice(run, req, c, text, c.delta_ids, c.delta_logprobs, offsets[c.index], prompt_ids)
+        if choice["logprobs"] and run.state.tokenizer is not None:
+            offsets[c.index] += sum(len(run.token_text(t)) for t in c.delta_ids)
+        return [framer.event(choice)]
+
     usage = req.stream_options is not None and req.stream_options.include_usage
-    while not run.done:
-        events: list[bytes] = []
-        for c in await run.next():
-            if not c.delta_ids and not c.delta_text and not c.finished:
-                continue
-            text = c.delta_text
-            prompt_ids = None
-            if c.index not in started:
-                started.add(c.index)
-                text = echoes[c.prompt_index] + text
-                prompt_ids = run.prompts[c.prompt_index]
-            if run.state.tokenizer is None and len(c.delta_ids) > 1:
-                # no text to carry (no tokenizer): one event per token, so a client can still count and time
-                # them (several tokens queued behind a slow reader otherwise go out as one event, as in vLLM)
-                lps = c.delta_logprobs or [None] * len(c.delta_ids)
-                for k, tid in enumerate(c.delta_ids):
-                    last = k == len(c.delta_ids) - 1
-                    choice = _choice(run, req, c, text if k == 0 else "", [tid], [lps[k]] if c.delta_logprobs else [],
-                                     offsets[c.index], prompt_ids if k == 0 else None, last)
-                    events.append(framer.event(choice))
-                continue
-            choice = _choice(run, req, c, text, c.delta_ids, c.delta_logprobs, offsets[c.index], prompt_ids)
-            if choice["logprobs"] and run.state.tokenizer is not None:
-                offsets[c.index] += sum(len(run.token_text(t)) for t in c.delta_ids)
-            events.append(framer.event(choice))
-        if run.done and usage:
-            events.append(sse({**head, "choices": [], "usage": run.usage()}))
-        if events:
-            yield b"".join(events)
+    async for chunk in wakeup_chunks(run, head, usage, events_of):
+        yield chunk

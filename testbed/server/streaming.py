@@ -35,6 +35,21 @@ class EventFramer:
         return self.prefix + msgspec.json.encode(choice) + b"]}\n\n"
 
 
+async def wakeup_chunks(run: GenerationRun, head: dict[str, Any], usage: bool,
+                        events_of: Callable[[Any], list[bytes]]) -> AsyncIterator[bytes]:
+    """A stream's chunks, one per wakeup: the events `events_of` makes for each choice that moved in the outputs
+    applied at once (a token, text or its end), and the usage event (`usage`) once the run is done, in one write."""
+    while not run.done:
+        events: list[bytes] = []
+        for c in await run.next():
+            if c.delta_ids or c.delta_text or c.finished:
+                events += events_of(c)
+        if run.done and usage:
+            events.append(sse({**head, "choices": [], "usage": run.usage()}))
+        if events:
+            yield b"".join(events)
+
+
 class LastChunk(bytes):
     """A stream's final bytes: SSEResponse ends the HTTP body with them, in one write."""
 
