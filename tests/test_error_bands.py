@@ -20,11 +20,13 @@ REAL = FIDELITY / "2026-11-24_795c0af_h200_llama-3.2-1b/azure-80"
 
 
 def test_the_shipped_bands_are_the_fidelity_benchmarks_largest_errors():
-    """The H100 bands come from the graphed runs of 2026-11-26 on three H100s other than the profiles' (simulated
-    at ca99c8b and, those at 7513608, with the shipped profile at 4f7e4f2), the H100 TP=2 ones from that profile's
-    own run, the rest from the runs of 2026-11-24 (fidelity.py bands --merge); each band names its runs."""
+    """The H100 bands come from the graphed runs on five H100s other than the profiles' (of 2026-11-26 simulated at
+    ca99c8b and, those at 7513608, with the shipped profile at 4f7e4f2; of 2026-11-27 at 7a8dc98 and f0fda61,
+    simulated at f541366), the H100 TP=2 ones from that profile's own run, the rest from the runs of 2026-11-24
+    (fidelity.py bands --merge); each band names its runs."""
     shipped = load_bands()
-    h100 = [c for name in ("sim_2026-11-26_h100_ca99c8b.json", "sim_2026-11-26_h100_7513608_shipped.json")
+    h100 = [c for name in ("sim_2026-11-26_h100_ca99c8b.json", "sim_2026-11-26_h100_7513608_shipped.json",
+                           "sim_2026-11-27_h100_7a8dc98_shipped.json", "sim_2026-11-27_h100_f0fda61_8b_shipped.json")
             for c in json.loads((FIDELITY / name).read_text())]
     new = bands_from_fidelity(h100, "")["bands"]
     tp2 = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-26_h100_tp2.json").read_text()), "")["bands"]
