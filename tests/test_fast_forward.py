@@ -228,6 +228,8 @@ def simulate_both(trace: list[TraceRequest], cm=None, **config_overrides):
         assert all(cols[c].tobytes() == np.array([row[i] for row in rows], dtype=cols[c].dtype).tobytes()
                    for i, c in enumerate(cols))
         assert r.records.itl.array().tobytes() == np.array(list(r.records.itl), dtype=np.float64).tobytes()
+        # the same from the step table's flattening, made once for both (as a run directory's summary takes it)
+        assert r.records.itl_array().tobytes() == r.records.itl.array().tobytes()
     return tables, results
 
 

@@ -77,6 +77,10 @@ class Recorder:
     def request_columns(self) -> dict[str, list]:
         return _columns(self.requests, REQUEST_COLUMNS)
 
+    def itl_array(self) -> np.ndarray:
+        """The ITL samples as a float64 array, the stretches flattened once for them and the step columns."""
+        return self.itl.array(self.steps)
+
     def step_columns(self) -> dict[str, np.ndarray]:
         """Step columns as numpy arrays (float64 for times, int64 otherwise)."""
         names = STEP_COLUMNS + self.step_extra
@@ -90,7 +94,10 @@ def _columns(rows: list[tuple], names: tuple[str, ...]) -> dict[str, list]:
 
 def _stats(values) -> dict[str, float | None]:
     """mean and percentiles (numpy's linear interpolation, as vLLM's benchmark); None when empty."""
-    xs = values.array() if isinstance(values, Samples) else np.fromiter(values, dtype=np.float64, count=len(values))
+    if isinstance(values, np.ndarray):  # the caller's: partitioned in a copy
+        xs = np.array(values, dtype=np.float64)
+    else:
+        xs = values.array() if isinstance(values, Samples) else np.fromiter(values, dtype=np.float64, count=len(values))
     if xs.size == 0:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
     mean = float(xs.mean())
@@ -129,7 +136,7 @@ def _covered(replicas, starts, durations) -> float:
     return total
 
 
-def summarize(requests: dict[str, list], steps: dict[str, list], itl: list[float],
+def summarize(requests: dict[str, list], steps: dict[str, list], itl: list[float] | np.ndarray,
               slo_ttft: float | None = None, slo_tpot: float | None = None,
               prefix_queries: int = 0, prefix_hits: int = 0) -> dict[str, Any]:
     """Headline metrics of a run from its records (columns as in REQUEST_COLUMNS / STEP_COLUMNS)."""

@@ -11,8 +11,8 @@ without building those lists (`StepRows.columns`, `Samples.array`), every durati
 """
 from __future__ import annotations
 
-from itertools import chain, repeat
-from operator import attrgetter
+from itertools import chain, compress, repeat
+from operator import attrgetter, not_
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -115,20 +115,38 @@ class StepRows(_Parts):
     """The step table (STEP_COLUMNS rows, and the recorder's extra columns): tuples and stretches. `times` and
     `used` are what this table's stretches index (engine/fast_forward.py appends to them)."""
 
-    __slots__ = ("times", "used")
+    __slots__ = ("times", "used", "_flattened")
 
     def __init__(self, rows: Iterable = ()) -> None:
         super().__init__(rows)
         self.times: list[float] = []
         self.used: list[int] = []
+        self._flattened: tuple | None = None
 
     def __setstate__(self, rows) -> None:
         super().__setstate__(rows)
-        self.times, self.used = [], []
+        self.times, self.used, self._flattened = [], [], None
 
     def clear(self) -> None:
         super().clear()
-        self.times, self.used = [], []
+        self.times, self.used, self._flattened = [], [], None
+
+    def flattened(self) -> tuple[list[Stretch], np.ndarray, np.ndarray, np.ndarray]:
+        """(stretches, and their _flat: times, used, fields) of this table, made once while no part is added (the
+        step columns and the ITL samples both read it; stretches are only ever added as parts)."""
+        if self._flattened is None or self._flattened[0] != len(self._parts):
+            stretches = list(compress(self._parts, map(isinstance, self._parts, repeat(Stretch))))
+            self._flattened = (len(self._parts), stretches, *_flat(stretches))
+        return self._flattened[1:]
+
+    def flat_of(self, stretches: list[Stretch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """_flat(stretches) for stretches of this table, from its own flattening (None if one is not in it)."""
+        mine, times, used, fields = self.flattened()
+        row = dict(zip(map(id, mine), range(len(mine))))
+        rows = list(map(row.get, map(id, stretches)))
+        if None in rows:
+            return None
+        return times, used, fields[rows]
 
     def add_stretch(self, stretch: Stretch) -> None:
         if stretch.n:
@@ -144,11 +162,16 @@ class StepRows(_Parts):
         The rows appended one by one as they were, the stretches' columns computed for all of them at once (a run
         has tens of thousands); each column is written once (a run's columns are tens of megabytes)."""
         parts = self._all()
-        lens = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
-        is_stretch = np.fromiter((isinstance(p, Stretch) for p in parts), dtype=bool, count=len(parts))
+        kinds = list(map(isinstance, parts, repeat(Stretch)))
+        is_stretch = np.array(kinds, dtype=bool)
+        rows = list(compress(parts, map(not_, kinds)))
+        stretches, *flat = self.flattened()
+        lens = np.empty(len(parts), dtype=np.int64)
+        lens[~is_stretch] = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        if stretches:
+            lens[is_stretch] = flat[2][:, 2]  # their n
         where = np.repeat(is_stretch, lens)
         cols = [np.zeros(len(where), dtype=np.float64 if k in floats else np.int64) for k in range(width)]
-        rows = [p for p in parts if not isinstance(p, Stretch)]
         if rows:
             n = len(where) - int(lens[is_stretch].sum())
             arr = np.fromiter(chain.from_iterable(chain.from_iterable(rows)), dtype=np.float64,
@@ -157,10 +180,9 @@ class StepRows(_Parts):
             for k, (col, values) in enumerate(zip(cols, arr.T)):
                 if k in floats or values.any():
                     col[at] = values if k in floats else values.astype(np.int64)
-        stretches = [p for p in parts if isinstance(p, Stretch)]
         if stretches:
             at = slice(None) if not rows else np.flatnonzero(where)
-            for k, values in _stretch_columns(stretches).items():
+            for k, values in _stretch_columns(stretches, flat).items():
                 cols[k][at] = values
         return cols
 
@@ -191,27 +213,31 @@ class Samples(_Parts):
         if stretch.n > first:
             self._add(_Repeated(stretch, first))
 
-    def array(self) -> np.ndarray:
+    def array(self, steps: StepRows | None = None) -> np.ndarray:
         """Every sample, in order, as a float64 array (the stretches' durations computed for all of them at once):
-        each distinct value once, in order, then repeated as often as it occurs (one pass over the output)."""
+        each distinct value once, in order, then repeated as often as it occurs (one pass over the output).
+        `steps`: the step table whose stretches these samples' are (its flattening is shared, not made again)."""
         parts = self._all()
-        reps = [p for p in parts if isinstance(p, _Repeated)]
+        kinds = list(map(isinstance, parts, repeat(_Repeated)))
+        reps = list(compress(parts, kinds))
         if not reps:
             return np.fromiter(chain.from_iterable(parts), dtype=np.float64, count=len(self))
-        is_rep = np.fromiter((isinstance(p, _Repeated) for p in parts), dtype=bool, count=len(parts))
-        times, _, f = _flat([p.stretch for p in reps])
-        first = np.fromiter((p.first for p in reps), dtype=np.int64, count=len(reps))
+        is_rep = np.array(kinds, dtype=bool)
+        stretches = list(map(_STRETCH, reps))
+        times, _, f = (steps is not None and steps.flat_of(stretches)) or _flat(stretches)
+        first = np.fromiter(map(_FIRST, reps), dtype=np.int64, count=len(reps))
         m = f[:, 2] - first  # each stretch's durations
-        sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+        floats = list(compress(parts, map(not_, kinds)))
+        sizes = np.empty(len(parts), dtype=np.int64)
+        sizes[~is_rep] = np.fromiter(map(len, floats), dtype=np.int64, count=len(floats))
         sizes[is_rep] = m
         where = np.repeat(is_rep, sizes)  # which values are durations
         values, counts = np.empty(len(where)), np.ones(len(where), dtype=np.int64)
-        floats = [p for p in parts if not isinstance(p, _Repeated)]
         if floats:
             values[~where] = np.fromiter(chain.from_iterable(floats), dtype=np.float64,
                                          count=len(where) - int(m.sum()))
-        steps = _steps(f[:, 0] + first, m)
-        values[where] = times[steps + 1] - times[steps]
+        at = _steps(f[:, 0] + first, m)
+        values[where] = times[at + 1] - times[at]
         counts[where] = np.repeat(f[:, 3], m)
         return np.repeat(values, counts)
 
@@ -224,6 +250,8 @@ def _steps(lo: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 _NAMES = ("lo", "ulo", "n", "batch", "ctx", "replica", "total_blocks", "waiting")
 _FIELDS = attrgetter(*_NAMES)
+_TIMES = attrgetter("times")
+_STRETCH, _FIRST = attrgetter("stretch"), attrgetter("first")
 
 
 def _flat(stretches: list[Stretch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -231,28 +259,25 @@ def _flat(stretches: list[Stretch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     per stretch (a row) its _NAMES, with lo and ulo made offsets into those arrays."""
     fields = np.fromiter(chain.from_iterable(map(_FIELDS, stretches)), dtype=np.int64,
                          count=len(stretches) * len(_NAMES)).reshape(len(stretches), len(_NAMES))
-    bases: dict[int, int] = {}
-    times: list[np.ndarray] = []
-    used: list[np.ndarray] = []
-    nt = nu = 0
-    which = np.empty(len(stretches), dtype=np.int64)
-    for i, s in enumerate(stretches):
-        k = bases.get(id(s.times))
-        if k is None:
-            k = bases[id(s.times)] = len(times)
-            times.append(np.array(s.times, dtype=np.float64))
-            used.append(np.array(s.used, dtype=np.int64))
-        which[i] = k
-    if len(times) > 1:
-        fields[:, 0] += (np.cumsum([len(x) for x in times]) - [len(x) for x in times])[which]
-        fields[:, 1] += (np.cumsum([len(x) for x in used]) - [len(x) for x in used])[which]
+    if not stretches:
+        return np.empty(0), np.empty(0, dtype=np.int64), fields
+    keys = list(map(id, map(_TIMES, stretches)))  # a replica's stretches share its step table's lists
+    owner = dict(zip(reversed(keys), reversed(stretches)))  # each list's first stretch
+    order = list(dict.fromkeys(keys))  # the lists in the order their first stretches come
+    times = [np.fromiter(owner[k].times, dtype=np.float64, count=len(owner[k].times)) for k in order]
+    used = [np.array(owner[k].used, dtype=np.int64) for k in order]
+    if len(order) == 1:
+        return times[0], used[0], fields
+    which = np.fromiter(map(dict(zip(order, range(len(order)))).__getitem__, keys), dtype=np.int64, count=len(keys))
+    fields[:, 0] += (np.cumsum([len(x) for x in times]) - [len(x) for x in times])[which]
+    fields[:, 1] += (np.cumsum([len(x) for x in used]) - [len(x) for x in used])[which]
     return np.concatenate(times), np.concatenate(used), fields
 
 
-def _stretch_columns(stretches: list[Stretch]) -> dict[int, np.ndarray]:
+def _stretch_columns(stretches: list[Stretch], flat: tuple | None = None) -> dict[int, np.ndarray]:
     """The stretches' rows, in order, by STEP_COLUMNS index (the columns not given are 0): each duration
-    end - start, as stepping computes it."""
-    times, used, f = _flat(stretches)
+    end - start, as stepping computes it. `flat`: their _flat, where made already."""
+    times, used, f = flat or _flat(stretches)
     n = f[:, 2]
     steps = _steps(f[:, 0], n)
     starts, ends = times[steps], times[steps + 1]

@@ -34,7 +34,7 @@ def finish_run(records: Recorder, output: str | Path | None, manifest: dict, slo
     req_cols, step_cols = columns or (records.request_columns(), records.step_columns())
 
     def summary() -> dict:
-        return {**summarize(req_cols, step_cols, records.itl, slo_ttft, slo_tpot, *prefix), **(summary_extra or {})}
+        return {**summarize(req_cols, step_cols, records.itl_array(), slo_ttft, slo_tpot, *prefix), **(summary_extra or {})}
     if output is None:
         return None, summary()
     return write_run(output, {**manifest, **environment_info()}, records, summary, (req_cols, step_cols))
