@@ -151,15 +151,21 @@ def _write_tables(tmp: Path, records: Recorder, columns: tuple[dict, dict] | Non
     table = {c: column(req_cols[c], _REQ_TYPES[c]) for c in REQUEST_COLUMNS}
     if records.loras:  # a run with LoRA adapters: each request's adapter by name (null: the base model)
         table["lora"] = pa.array([records.loras.get(r) for r in req_cols["request_id"]], pa.string())
-    pq.write_table(pa.table(table), tmp / "requests.parquet")
-    pq.write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c])  # a pipeline-parallel run's columns too
-                             for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS if c in step_cols}),
-                   tmp / "steps.parquet")
+    _write_table(pa.table(table), tmp / "requests.parquet")
+    _write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c])  # a pipeline-parallel run's columns too
+                           for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS if c in step_cols}),
+                 tmp / "steps.parquet")
     for name, (attr, names, floats, strings) in _OPTIONAL_TABLES.items():
         rows = getattr(records, attr)
         if rows:
             typ = {c: pa.float64() if c in floats else pa.string() if c in strings else pa.int64() for c in names}
-            pq.write_table(pa.table({c: column(col, typ[c]) for c, col in zip(names, zip(*rows))}), tmp / name)
+            _write_table(pa.table({c: column(col, typ[c]) for c, col in zip(names, zip(*rows))}), tmp / name)
+
+
+def _write_table(table: pa.Table, path: Path) -> None:
+    """One parquet table, its float columns (times and durations, nearly every value distinct) written without a
+    dictionary: encoding them in one costs more time and bytes than it saves (the values read back the same)."""
+    pq.write_table(table, path, use_dictionary=[f.name for f in table.schema if f.type != pa.float64()])
 
 
 def _swap_into_place(new: Path, target: Path) -> Path | None:
