@@ -17,6 +17,7 @@ chained on its parent's, so a hit on block i implies hits on blocks 0..i-1.
 from __future__ import annotations
 
 from collections import OrderedDict
+from operator import itemgetter
 from typing import Sequence
 
 from testbed.engine.request import Request
@@ -313,6 +314,11 @@ class BlockManager:
             return
         ref_cnt, block_hash, cached, free = self.ref_cnt, self.block_hash, self.cached, self.free_ids.append
         hashed = self.enable_prefix_caching  # else no block has a hash (only _cache_full_blocks gives one)
+        if not hashed and len(blocks) > 1 and itemgetter(*blocks)(ref_cnt).count(1) == len(blocks):
+            for b in blocks:  # held by this request alone: every one goes back to the free pool, tail first
+                ref_cnt[b] = 0
+            self.free_ids.extend(reversed(blocks))
+            return
         for b in reversed(blocks):
             n = ref_cnt[b] = ref_cnt[b] - 1
             if n == 0:
