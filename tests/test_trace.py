@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import math
 from pathlib import Path
@@ -9,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from testbed.workload.trace import (REJECTED_OUTPUT_TOKENS, TraceError, TraceRequest, load_trace, synthesize_prompt,
                                     write_jsonl)
@@ -295,3 +298,29 @@ def test_a_prompt_of_hashed_blocks_costs_its_own_length_whatever_the_block_size(
     big, small = load_trace(path)
     a, b = synthesize_prompt(big, 1000), synthesize_prompt(small, 1000)
     assert len(a) == len(b) == 5 and list(a[:3]) == list(b[:3])  # hash id 7's first tokens, in either layout
+
+
+_CELL = st.tuples(st.integers(0, 3000), st.sampled_from(["{}", "0{}", " {}", "{} ", "+{}", "{}.0"]))
+_ROW = st.tuples(st.dates(dt.date(2023, 1, 1), dt.date(2024, 12, 31)), st.integers(0, 24), st.integers(0, 59),
+                 st.integers(0, 59), st.sampled_from(["", ".5", ".0000001", ".123456789"]), st.sampled_from(" T"),
+                 _CELL, _CELL)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(_ROW, min_size=1, max_size=12))
+def test_azure_rows_read_in_one_match_as_cell_by_cell(tmp_path, rows):
+    """A row of the published layout is read in one regex match, any other cell by cell: the same requests (or the
+    same error) either way. The second file's extra column sends every row the cell-by-cell way."""
+    text = []
+    for day, hh, mm, ss, frac, sep, (ctx, cfmt), (gen, gfmt) in rows:
+        text.append(f"{day.isoformat()}{sep}{hh:02d}:{mm:02d}:{ss:02d}{frac},{cfmt.format(ctx)},{gfmt.format(gen)}")
+    one, cells = tmp_path / "one.csv", tmp_path / "cells.csv"
+    one.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(text) + "\n")
+    cells.write_text("TIMESTAMP,ContextTokens,GeneratedTokens,x\n" + "\n".join(f"{t},0" for t in text) + "\n")
+    got = []
+    for path in (one, cells):
+        try:
+            got.append([dataclasses.astuple(r) for r in load_trace(path)])
+        except TraceError as e:
+            got.append(str(e).replace(str(path), "FILE"))
+    assert got[0] == got[1]

@@ -26,6 +26,7 @@ LENGTHS_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 JSONL_FIELDS = ("id", "arrival_s", "input_tokens", "output_tokens", "prompt_token_ids",
                 "hash_ids", "hash_block_size", "priority", "structured_output", "lora", "beam_width")
 _TIMESTAMP = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
+_AZURE_ROW = re.compile(_TIMESTAMP.pattern + r",([1-9][0-9]*),([1-9][0-9]*)")  # TIMESTAMP,ContextTokens,GeneratedTokens
 
 
 MAX_ARRIVAL_S = 1e9  # about 32 years: a later arrival is a unit mistake (ms for s), not a trace
@@ -274,20 +275,30 @@ def _load_mooncake(path, lines) -> list[TraceRequest]:
     return reqs
 
 
-def _csv_rows(path, lines, columns: tuple[str, ...]):
-    """(line number, cells of `columns`) for each data row; header must name every column."""
+def _csv_header(path, lines, columns: tuple[str, ...]) -> tuple[int, list[str], list[int]]:
+    """(line number, names, index of each of `columns` in them) of the header, which must name every column."""
     header_no, header = next(_data_lines(lines))
     names = [c.strip() for c in header.split(",")]
     missing = [c for c in columns if c not in names]
     if missing:
         raise TraceError(path, header_no, f"missing column(s) {missing} in header {names} "
                                           f"(need {','.join(columns)})")
-    idx = [names.index(c) for c in columns]
+    return header_no, names, [names.index(c) for c in columns]
+
+
+def _csv_cells(path, no: int, line: str, width: int, idx: list[int]) -> list[str]:
+    """The cells at `idx` of a data row of `width` cells."""
+    cells = line.split(",")
+    if len(cells) != width:
+        raise TraceError(path, no, f"expected {width} cells like the header, got {len(cells)}")
+    return [cells[j].strip() for j in idx]
+
+
+def _csv_rows(path, lines, columns: tuple[str, ...]):
+    """(line number, cells of `columns`) for each data row; header must name every column."""
+    header_no, names, idx = _csv_header(path, lines, columns)
     for no, line in _data_lines(lines, header_no):
-        cells = line.split(",")
-        if len(cells) != len(names):
-            raise TraceError(path, no, f"expected {len(names)} cells like the header, got {len(cells)}")
-        yield no, [cells[j].strip() for j in idx]
+        yield no, _csv_cells(path, no, line, len(names), idx)
 
 
 def _csv_int(path, no: int, name: str, cell: str) -> int:
@@ -305,25 +316,40 @@ def _load_lengths(path, lines) -> list[TraceRequest]:
 
 
 def _load_azure(path, lines) -> list[TraceRequest]:
-    """Azure LLM inference trace; timestamps parsed exactly to integer nanoseconds."""
+    """Azure LLM inference trace; timestamps parsed exactly to integer nanoseconds. A row of the published layout
+    (TIMESTAMP,ContextTokens,GeneratedTokens; plain positive counts) is read in one match (_AZURE_ROW); any other
+    row cell by cell, with the checks that name what is wrong in it."""
     days: dict[str, int] = {}
     stamps, reqs = [], []
-    for i, (no, (ts, ctx, gen)) in enumerate(_csv_rows(path, lines, AZURE_COLUMNS)):
-        m = _TIMESTAMP.fullmatch(ts)
+    header_no, names, idx = _csv_header(path, lines, AZURE_COLUMNS)
+    row = _AZURE_ROW.fullmatch if names == list(AZURE_COLUMNS) else lambda line: None
+    for i, (no, line) in enumerate(_data_lines(lines, header_no)):
+        m = row(line)
+        if m is not None:
+            date, hh, mm, ss, frac, ctx, gen = m.groups()
+            ts, ctx, gen = None, int(ctx), int(gen)  # ts: the cell, wanted only to name it
+        else:
+            ts, ctx, gen = _csv_cells(path, no, line, len(names), idx)
+            m = _TIMESTAMP.fullmatch(ts)
+            date = hh = mm = ss = frac = None
+            if m is not None:
+                date, hh, mm, ss, frac = m.groups()
         try:
-            if m is None:
+            if date is None:
                 raise ValueError
-            date, hh, mm, ss, frac = m.groups()
             if date not in days:
                 days[date] = datetime.date.fromisoformat(date).toordinal()
-            if int(hh) > 23 or int(mm) > 59 or int(ss) > 59:
+            hh, mm, ss = int(hh), int(mm), int(ss)
+            if hh > 23 or mm > 59 or ss > 59:
                 raise ValueError
         except ValueError:
+            ts = line.partition(",")[0] if ts is None else ts
             raise TraceError(path, no, f"bad TIMESTAMP {ts!r} (expected YYYY-MM-DD HH:MM:SS[.fraction])") from None
-        secs = days[date] * 86400 + int(hh) * 3600 + int(mm) * 60 + int(ss)
+        secs = days[date] * 86400 + hh * 3600 + mm * 60 + ss
         stamps.append(secs * 10**9 + int((frac or "0").ljust(9, "0")))
-        reqs.append(TraceRequest(f"azure-{i}", 0.0, _csv_int(path, no, AZURE_COLUMNS[1], ctx),
-                                 _csv_int(path, no, AZURE_COLUMNS[2], gen)))
+        if isinstance(ctx, str):
+            ctx, gen = _csv_int(path, no, AZURE_COLUMNS[1], ctx), _csv_int(path, no, AZURE_COLUMNS[2], gen)
+        reqs.append(TraceRequest(f"azure-{i}", 0.0, ctx, gen))
     t0 = min(stamps, default=0)
     for r, ns in zip(reqs, stamps):
         r.arrival_s = (ns - t0) / 1e9
