@@ -135,6 +135,13 @@ class DPEngineProc:
         batch = P.Outputs([to_wire(o) for o in outputs], scheduler_stats(self.core, -1), scheduled)
         self.front.send(self.frames.encode(D.EngineOutputs(self.rank, self.num_added, batch)), copy=False)
 
+    def set_torch_threads(self) -> None:
+        """This replica's share of the host's cores for torch (torch_threads), once torch is loaded: an executor
+        without torch (--emulate) never imports it, which would take seconds of the replica's start."""
+        torch = sys.modules.get("torch")
+        if self.cfg.torch_threads and torch is not None and torch.get_num_threads() != self.cfg.torch_threads:
+            torch.set_num_threads(self.cfg.torch_threads)
+
     def check_parent(self) -> None:
         if self.cfg.parent_pid and os.getppid() != self.cfg.parent_pid:
             raise SystemExit(0)  # the launcher is gone: nobody to serve
@@ -142,18 +149,17 @@ class DPEngineProc:
     # ---- the replica ---------------------------------------------------------------------------
     def run(self) -> None:
         pc = self.cfg.proc
-        if self.cfg.torch_threads:
-            import torch
-            torch.set_num_threads(self.cfg.torch_threads)
         sock = self.handshake()
         self.coord = self._dealer(b"o")
         self.input_thread = threading.Thread(target=self._input_loop, args=(sock,), name="dp-input", daemon=True)
         self.input_thread.start()
         module, name = pc.executor_factory.split(":")
         factory = getattr(importlib.import_module(module), name)
+        self.set_torch_threads()  # before the model loads, where the executor's module brought torch in
         config = EngineConfig(**pc.engine)
         executor = factory(pc.model, config, load_format=pc.load_format, dtype=pc.dtype, device=pc.device,
                            enforce_eager=pc.enforce_eager, **pc.executor_args)
+        self.set_torch_threads()  # where the factory did
         self.core = core = EngineCore(config, executor.num_gpu_blocks, executor.max_model_len, replica=self.rank,
                                            num_cpu_blocks=getattr(executor, "num_cpu_blocks", None))
         self.eos, self.vocab_size = executor.eos_token_id, executor.vocab_size
