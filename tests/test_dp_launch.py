@@ -45,6 +45,11 @@ def test_cpu_replicas_split_the_cores_within_omp_num_threads(monkeypatch):
     (["-dp", "2", "--data-parallel-backend", "ray", "-dpl", "1"], "drop --headless, --data-parallel-size-local"),
     (["--data-parallel-backend", "ray"], "need --data-parallel-size > 1"),
     (["-dp", "2", "--dp-stats-interval", "-1"], "--dp-stats-interval: must be a number of seconds >= 0"),
+    (["-dp", "2", "--data-parallel-heartbeat-timeout", "2.5"], "at least 3 (3 heartbeat intervals"),
+    (["-dp", "2", "--data-parallel-heartbeat-timeout", "inf"], "give a finite number of seconds"),
+    (["-dp", "2", "--data-parallel-heartbeat-interval", "0.5", "--data-parallel-heartbeat-timeout", "1.4"],
+     "at least 1.5 (3 heartbeat intervals: a live replica sends one every 0.5 s"),
+    (["-dp", "2", "--data-parallel-heartbeat-interval", "0"], "--data-parallel-heartbeat-interval 0: give a positive"),
 ])
 def test_bad_data_parallel_flags_fail_before_anything_starts(capsys, args, needle):
     assert main(["serve", "--load-format", "dummy", *args]) == 2

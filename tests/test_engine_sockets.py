@@ -1,9 +1,9 @@
 """The engine processes' sockets hold against what arrives on them, and a busy replica is never taken
 for a dead one.
 
-- Liveness: under `testbed serve -dp 2 --emulate` with a short --data-parallel-heartbeat-timeout, two
-  streams that each decode for several timeouts (no request arrives or ends meanwhile) finish whole; no
-  replica is declared dead.
+- Liveness: under `testbed serve -dp 2 --emulate` with a short --data-parallel-heartbeat-timeout (and a
+  heartbeat interval to match), two streams that each decode for twice the timeout (no request arrives or
+  ends meanwhile) finish whole; no replica is declared dead.
 - Frames: every socket that listens for frames from other processes (the coordinator's
   --data-parallel-rpc-port, its API-server socket, the API server's output socket) gets a fuzz of raw
   frames: random bytes, multipart messages, well-formed messages without the deployment's tag (a forged
@@ -39,10 +39,11 @@ from testbed.runtime.frames import SECRET_ENV, Frames
 
 pytestmark = pytest.mark.timeout(300)
 
-HEARTBEAT_TIMEOUT_S = 3.0
+HEARTBEAT_TIMEOUT_S = 1.5
+HEARTBEAT_INTERVAL_S = 0.25  # six heartbeats a timeout (the least the flags allow is three)
 # tokens a liveness stream decodes: the emulated Llama-3.1-8B on an H100 (its shipped profile) takes about 6.6 ms a
-# step at batch 1, so a stream lasts at least ~7.9 s, past twice the timeout with a margin
-STREAM_TOKENS = 1200
+# step at batch 1, so a stream lasts at least ~3.6 s, past twice the timeout with a margin
+STREAM_TOKENS = 550
 
 
 def test_add_request_carries_the_parameters_whole():
@@ -67,7 +68,8 @@ def test_add_request_carries_the_parameters_whole():
 def test_replicas_decoding_for_longer_than_the_heartbeat_timeout_stay_alive(tmp_path):
     args = ["--emulate", "--model", "Llama-3.1-8B", "--load-format", "dummy", "--gpu", "H100-SXM",
             "-dp", "2", "--dp-policy", "round_robin", "--max-model-len", "4096", "--num-gpu-blocks", "640",
-            "--data-parallel-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]
+            "--data-parallel-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+            "--data-parallel-heartbeat-interval", str(HEARTBEAT_INTERVAL_S)]
     with running_server(*args, log_dir=tmp_path) as srv:
         async def stream(i: int) -> tuple[int, str | None, float]:
             client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="none", timeout=120, max_retries=0)

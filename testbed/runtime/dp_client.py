@@ -47,6 +47,7 @@ class DPTopology(msgspec.Struct):
     rpc_port: int = 0
     backend: str = "mp"
     heartbeat_timeout: float = 30.0  # a replica with no message for this long is dead (--data-parallel-heartbeat-timeout)
+    heartbeat_interval: float = 1.0  # a live replica sends a heartbeat this often (--data-parallel-heartbeat-interval)
 
 
 def free_port(host: str) -> int:
@@ -90,7 +91,7 @@ class DPEngineClient(EngineClient):
         self.rpc_addr = rpc_addr = f"tcp://{t.address}:{t.rpc_port or free_port(t.address)}"
         self.front_addr = front_addr = f"ipc://{self._tmp}/coordinator"
         ccfg = CoordinatorConfig(self.cfg.engine, front_addr, rpc_addr, output_addr, os.getpid(), self.cfg.log_steps,
-                                 t.heartbeat_timeout)
+                                 t.heartbeat_timeout, t.heartbeat_interval)
         self.proc = subprocess.Popen([sys.executable, "-m", "testbed.runtime.dp_coordinator",
                                       msgspec.json.encode(ccfg).decode()], start_new_session=True)
         self.inp.connect(front_addr)

@@ -7,7 +7,7 @@ any host connect to one TCP port (--data-parallel-rpc-port): Hello, then Replica
 executor is built; the coordinator sends them adds and aborts. It tracks each replica's liveness
 (a ReplicaFailed message, a launcher's ReplicaGone, a peer that vanished when a request was sent
 to it, or no message at all for `heartbeat_timeout` s: a live replica sends one at least every
-HEARTBEAT_INTERVAL_S, however busy), stops routing to a dead one, re-routes the request
+`heartbeat_interval` s, which its Welcome tells it, however busy), stops routing to a dead one, re-routes the request
 that found it gone, and tells the API server (ReplicaDead). Exits on Shutdown (passing it on to
 every replica and node launcher) or when the API server is gone.
 
@@ -47,6 +47,7 @@ class CoordinatorConfig(msgspec.Struct):
     parent_pid: int = 0
     log_dir: str | None = None
     heartbeat_timeout: float = 30.0  # seconds without any message from a replica before it counts as dead
+    heartbeat_interval: float = 1.0  # seconds between a replica's heartbeats (told to each in its Welcome)
 
 
 class CoordinatorProc:
@@ -216,7 +217,7 @@ class CoordinatorProc:
         self.inputs[msg.engine] = ident
         self.pids[msg.engine] = msg.pid
         self.last_seen[msg.engine] = time.monotonic()
-        self.router.send_multipart([ident, self.frames.encode(D.Welcome(self.cfg.output_addr))])
+        self.router.send_multipart([ident, self.frames.encode(D.Welcome(self.cfg.output_addr, self.cfg.heartbeat_interval))])
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> None:

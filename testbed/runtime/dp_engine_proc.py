@@ -2,8 +2,9 @@
 main-thread busy loop, with an input thread doing the socket waits.
 
 Input thread: receives the coordinator's AddRequest / AbortRequests / Shutdown (ROUTER -> DEALER), decodes them
-and queues them for the main thread, and sends the coordinator a Heartbeat every HEARTBEAT_INTERVAL_S over the
-same socket, however long a step is (the coordinator's liveness check hears from a live replica at least that
+and queues them for the main thread, and sends the coordinator a Heartbeat every heartbeat interval (the
+coordinator's Welcome gives it: --data-parallel-heartbeat-interval, default 1 s) over the same socket, however
+long a step is (the coordinator's liveness check hears from a live replica at least that
 often: neither a long step nor a long decode with no stats report looks like a dead replica). Frames are
 authenticated (frames.py); the input thread drops a forged or malformed one and carries on. Main thread: apply
 queued inputs, step once, send the step's outputs to the API server and, when StatsPublisher says so, a stats
@@ -44,7 +45,6 @@ from testbed.runtime.engine_proc import (EngineProcConfig, abort_in_core, add_to
 from testbed.runtime.record_log import RecordLog, hand_over
 from testbed.engine.stepper import EngineStepper
 
-HEARTBEAT_INTERVAL_S = 1.0
 PARENT_CHECK_S = 1.0
 LOG_KINDS = ("steps", "requests", "itl", "adds", "reports", "grammars", "loras")
 
@@ -76,6 +76,7 @@ class DPEngineProc:
         self.coord: zmq.Socket | None = None  # DEALER to the coordinator (reports): the main thread's own
         self.log: RecordLog | None = None
         self.input_thread: threading.Thread | None = None
+        self.heartbeat_interval = 1.0  # the coordinator's Welcome sets it
 
     # ---- sockets and threads -------------------------------------------------------------------
     def _dealer(self, role: bytes) -> zmq.Socket:
@@ -106,18 +107,20 @@ class DPEngineProc:
         if not isinstance(msg, D.Welcome):
             raise RuntimeError(f"the DP coordinator answered {type(msg).__name__} instead of Welcome")
         self.output_addr = msg.output_addr
+        self.heartbeat_interval = msg.heartbeat_interval
         return sock
 
     def _input_loop(self, sock: zmq.Socket) -> None:
         """Queue the coordinator's messages for the main thread, and send it a Heartbeat every
-        HEARTBEAT_INTERVAL_S (over this socket, this thread's alone), however long the main thread's step is."""
+        heartbeat_interval s (over this socket, this thread's alone), however long the main thread's step is."""
         beat = self.frames.encode(D.Heartbeat(self.rank))
         next_beat = time.monotonic()
         while self.running:
-            if time.monotonic() >= next_beat:
+            now = time.monotonic()
+            if now >= next_beat:
                 sock.send(beat)
-                next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S
-            if sock.poll(100):
+                next_beat = now + self.heartbeat_interval
+            if sock.poll(max(1, min(100, int((next_beat - now) * 1000)))):
                 msg = self.frames.decode(sock.recv(), D.to_replica_decoder, "its coordinator socket")
                 if msg is not None:
                     self.inq.put(msg)

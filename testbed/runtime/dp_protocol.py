@@ -33,6 +33,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
 
 class Welcome(msgspec.Struct, tag="welcome", array_like=True):
     output_addr: str  # where the replica pushes its outputs (the API server)
+    heartbeat_interval: float = 1.0  # seconds between the replica's heartbeats (--data-parallel-heartbeat-interval)
 
 
 class Refused(msgspec.Struct, tag="refused", array_like=True):

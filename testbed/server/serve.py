@@ -27,7 +27,7 @@ from pathlib import Path
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_RPC_PORT = 29550  # vLLM's --data-parallel-rpc-port default
-MIN_HEARTBEAT_TIMEOUT_S = 3.0  # replicas send a heartbeat every second
+HEARTBEATS_PER_TIMEOUT = 3  # --data-parallel-heartbeat-timeout is at least this many heartbeat intervals
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 SHUTDOWN_GRACE_S = 5.0  # after --shutdown-timeout: for the error responses to go out before uvicorn cancels
 
@@ -101,7 +101,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "engine processes are authenticated with it)")
     d.add_argument("--data-parallel-heartbeat-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a replica that sends the coordinator no message for this long is declared dead; a live "
-                        f"one sends at least one a second (default: %(default)s, at least {MIN_HEARTBEAT_TIMEOUT_S:g})")
+                        "one sends a heartbeat every --data-parallel-heartbeat-interval (default: %(default)s, at "
+                        f"least {HEARTBEATS_PER_TIMEOUT} intervals)")
+    d.add_argument("--data-parallel-heartbeat-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="how often a live replica sends the coordinator a heartbeat, however busy it is (the "
+                        "coordinator tells every replica, other nodes' too; default: %(default)s)")
     g.add_argument("--executor-factory", default=None, metavar="MODULE:FUNCTION",
                    help="build the engine core's executor with this function instead of the model runner "
                         "(research hook; --emulate is this with testbed.sim.emulator:create)")
@@ -130,10 +134,13 @@ def dp_topology(args: argparse.Namespace, dp: int):
     from testbed.runtime.dp_client import DPTopology
     from testbed.runtime.frames import deployment_secret
     local, start, port = args.data_parallel_size_local, args.data_parallel_start_rank, args.data_parallel_rpc_port
-    beat = args.data_parallel_heartbeat_timeout
-    if not beat >= MIN_HEARTBEAT_TIMEOUT_S or beat == float("inf"):
+    beat, every = args.data_parallel_heartbeat_timeout, args.data_parallel_heartbeat_interval
+    if not 0 < every < float("inf"):
+        raise ConfigError(f"--data-parallel-heartbeat-interval {every:g}: give a positive, finite number of seconds")
+    if not beat >= HEARTBEATS_PER_TIMEOUT * every or beat == float("inf"):
         raise ConfigError(f"--data-parallel-heartbeat-timeout {beat:g}: give a finite number of seconds, at least "
-                          f"{MIN_HEARTBEAT_TIMEOUT_S:g} (a live replica sends a heartbeat every second)")
+                          f"{HEARTBEATS_PER_TIMEOUT * every:g} ({HEARTBEATS_PER_TIMEOUT} heartbeat intervals: a live "
+                          f"replica sends one every {every:g} s, --data-parallel-heartbeat-interval)")
     if dp == 1:
         if args.headless or args.data_parallel_backend != "mp" or local not in (None, 1) or start:
             raise ConfigError("--headless, --data-parallel-backend, --data-parallel-size-local and "
@@ -143,7 +150,7 @@ def dp_topology(args: argparse.Namespace, dp: int):
         if args.headless or local is not None or start:
             raise ConfigError("--data-parallel-backend ray places every replica on the Ray cluster: drop --headless, "
                               "--data-parallel-size-local and --data-parallel-start-rank")
-        return DPTopology(dp, args.data_parallel_address, port or 0, "ray", beat)
+        return DPTopology(dp, args.data_parallel_address, port or 0, "ray", beat, every)
     local = dp if local is None and not args.headless else local
     if local is None or not 1 <= local <= dp:
         raise ConfigError(f"--data-parallel-size-local: give 1..{dp} replicas for this node"
@@ -161,7 +168,7 @@ def dp_topology(args: argparse.Namespace, dp: int):
             raise ConfigError(str(e)) from None
     if port is None:
         port = DEFAULT_RPC_PORT if (local < dp or args.headless) else 0
-    return DPTopology(local, args.data_parallel_address, port, "mp", beat)
+    return DPTopology(local, args.data_parallel_address, port, "mp", beat, every)
 
 
 def engine_proc_config(args: argparse.Namespace, cfg, model: str):
