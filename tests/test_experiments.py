@@ -47,20 +47,38 @@ def outputs(nb) -> list[list[str]]:
     return kinds
 
 
+# The rerun check's parameters where the defaults make a long run and a smaller one goes through the same cells:
+# the run it compares and the rerun both use them. Every other notebook is rerun with its defaults, against the
+# run above.
+RERUN_PARAMETERS = {
+    "01_sim_vs_real": {"results": "benchmarks/results/fidelity/2026-11-24_643d33b_h200_llama-3.1-8b/azure-80"},
+    "08_multi_lora": {"adapters": [1, 4], "max_loras": [1, 2], "limit": 100},
+}
+
+
 @pytest.fixture(scope="module")
-def experiments_runs(tmp_path_factory) -> tuple[Path, Path]:
-    """`make experiments` twice at once, each two notebooks at a time into an output folder of its own: every
-    notebook with its defaults, and its rerun. The two output folders."""
+def experiments_runs(tmp_path_factory) -> tuple[Path, dict[str, tuple[Path, Path]]]:
+    """`make experiments` (every notebook with its defaults, two at a time) into an output folder of its own, and
+    at once the rerun check's runs: each notebook twice with the same parameters (its defaults, or those of
+    RERUN_PARAMETERS), a notebook with its defaults once more beside the run above. The run's folder, and per
+    notebook the folders of the run and the rerun to compare."""
     base = tmp_path_factory.mktemp("experiments")
-    folders = [base / "run", base / "rerun"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, "-m", "testbed.notebooks", str(NOTEBOOKS), "--output", str(folder),
-                               "--parallel", "2"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for folder in folders]
+    notebooks = find_notebooks([NOTEBOOKS])
+    rerun_defaults = [str(nb) for nb in notebooks if nb.stem not in RERUN_PARAMETERS]
+    argvs = [[str(NOTEBOOKS), "--output", str(base / "run"), "--parallel", "2"],
+             [*rerun_defaults, "--output", str(base / "rerun"), "--parallel", "2"]]
+    pairs = {nb.stem: (base / "run" / nb.stem, base / "rerun" / nb.stem) for nb in notebooks}
+    for name, params in RERUN_PARAMETERS.items():
+        flags = [a for k, v in params.items() for a in ("-p", f"{k}={v!r}")]
+        pairs[name] = (base / "small" / name, base / "small-rerun" / name)
+        argvs += [[str(NOTEBOOKS / f"{name}.py"), "--output", str(folder.parent), *flags] for folder in pairs[name]]
+    procs = [subprocess.Popen([sys.executable, "-m", "testbed.notebooks", *argv], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for argv in argvs]
     for proc in procs:
         out, _ = proc.communicate(timeout=1800)
         assert proc.returncode == 0, out.decode(errors="replace")[-5000:]
-    return folders[0], folders[1]
+    return base / "run", pairs
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +108,14 @@ def test_every_notebook_runs_headless_and_ends_with_a_figure_and_a_table(experim
 def test_a_rerun_reproduces_every_file_byte_for_byte(experiments_runs):
     """Same parameters (the output folder apart: each file that names it is compared with the name taken out):
     tables, figures, run directories and the executed notebooks are identical (run manifests apart from their
-    wall-clock fields)."""
-    run, rerun = experiments_runs
+    wall-clock fields). Every notebook, with its defaults or with RERUN_PARAMETERS."""
+    _, pairs = experiments_runs
+    assert sorted(pairs) == [nb.stem for nb in find_notebooks([NOTEBOOKS])]
     for nb in find_notebooks([NOTEBOOKS]):
-        before, after = snapshot(run / nb.stem, run), snapshot(rerun / nb.stem, rerun)
+        run, rerun = pairs[nb.stem]
+        before, after = snapshot(run, run.parent), snapshot(rerun, rerun.parent)
+        for name, value in RERUN_PARAMETERS.get(nb.stem, {}).items():  # the rerun's own parameters, not the defaults
+            assert f"{name} = {value!r}" in before[f"{nb.stem}.ipynb"].decode(), (nb.stem, name)
         assert any(k.endswith(".png") for k in before) and any(k.endswith("summary.json") for k in before)
         assert sorted(after) == sorted(before), nb.stem
         changed = [k for k in before if before[k] != after[k]]
