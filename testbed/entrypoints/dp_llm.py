@@ -39,7 +39,7 @@ class DPEngine:
         from testbed.runtime.client import RequestStream
         from testbed.runtime.dp_client import DPEngineClient, DPTopology
         from testbed.runtime.engine_proc import EngineProcConfig
-        from testbed.worker.executor import resolve_model
+        from testbed.worker.hub import resolve_model
         self.model_path = resolve_model(model, load_format) if executor_factory is None else model
         self.log_dir = tempfile.mkdtemp(prefix="testbed-dp-records-")
         proc = EngineProcConfig(engine=config.to_dict(), model=self.model_path, load_format=load_format, dtype=dtype,

@@ -63,7 +63,7 @@ class LLM:
         PoolerConfig or a dict of its fields) is how `embed` pools unless its PoolingParams say otherwise.
         `trust_remote_code` lets the tokenizer run code shipped with the model."""
         from testbed.entrypoints.llm_args import engine_config
-        from testbed.worker.executor import resolve_model
+        from testbed.worker.hub import resolve_model
         self.pooler_config = PoolerConfig.of(pooler_config)
         self.config = engine_config(engine_args)
         if executor is None:

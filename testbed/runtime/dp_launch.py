@@ -31,7 +31,6 @@ from testbed.runtime import protocol as P
 from testbed.runtime.dp_engine_proc import DPEngineProcConfig
 from testbed.runtime.engine_proc import EngineProcConfig
 from testbed.runtime.frames import Frames
-from testbed.worker.resolve import SHARED_GPU_ENV, resolve_device
 from testbed.worker.threads import cpu_threads
 
 HEAD_TIMEOUT_S = 30.0
@@ -43,6 +42,7 @@ def visible_devices(device: str | None) -> list[str] | None:
     if device not in (None, "auto", "cuda", "cpu"):
         raise ValueError(f"--device {device}: data-parallel replicas are placed by CUDA_VISIBLE_DEVICES order; give "
                          "--device cuda (or cpu) and set CUDA_VISIBLE_DEVICES to choose the GPUs")
+    from testbed.worker.resolve import resolve_device  # torch: imported when replicas are placed, not before
     if resolve_device(device).type != "cuda":
         return None
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -66,6 +66,7 @@ def replica_env(local_index: int, tp: int, size_local: int, devices: list[str] |
         return {}
     env = {"CUDA_VISIBLE_DEVICES": ",".join(replica_devices(local_index, tp, devices))}
     if size_local * tp > len(devices):
+        from testbed.worker.resolve import SHARED_GPU_ENV
         env[SHARED_GPU_ENV] = "1"
     return env
 

@@ -193,10 +193,10 @@ def engine_proc_config(args: argparse.Namespace, cfg, model: str):
 def run_headless_node(args: argparse.Namespace) -> int:
     """`testbed serve --headless`: this node's replicas only, until the coordinator stops them."""
     from testbed.cli_args import engine_config
-    from testbed.runtime.dp_launch import run_headless
-    from testbed.worker.executor import resolve_model
+    from testbed.worker.hub import resolve_model
     cfg = engine_config(args)
     topo = dp_topology(args, cfg.data_parallel_size)  # ConfigError unless data-parallel
+    from testbed.runtime.dp_launch import run_headless  # torch (the host's GPUs): once the flags are right
     model = resolve_model(args.model_tag or args.model, args.load_format, args.revision, args.download_dir)
     addr = f"tcp://{topo.address}:{topo.rpc_port}"
     return run_headless(args.data_parallel_start_rank, topo.size_local, addr, engine_proc_config(args, cfg, model),
@@ -275,7 +275,7 @@ async def run_server(args: argparse.Namespace) -> int:
     from testbed.workload.lora import parse_lora_modules
     from testbed.server.schemas import APIError
     from testbed.server.state import ServerState
-    from testbed.worker.executor import resolve_model
+    from testbed.worker.hub import resolve_model
 
     if args.skip_tokenizer_init and args.tokenizer is not None:
         raise ConfigError("--tokenizer: give either --tokenizer or --skip-tokenizer-init, not both")

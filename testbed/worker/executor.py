@@ -10,24 +10,8 @@ from __future__ import annotations
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from testbed.worker.hub import DEFAULT_MODEL_NAMES, resolve_model  # noqa: F401  (where callers found them)
 from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, resolve_dtype
-
-DEFAULT_MODEL_NAMES = ("", "default", "smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
-
-
-def resolve_model(model: str | None, load_format: str = "auto", revision: str | None = None,
-                  download_dir: str | None = None) -> str:
-    """The bundled SmolLM2 folder for an empty/default name (real weights), a hub id's folder in the local
-    Hugging Face cache (worker/hub.py), else `model` unchanged (a folder, a file, or a preset with dummy weights)."""
-    if load_format != "dummy" and (model is None or model.lower() in DEFAULT_MODEL_NAMES):
-        from testbed.worker.smollm2 import default_model_dir
-        return str(default_model_dir())
-    if load_format != "dummy" and model is not None:
-        from testbed.worker.hub import is_hub_id, resolve_hub_id
-        if is_hub_id(model):
-            return resolve_hub_id(model, revision, download_dir)
-    return model or "SmolLM2-135M"
-
 
 class UniprocExecutor:
     """tensor_parallel_size == 1: the model runner lives in this process."""

@@ -1,6 +1,8 @@
 """A Hugging Face hub id (`org/name`) resolved as vLLM resolves it offline: to its snapshot folder in the local
 Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub; or `download_dir`).
-Nothing is ever downloaded: a model that is not in the cache is a clear error saying where it was looked for."""
+Nothing is ever downloaded: a model that is not in the cache is a clear error saying where it was looked for.
+`resolve_model` turns any --model into what the executors load; no torch is imported here, so the API server and a
+node launcher resolve the model without it."""
 from __future__ import annotations
 
 import os
@@ -39,3 +41,19 @@ def resolve_hub_id(repo_id: str, revision: str | None = None, download_dir: str 
             f"file, and the local Hugging Face cache ({cache}) does not hold it; nothing is downloaded here: put it "
             f"in the cache first (huggingface-cli download {repo_id}), set HF_HUB_CACHE / HF_HOME (or download_dir) "
             "to the cache that has it, or give the model's folder") from None
+
+
+DEFAULT_MODEL_NAMES = ("", "default", "smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
+
+
+def resolve_model(model: str | None, load_format: str = "auto", revision: str | None = None,
+                  download_dir: str | None = None) -> str:
+    """The bundled SmolLM2 folder for an empty/default name (real weights), a hub id's folder in the local
+    Hugging Face cache (resolve_hub_id), else `model` unchanged (a folder, a file, or a preset with dummy weights)."""
+    if load_format != "dummy" and (model is None or model.lower() in DEFAULT_MODEL_NAMES):
+        from testbed.worker.smollm2 import default_model_dir
+        return str(default_model_dir())
+    if load_format != "dummy" and model is not None:
+        if is_hub_id(model):
+            return resolve_hub_id(model, revision, download_dir)
+    return model or "SmolLM2-135M"
