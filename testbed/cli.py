@@ -214,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine process loop against the in-process one, emulated steps, on this host); with "
                         "--cost-model FILE (no --quick): only that, added to FILE")
     p.add_argument("--smoke", action="store_true", help="a few points of each sweep (a smoke test, not a profile)")
-    p.add_argument("--reps", type=int, default=None, help="timed runs per point, median taken (default 5)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed runs per point, median taken (default 5; --quick times the engine's host work over "
+                        "6x as many decode steps)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=cmd_profile)
 

@@ -37,6 +37,7 @@ CHUNKS = (512, 2048, 8192)
 LONG_CONTEXT = 8192  # the cached context of the one chunk that measures attention over a long prefix
 NUM_MIXED = 4
 REPS, WARMUP = 5, 2
+HOST_STEPS_PER_REP = 6  # decode steps whose median is the engine's host time, per rep (30 at the default reps)
 
 
 def anchor_steps(config: EngineConfig, max_model_len: int, capacity: int, graph_max: int,
@@ -96,7 +97,8 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
     batches = sorted({1, min(64, config.max_num_seqs)})
     admit = min(2048, config.max_num_batched_tokens, max_model_len - 1)
     in_loop = base["engine_host"].get("method") == "in_loop"
-    host = engine_host_costs(config, max_model_len, batches, [admit], executor if in_loop else None)
+    host = engine_host_costs(config, max_model_len, batches, [admit], executor if in_loop else None,
+                             decode_steps=HOST_STEPS_PER_REP * reps)
     for b, seconds in zip(host["decode_batch"], host["decode_step_s"]):
         samples.append(StepSample(DECODE_SYNC, (sync.engine_step(b), 0.0, 0.0, 0.0, 0.0), seconds))
         records.append({"anchor": f"engine schedule+update b={b}", "mode": "host", "measured_s": seconds})
