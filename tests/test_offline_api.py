@@ -47,7 +47,7 @@ def llm(hub_cache):
 
 
 def test_hub_id_resolves_through_the_local_cache(llm, hub_cache, monkeypatch, tmp_path):
-    from testbed.worker.executor import resolve_model
+    from testbed.worker.hub import resolve_model
     assert llm.executor.model_path == str(hub_cache / ("models--" + REPO_ID.replace("/", "--")) / "snapshots" / REVISION)
     out = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text  # the bundled weights, read from the cache, answer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from testbed.engine.config import EngineConfig
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from testbed.worker.hub import DEFAULT_MODEL_NAMES, resolve_model  # noqa: F401  (where callers found them)
+from testbed.worker.hub import resolve_model
 from testbed.worker.resolve import memory_in_use, model_limits, resolve_device, resolve_dtype
 
 class UniprocExecutor:
