@@ -139,7 +139,7 @@ class StepRows(_Parts):
             self._flattened = (len(self._parts), stretches, *_flat(stretches))
         return self._flattened[1:]
 
-    def flat_of(self, stretches: list[Stretch]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def flat_of(self, stretches: list[Stretch]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """_flat(stretches) for stretches of this table, from its own flattening (None if one is not in it)."""
         mine, times, used, fields = self.flattened()
         row = dict(zip(map(id, mine), range(len(mine))))
