@@ -20,6 +20,7 @@ BASE_REQUEST_COLUMNS = ("request_id", "replica", "priority", "arrival", "first_s
 # seq: the order the engine (a replica, under DP) received its requests, 0 up: requests that arrive at the same
 # instant are queued, and replayed, in this order (rows are written as requests end). Runs written before it lack it.
 REQUEST_COLUMNS = BASE_REQUEST_COLUMNS + ("seq",)
+FINISH = REQUEST_COLUMNS.index("finish")
 BASE_STEP_COLUMNS = ("replica", "start", "duration", "num_reqs", "num_prefill_tokens", "num_decode_tokens",
                      "sum_context_tokens", "sum_attn_pairs", "kv_blocks_used", "kv_blocks_total", "num_waiting",
                      "num_running", "num_preempted")
@@ -57,10 +58,19 @@ class Recorder:
     grammars: list[tuple] = field(default_factory=list)  # GRAMMAR_COLUMNS rows (grammars compiled off the loop)
 
     def record_request(self, req: Request) -> None:
-        self.requests.append((
+        """Add the ended request's row. Rows stay in the order their requests ended (finish_time; ties in the
+        order they were recorded), as stepping records them: a fast-forwarded stretch records its finishes when it
+        is priced, so a rejection at an admission inside its last step (which ends after it) goes before them."""
+        rows = self.requests
+        rows.append((
             req.request_id, req.replica, req.priority, req.arrival_time, req.first_scheduled_time,
             req.first_token_time, req.finish_time, req.num_prompt_tokens, len(req.output_token_ids),
             max(req.num_cached_tokens, 0), req.num_preemptions, req.status.finish_reason, req.seq))
+        end, i = req.finish_time, len(rows) - 1
+        while i and rows[i - 1][FINISH] > end:
+            i -= 1
+        if i < len(rows) - 1:
+            rows.insert(i, rows.pop())
         if req.lora_request is not None:
             self.loras[req.request_id] = req.lora_request.lora_name
 
