@@ -9,13 +9,15 @@ digest of the content of steps.parquet and requests.parquet (and of the DP table
 
 Usage:  python benchmarks/sim_golden.py save DIR     (on the reference commit)
         python benchmarks/sim_golden.py check DIR    (exit 1 and name the cases that differ)
-The current reference is benchmarks/results/2026-11-26_cd734f8/golden.json: `check benchmarks/results/2026-11-26_cd734f8`
-compares the working tree with it. It was saved once recorded replays started their first step where the run did
-and held every batch to the recorded one (6d0f95b, 08210de): against the one before it (2026-11-26_c6b5e19, saved
-when requests.parquet gained its seq column), every synthetic case and every data-parallel replay was identical,
-the single-engine replays' times moved by their runs' first-step lag, and the replays that had diverged from their
-runs (bursts recorded before seq, prefix-caching runs read from their run directories) now form the runs' batches.
-Earlier references: 2026-11-26_c6b5e19, ab984d9, fd719fe, b94ceec and 6f3747a (the simulator-speed work's start).
+The current reference is benchmarks/results/2026-11-27_fac4a06/golden.json: `check benchmarks/results/2026-11-27_fac4a06`
+compares the working tree with it. It was saved once request rows were kept in the order their requests ended
+(fac4a06): against the one before it (2026-11-26_cd734f8), 13 cases' requests.parquet held the same rows in another
+order (a rejection inside a fast-forwarded stretch's last step now goes before that step's finishes, as stepping
+records it) and every other table and summary was identical, but for mooncake-dp4-kv_aware, whose tables had
+differed from cd734f8's entry in the environment of this save before that change too (not traced).
+cd734f8's was saved once recorded replays started their first step where the run did and held every batch to the
+recorded one (6d0f95b, 08210de). Earlier references: 2026-11-26_cd734f8, c6b5e19, ab984d9, fd719fe, b94ceec and
+6f3747a (the simulator-speed work's start).
 """
 from __future__ import annotations
 
