@@ -221,7 +221,7 @@ def simulate_both(trace: list[TraceRequest], cm=None, **config_overrides):
     cm = cm or RooflineCostModel(get_model_spec("Llama-3.2-1B"), get_gpu_spec("H100-SXM"))
     blocks = cfg.num_gpu_blocks or 4000
     results = [simulate(trace, cfg, cm, blocks, 4096, fast_forward_decodes=ff) for ff in (False, True)]
-    tables = [(r.records.steps, r.records.itl, sorted(r.records.requests, key=repr), r.records.routes,
+    tables = [(r.records.steps, r.records.itl, r.records.requests, r.records.routes,
                r.records.publications, r.sim_time, r.prefix_queries, r.prefix_hits) for r in results]
     for r in results:  # the arrays the summary and steps.parquet are made from: the rows' floats, bit for bit
         cols, rows = r.records.step_columns(), list(r.records.steps)
