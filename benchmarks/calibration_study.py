@@ -21,24 +21,13 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity import TARGETS, error_rows, sim_case  # noqa: E402
+from fidelity import error_rows, sim_case, within_target  # noqa: E402
 
 from testbed.profiling.profile_file import write_profile  # noqa: E402
 from testbed.sim.rescale import calibrate  # noqa: E402
 
 FITTED_ON = "azure-light"
 WAYS = ("shipped", "quick", "calibrated", "quick+calibrated")
-
-
-def within(result: dict) -> tuple[int, int]:
-    """(bounded metrics within their target, bounded metrics) of one fidelity.py sim_case result."""
-    held = total = 0
-    for row in error_rows(result):
-        target = TARGETS.get(row["metric"].split()[-1])
-        if target is not None and row["profile"] is not None:
-            total += 1
-            held += abs(row["profile"]) <= target
-    return held, total
 
 
 def profiles(folder: Path, tmp: Path) -> dict[str, str | None]:
@@ -71,7 +60,8 @@ def main() -> None:
             runs = sorted(p.parent for p in folder.glob("*/manifest.json") if p.parent.name != FITTED_ON)
             row = {"folder": folder.name, "runs": [r.name for r in runs]}
             for way, profile in profiles(folder, Path(d)).items():
-                per_run = {r.name: within(sim_case(r, profile)) for r in runs}
+                per_run = {r.name: within_target({e["metric"]: e["profile"] for e in error_rows(sim_case(r, profile))})
+                           for r in runs}
                 held, total = (sum(x[i] for x in per_run.values()) for i in (0, 1))
                 row[way] = {"held": held, "total": total, "runs": per_run}
                 totals[way][0] += held

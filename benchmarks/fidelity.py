@@ -274,6 +274,17 @@ CROSS_COLUMNS = [("output_throughput", None), ("ttft_s", "mean"), ("ttft_s", "p5
                  ("tpot_s", "p50"), ("e2e_s", "mean"), ("e2e_s", "p50")]
 
 
+def within_target(errs: dict[str, float | None]) -> tuple[int, int]:
+    """(bounded metrics within their target, bounded metrics) of one case's errors by metric (error_rows' names)."""
+    held = total = 0
+    for metric, e in errs.items():
+        target = TARGETS.get(metric.split()[-1])
+        if target is not None and e is not None:
+            total += 1
+            held += abs(e) <= target
+    return held, total
+
+
 def cross_rows(labelled: list[tuple[str, list[dict]]], exclude: dict[str, set[str]]) -> list[dict]:
     """One row per (model, case, cost model) of several `sim --json` outputs: the errors of CROSS_COLUMNS, the
     worst p99, the step MAPE, and how many bounded metrics hold their target. `exclude`: cases a label must not
@@ -290,14 +301,7 @@ def cross_rows(labelled: list[tuple[str, list[dict]]], exclude: dict[str, set[st
             p99 = [errs[f"{m} p99"] for m in ("ttft_s", "tpot_s", "e2e_s") if errs[f"{m} p99"] is not None]
             row["worst p99"] = max(p99, key=abs) if p99 else None
             row["step MAPE"] = (res["step_mape"].get("profile") or {}).get("all")
-            held = total = 0
-            for metric, e in errs.items():
-                target = TARGETS.get(metric.split()[-1] if " " in metric else metric)
-                if target is None or e is None:
-                    continue
-                total += 1
-                held += abs(e) <= target
-            row["within target"] = f"{held}/{total}"
+            row["within target"] = "{}/{}".format(*within_target(errs))
             rows.append(row)
     return rows
 

@@ -117,7 +117,8 @@ class ThreadedBodyRoute(APIRoute):
     to SMALL_BODY (an ordinary request: tens of microseconds, cheaper than a thread hop under a burst), on a
     thread above it. pydantic holds the GIL while it builds a body's objects, so bodies over LARGE_BODY go one at
     a time to one thread with the garbage collector paused: the event loop then waits at most about one body's
-    validation (0.5 s for an 8 MB body of 230,000 messages on a 2-core x86 machine; 1 to 3.5 s before). The signature, and so the OpenAPI document and its request schemas, stay FastAPI's;
+    validation (0.5 s for an 8 MB body of 230,000 messages on a 2-core x86 machine; 1 to 3.5 s before). The
+    signature, and so the OpenAPI document and its request schemas, stay FastAPI's;
     an invalid body is the same RequestValidationError (a 400)."""
 
     def get_route_handler(self):
