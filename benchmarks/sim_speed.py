@@ -17,7 +17,8 @@ PYTHONPATH set to each checkout, and the data-parallel case in a child process p
 pairs), so each pair gives a ratio (this / ROOT).
 Every timed checkout's package is compiled to bytecode first, as Python leaves an installed copy after its first
 run: a process that imports the sources without it (PYTHONDONTWRITEBYTECODE set, a fresh checkout) compiles them
-again each time, 0.2 s more at start-up on a 2-core AMD EPYC (0.80 against 0.57 s, paired, 2026-11-27).
+again each time, 0.2 s more at start-up on 2 cores of an AMD EPYC (a one-request trace: 0.80 against 0.57 s, medians
+of 10 paired whole processes, afff654, Python 3.11.7, 2026-11-27).
 Wall times on a shared machine are inflated by its load; the paired ratios are what compares.
 """
 from __future__ import annotations
