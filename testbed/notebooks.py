@@ -87,6 +87,9 @@ def inject_parameters(nb, parameters: dict[str, Any]) -> None:
 
 
 TIMEOUT = "CellTimeoutError"  # the error a cell past the timeout ends with (nbclient's error_on_timeout)
+# a kernel picks free TCP ports and binds them later, so one started beside another can lose them and die: nbclient
+# then waits for it and raises RuntimeError before any cell ran; the notebook is started again in a fresh kernel
+KERNEL_STARTS = 3
 
 
 def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str, Any] | None = None, *,
@@ -118,11 +121,22 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
     encrypted = Config({"KernelManager": {"transport_encryption": "required"}})
     # a cell past the timeout is interrupted first, so the kernel answers it before it is shut down (shut down
     # mid-cell, it logs a traceback of its reply to a closed socket)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False, config=encrypted,
-                            interrupt_on_timeout=True, error_on_timeout={"ename": TIMEOUT, "evalue": "", "traceback": []},
-                            resources={"metadata": {"path": str(Path(cwd).resolve())}}, on_cell_executed=on_cell_executed)
+    def run() -> None:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False, config=encrypted,
+                       interrupt_on_timeout=True, error_on_timeout={"ename": TIMEOUT, "evalue": "", "traceback": []},
+                       resources={"metadata": {"path": str(Path(cwd).resolve())}},
+                       on_cell_executed=on_cell_executed).execute()
+
     try:
-        client.execute()
+        for attempt in range(KERNEL_STARTS):
+            try:
+                run()
+                break
+            except RuntimeError:  # the kernel never answered (it lost a race for its ports to another process)
+                if attempt + 1 == KERNEL_STARTS or any(nb.cells[i].get("outputs") or nb.cells[i].get("execution_count")
+                                                       for i in code):
+                    raise
+                print(f"  {src.stem}: its kernel did not start; starting another", file=sys.stderr, flush=True)
     except CellExecutionError as e:
         if e.ename != TIMEOUT:
             raise NotebookError(f"{src}: a cell failed (the executed notebook up to it: {target}):\n{e}") from None
