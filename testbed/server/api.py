@@ -9,16 +9,12 @@ buffering the body it has read for the app.
 """
 from __future__ import annotations
 
-import asyncio
-import gc
 import json
 import secrets
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
-from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,7 +28,8 @@ from testbed.server.embeddings import create_embedding
 from testbed.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest,
                                     EmbeddingRequest, TokenizeRequest, bad_request)
-from testbed.server.state import LARGE_BODY, SMALL_BODY, ServerState
+from testbed.server.bodies import ThreadedBodyRoute
+from testbed.server.state import ServerState
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")
 DOCS_ASSETS = "/docs-assets"  # Swagger UI's files, served from the fastapi-offline package: /docs works offline
@@ -109,61 +106,6 @@ def mount_docs(app: FastAPI) -> None:
                                    swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
                                    swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png")
-
-
-class ThreadedBodyRoute(APIRoute):
-    """A route whose JSON body (up to --max-request-bytes) is parsed and validated straight from its bytes
-    (pydantic-core's model_validate_json), then handed to the endpoint as (model, request): on the event loop up
-    to SMALL_BODY (an ordinary request: tens of microseconds, cheaper than a thread hop under a burst), on a
-    thread above it. pydantic holds the GIL while it builds a body's objects, so bodies over LARGE_BODY go one at
-    a time to one thread with the garbage collector paused: the event loop then waits at most about one body's
-    validation (0.5 s for an 8 MB body of 230,000 messages on a 2-core x86 machine; 1 to 3.5 s before). The
-    signature, and so the OpenAPI document and its request schemas, stay FastAPI's;
-    an invalid body is the same RequestValidationError (a 400)."""
-
-    def get_route_handler(self):
-        model, endpoint = self.body_field.field_info.annotation, self.endpoint
-
-        def validate(body: bytes):
-            try:
-                return model.model_validate_json(body)
-            except ValidationError as e:
-                if not any(err["type"] == "json_invalid" for err in e.errors(include_input=False)):
-                    raise
-                error = e
-            try:  # Python's parser takes what pydantic's refuses (lone surrogates): the model then names the field
-                data = json.loads(body)
-            except (ValueError, RecursionError):
-                raise error from None
-            return model.model_validate(data)
-
-        def validate_large(body: bytes):
-            """validate, with the cyclic garbage collector paused: it would otherwise walk the body's objects again
-            and again while they are built (more than half of the time pydantic holds the GIL for a body of
-            100,000s of small lists or messages). Request bodies hold no reference cycles to collect."""
-            paused = gc.isenabled()
-            gc.disable()
-            try:
-                return validate(body)
-            finally:
-                if paused:
-                    gc.enable()
-
-        async def handler(request: Request) -> Response:
-            body = await request.body()
-            try:
-                if len(body) > LARGE_BODY:
-                    pool = request.app.state.server.body_pool
-                    req = await asyncio.get_running_loop().run_in_executor(pool, validate_large, body)
-                elif len(body) > SMALL_BODY:
-                    req = await asyncio.to_thread(validate, body)
-                else:  # a burst of ordinary requests reaches the engine without a thread hop each
-                    req = validate(body)
-            except ValidationError as e:
-                raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
-                                              for err in e.errors(include_input=False)]) from None
-            return await endpoint(req, request)
-        return handler
 
 
 def build_app(state: ServerState, max_request_bytes: int) -> FastAPI:

@@ -23,7 +23,7 @@ async def parse_prompts_async(state: ServerState, prompt, *args) -> tuple[list[l
     """parse_prompts, on the tokenizer thread when there is text to tokenize or a very long id list, inline
     otherwise: a burst of token-id requests then reaches the engine without a thread hop each."""
     lists = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
-    if all(isinstance(p, list) for p in lists) and sum(len(p) for p in lists) <= INLINE_IDS:
+    if len(lists) <= INLINE_IDS and all(isinstance(p, list) for p in lists) and sum(map(len, lists)) <= INLINE_IDS:
         return parse_prompts(state, prompt, *args)
     return await state.run_blocking(parse_prompts, state, prompt, *args)
 

@@ -19,14 +19,13 @@ from testbed.engine.config import PoolerConfig
 from testbed.engine.params import InvalidParam, check_token_ids
 from testbed.runtime.client import EngineClient
 from testbed.text.detokenizer import TokenTexts
+from testbed.server.bodies import LargeBodies
 from testbed.server.lora import LoRARegistry
 from testbed.server.metrics import ServerMetrics
 from testbed.server.schemas import APIError, bad_request
 
 T = TypeVar("T")
 GRAMMAR_THREADS = 2
-LARGE_BODY = 1 << 20  # bytes: a request body validated on ServerState.body_pool
-SMALL_BODY = 32 << 10  # bytes: a request body validated on the event loop (tens of microseconds, no thread hop)
 
 if TYPE_CHECKING:
     from testbed.runtime.dp_client import DPEngineClient
@@ -55,10 +54,7 @@ class ServerState:
     # grammar checks: their own threads, so a slow schema holds up neither tokenization nor the event loop
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar"))
-    # large request bodies (over LARGE_BODY bytes) are validated here, one at a time: pydantic holds the GIL while it
-    # builds a body's objects, so concurrent ones would hand it to one another for seconds while the event loop waits
-    body_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="large-body"))
+    large_bodies: LargeBodies = field(default_factory=LargeBodies)  # request bodies over LARGE_BODY bytes
     structured_outputs_timeout: float = 5.0
     emulated: str | None = None  # --emulate: "GPU, cost model" (reported in /v1/models), else None
     loras: LoRARegistry = field(default_factory=LoRARegistry)  # the LoRA adapters served beside the base model
