@@ -188,20 +188,19 @@ class EngineStepper:
                 return self.executor.execute(so)
             wait = launch(so)
         except Exception as e:  # noqa: BLE001 - sorted out by _isolate
-            if is_fatal(e):
-                raise
             return self._isolate(so, e)
         hook()
         try:
             return wait()
         except Exception as e:  # noqa: BLE001 - sorted out by _isolate
-            if is_fatal(e):
-                raise
             return self._isolate(so, e)
 
     def _isolate(self, so: SchedulerOutput, error: Exception) -> ModelRunnerOutput:
         """Run each request of a failed step on its own (synchronously); the ones that fail alone get
-        an error, the others their tokens. A step of one request fails with `error` directly."""
+        an error, the others their tokens. A step of one request fails with `error` directly, and so does a fatal
+        error (is_fatal: the executor itself is broken)."""
+        if is_fatal(error):
+            raise error
         n = so.num_reqs
         tokens = [-1] * n
         logprobs: list | None = None
