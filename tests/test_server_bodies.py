@@ -28,18 +28,15 @@ async def refusing_endpoint(body: list[Item]) -> None:
     raise ValueError(f"refused: {len(items)} items")
 
 
-async def handle(bodies: LargeBodies, endpoint, release: asyncio.Event | None = None) -> None:
-    """ThreadedBodyRoute's path for a large body, its endpoint `endpoint`."""
+async def handle(bodies: LargeBodies, endpoint, release: asyncio.Event | None = None):
+    """ThreadedBodyRoute's path for a large body: built, then served to `endpoint` (after `release`, if given)."""
     held = await bodies.build(build, b"{}")
-    try:
+
+    async def call(body: list[Item]):
         if release is not None:
             await release.wait()
-        await endpoint(held[0])
-    except BaseException as e:
-        drop_locals(e)
-        raise
-    finally:
-        bodies.free(held)
+        return await endpoint(body)
+    return await bodies.serve(held, call)
 
 
 def test_a_refused_large_body_is_freed_on_its_thread_and_the_collector_is_back_on() -> None:
@@ -50,7 +47,10 @@ def test_a_refused_large_body_is_freed_on_its_thread_and_the_collector_is_back_o
     async def scenario() -> None:
         with pytest.raises(ValueError, match="refused: 100 items") as e:
             await handle(bodies, refusing_endpoint)
-        del e  # the error (its traceback) goes away on this thread, as the app's handlers drop it
+        # the thread empties its list while the error is still held here: only drop_locals makes that list the
+        # body's last reference; the error (its traceback) then goes away on this thread, as the app drops it
+        await asyncio.get_running_loop().run_in_executor(bodies.pool, lambda: None)
+        del e
     asyncio.run(scenario())
     bodies.pool.submit(lambda: None).result()
     assert Item.freed == ["large-body_0"] * 100

@@ -17,7 +17,7 @@ import gc
 import json
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 LARGE_BODY = 1 << 20  # bytes: a request body validated on LargeBodies' thread
 SMALL_BODY = 32 << 10  # bytes: a request body validated on the event loop (tens of microseconds, no thread hop)
+T = TypeVar("T")
 
 
 class LargeBodies:
@@ -43,12 +44,19 @@ class LargeBodies:
         self.collector_was_on = False
 
     async def build(self, validate: Callable[[bytes], Any], body: bytes) -> list:
-        """[validate(body)], built on the thread: a one-item list that `free` empties there."""
+        """[validate(body)], built on the thread: a one-item list for `serve`, which empties it there."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._build, validate, body)
 
-    def free(self, held: list) -> None:
-        """Empties `held` on the thread (where the body's objects are then freed, when it held the last reference)."""
-        self.pool.submit(self._free, held)
+    async def serve(self, held: list, endpoint: Callable[[Any], Awaitable[T]]) -> T:
+        """await endpoint(the built body); then `held` is emptied on the thread, raised or not, after an error's
+        frames let go of the body (drop_locals), so its objects are freed there."""
+        try:
+            return await endpoint(held[0])
+        except BaseException as e:
+            drop_locals(e)
+            raise
+        finally:
+            self.pool.submit(self._free, held)
 
     def _build(self, validate: Callable[[bytes], Any], body: bytes) -> list:
         if self.alive == 0:
@@ -114,19 +122,13 @@ class ThreadedBodyRoute(APIRoute):
                 if bodies is not None:
                     held = await bodies.build(validate, body)
                 elif len(body) > SMALL_BODY:
-                    held = [await asyncio.to_thread(validate, body)]
+                    req = await asyncio.to_thread(validate, body)
                 else:  # a burst of ordinary requests reaches the engine without a thread hop each
-                    held = [validate(body)]
+                    req = validate(body)
             except ValidationError as e:
                 raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
                                               for err in e.errors(include_input=False)]) from None
-            if bodies is None:
-                return await endpoint(held.pop(), request)
-            try:
-                return await endpoint(held[0], request)
-            except BaseException as e:
-                drop_locals(e)
-                raise
-            finally:
-                bodies.free(held)
+            if bodies is not None:
+                return await bodies.serve(held, lambda built: endpoint(built, request))
+            return await endpoint(req, request)
         return handler
