@@ -240,6 +240,24 @@ def test_worker_dying_at_startup_is_named(tiny_folder, tmp_path_factory, monkeyp
     assert len(llm.generate(random_prompts([6], 320), GREEDY)[0].outputs[0].token_ids) == 16
 
 
+def test_a_worker_slow_to_start_is_waited_for_past_the_step_timeout(tiny_folder, tmp_path_factory, monkeypatch,
+                                                                   engines):
+    """TESTBED_TP_TIMEOUT_S bounds a step (and the collectives), not a live worker's spawn and imports: a worker
+    that takes longer than it to get ready (a loaded host) still joins, and the engine works."""
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()  # started now, so it does not pick up the slow hook below
+    hook = tmp_path_factory.mktemp("slow")
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('TESTBED_TEST_WORKER_SLOW'):\n    time.sleep(6)\n")
+    monkeypatch.setenv("TESTBED_TP_TIMEOUT_S", "3")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("TESTBED_TEST_WORKER_SLOW", "1")  # only processes started from now on read it
+    start = time.monotonic()
+    llm = engines(tiny_folder, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - start >= 6
+    assert len(llm.generate(random_prompts([6], 320), GREEDY)[0].outputs[0].token_ids) == 16
+
+
 def test_profiling_forward_runs_on_every_rank_at_tp3(tmp_path, engines, monkeypatch):
     """The worst-case forward a GPU sizes its KV cache after (TESTBED_PROFILE_ON_CPU runs it on CPU too) on 3
     gloo ranks: compute_logits gives ranks 1 and 2 no logits, and they still run the forward's collectives,

@@ -68,13 +68,18 @@ class TPWorkerError(ExecutorFailure):
     """A tensor-parallel rank died or stopped answering; the group is unusable from then on."""
 
 
+STARTUP_TIMEOUT_S = 300.0  # how long a live worker may take to get ready to join (spawn and imports)
+
+
 def _timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("TESTBED_TP_TIMEOUT_S", "60")))
 
 
 def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, load_format: str, dtype: str,
-           device_type: str) -> ModelRunner:
-    """Join the process group as `rank` and load this rank's shard of its pipeline stage's part of the model."""
+           device_type: str, ready=None) -> ModelRunner:
+    """Join the process group as `rank` and load this rank's shard of its pipeline stage's part of the model;
+    a worker counts itself `ready` right before joining, so rank 0 joins (a wait bounded by the collectives'
+    timeout) only once every worker is about to, however long their imports took."""
     from testbed.worker.loader import load_model, load_tokenizer
     if device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -82,6 +87,9 @@ def _build(rank: int, world: int, port: int, model: str, config: EngineConfig, l
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if ready is not None:
+        with ready.get_lock():
+            ready.value += 1
     try:
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=rank, world_size=world, timeout=_timeout())
@@ -156,13 +164,11 @@ def _worker_main(rank: int, world: int, port: int, model: str, config: EngineCon
                  device_type: str, started, report: Connection, channel: tuple) -> None:
     """Rank `rank`'s loop: run each command rank 0 writes into the shared-memory ring until CMD_SHUTDOWN; a
     command that raises is reported to rank 0 and ends this process, and so does rank 0's disappearance."""
-    with started.get_lock():
-        started.value += 1
     phase = "start-up"
     parent = os.getppid()
     try:
         commands = ShmBroadcast.attach(channel)
-        runner = _build(rank, world, port, model, config, load_format, dtype, device_type)
+        runner = _build(rank, world, port, model, config, load_format, dtype, device_type, started)
         while True:
             phase = "waiting for a command"
             cmd, arg, layout, is_decode, payload = decode_command(commands.recv(rank - 1, lambda: os.getppid() == parent))
@@ -312,9 +318,10 @@ class MultiprocExecutor:
         raise e
 
     def _wait_started(self, started) -> None:
-        """Wait until every worker runs its main function; a worker that dies first (it could not
-        import the main script, or ran into an unguarded engine there) fails the engine at once."""
-        deadline = time.monotonic() + _timeout().total_seconds()
+        """Wait until every worker is about to join the process group (up to STARTUP_TIMEOUT_S: a slow host's
+        spawn and imports are no failure, and TESTBED_TP_TIMEOUT_S bounds the steps); a worker that dies first
+        (it could not import the main script, or ran into an unguarded engine there) fails the engine at once."""
+        deadline = time.monotonic() + max(STARTUP_TIMEOUT_S, _timeout().total_seconds())
         while started.value < len(self.procs) and time.monotonic() < deadline:
             dead = self._dead_ranks()
             if dead:
