@@ -3,7 +3,8 @@
 #   bash benchmarks/device_2gpu.sh PART [PART ...]
 # PARTs, each bounded in time (PART_TIMEOUT_S, default 600) and independent of the others:
 #   pp           benchmarks/pp.py: PP=2 against TP=2 against DP=2 (parity, P2P fit, decode step, throughput, serving)
-#   tp           benchmarks/tp.py: TP=1 against TP=2 with CUDA graphs, async scheduling (TP_CASES to change;
+#   tp           benchmarks/tp.py: TP=1 against TP=2 with CUDA graphs, async scheduling, and TP=2 with the all-reduce
+#                apart from the norm, two rounds alternating (TP_CASES, TP_ROUNDS to change;
 #                TP_FLAGS=--breakdown adds each case's kernels of a decode step at batch 64)
 #   tp-fidelity  benchmarks/fidelity.py real -tp 2: the TP=2 profile (what ships) and the Azure cases' real runs
 #   dp           benchmarks/dp.py: DP=1 on one GPU against DP=2 on two (DP_LAYOUTS="1x1 2x1 4x1" adds DP=4 on a
@@ -31,7 +32,7 @@ for part in "$@"; do
   case $part in
     pp) bound python3 benchmarks/pp.py --model $MODEL --num-requests ${PP_REQUESTS:-128} --rate ${PP_RATE:-6} \
           --limit ${PP_LIMIT:-150} ${PP_FLAGS} --out $OUT/pp 2>&1 | grep -v Warning | tee $OUT/pp.log ;;
-    tp) bound python3 benchmarks/tp.py --model $MODEL --cases ${TP_CASES:-1ga,2ga} --skip-allreduce ${TP_FLAGS} \
+    tp) bound python3 benchmarks/tp.py --model $MODEL --cases ${TP_CASES:-1ga,2ga,2gau} --rounds ${TP_ROUNDS:-2} --skip-allreduce ${TP_FLAGS} \
           --out $OUT/tp.json 2>&1 | tee $OUT/tp.log | grep -E '^\{"case|decode|throughput|agreement' ;;
     tp-fidelity) bound python3 benchmarks/fidelity.py real --model $MODEL -tp 2 --out /tmp/fid_tp2 \
           --tar $OUT/runs_${MODEL}_${gpu}_tp2.tar.gz --profile-out $OUT/${MODEL}_${gpu}_tp2.json --no-progress \

@@ -1,12 +1,16 @@
 """Tensor-parallel benchmark (needs 2 GPUs): the all-reduce, and TP=1 against TP=2 with CUDA graphs on every rank.
 
-  python benchmarks/tp.py --model Llama-3.1-8B --out tp.json [--cases 1g,2g,2e]
+  python benchmarks/tp.py --model Llama-3.1-8B --out tp.json [--cases 1g,2g,2e] [--rounds 2]
 1. All-reduce microbenchmark (2 ranks, bf16) over the sizes a step all-reduces (tokens x hidden): NCCL eager,
    the symmetric-memory one-shot and two-shot all-reduces of worker/tp_all_reduce.py replayed inside a CUDA
    graph; each checked against the sum (and a chain of 20 dependent all-reduces in one graph against NCCL's),
    timed over replays and fitted as time = latency + bytes / bw.
+   Up to FUSED_MAX_ROWS tokens also the all-reduce fused with the residual add and RMSNorm after it, against the
+   two apart, each in a graph (20 dependent calls).
 2. Engine cases (dummy bf16 weights, max_model_len 4096), each in a process of its own so its GPU memory is
-   gone before the next case profiles: TP size + g (CUDA graphs) or e (eager), + a for async scheduling. Per case: median decode step at
+   gone before the next case profiles: TP size + g (CUDA graphs) or e (eager), + a for async scheduling, + u for
+   the all-reduce apart from the norm (TESTBED_TP_FUSED_NORM=0); `--rounds N` runs the list N times, alternating,
+   and compares medians. Per case: median decode step at
    batch 1, 64 and 256 (512-token prompts); median mixed step of one 512-token chunk beside 32 decodes; offline
    output tok/s on the 256-request workload of benchmarks/e2e.py; greedy tokens and logprobs of 8 prompts, so
    graph and eager (and TP=1 and TP=2) outputs are compared.
@@ -96,6 +100,8 @@ def _ar_worker(rank: int, port: int, hidden: int, q) -> None:
                     fn(x, first=(i == 0))
             g2.replay()
             row[f"{name}_graph_us"] = _time_ms(g2.replay, 10) * 1e3 / 20
+        if tar.fused_for(x) is not None:
+            row.update(_fused_rows(tar, x, inputs, t, hidden))
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
@@ -103,6 +109,56 @@ def _ar_worker(rank: int, port: int, hidden: int, q) -> None:
         q.put({"symmetric_memory": symm, "one_shot_max_bytes": tar.ONE_SHOT_MAX_BYTES, "rows": rows})
     tar.close_tp_all_reduce()
     dist.destroy_process_group()
+
+
+def _fused_rows(tar, x: torch.Tensor, inputs, t: int, hidden: int) -> dict:
+    """The fused all-reduce + residual add + RMSNorm (tp_all_reduce.FusedAllReduceNorm) on x: its error against
+    NCCL's sum followed by layers.add_rms_norm, a chain of 20 dependent calls in one graph against the same chain
+    unfused, and the time of a call in a graph against the unfused pair (the symmetric all-reduce, then the
+    compiled add + norm) in a graph."""
+    from testbed.worker.layers import add_rms_norm
+    eps = 1e-5
+    res = inputs(t, 7)
+    w = 1 + 0.1 * inputs(1, 9).view(-1)[:hidden]
+    ref = x.clone()
+    dist.all_reduce(ref)
+    want = add_rms_norm(ref, res, w, eps)
+    tar.begin_forward()
+    got = tar.fused_for(x)(x, res, w, eps)
+    row = {"fused_max_err": max(float((g.float() - r.float()).abs().max()) for g, r in zip(got, want))}
+
+    def chain(fused: bool):
+        h, r = x, res
+        for i in range(20):
+            if fused:
+                h, r = tar.fused_for(h)(h, r, w, eps)
+            else:
+                h, r = add_rms_norm(tar.all_reduce(h, first=(i == 0)), r, w, eps)
+            h = h * 0.5
+        return h, r
+
+    graphs, outs = {}, {}
+    for fused in (True, False):
+        tar.begin_forward()
+        chain(fused)  # warm-up: torch.compile's kernel, Triton's
+        g = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        dist.barrier()
+        tar.begin_forward()
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            outs[fused] = chain(fused)
+        graphs[fused] = g
+    for fused in (True, False):
+        graphs[fused].replay()
+    torch.cuda.synchronize()
+    # the chain's residual grows to ~100x its inputs; the two round at different places (the compiled pair
+    # keeps x + residual in fp32 inside its kernel), so their difference is a few units in the last place of it
+    row["fused_graph_chain_max_rel_err"] = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                                               for a, b in zip(outs[True], outs[False]))
+    for fused, key in ((True, "fused_graph_us"), (False, "unfused_graph_us")):
+        dist.barrier()
+        row[key] = _time_ms(graphs[fused].replay, 10) * 1e3 / 20
+    return row
 
 
 def _fit(rows: list[dict], key: str) -> dict:
@@ -225,10 +281,13 @@ def kernel_breakdown(llm: LLM, batch: int = 64, steps: int = 20, prompt_len: int
 
 
 def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: int, breakdown: bool = False) -> dict:
-    """One engine: `case` is the TP size, then g (CUDA graphs) or e (eager), then a for async scheduling;
-    `breakdown`: also the kernel breakdown of a decode step at batch 64."""
+    """One engine: `case` is the TP size, then g (CUDA graphs) or e (eager), then a for async scheduling and u
+    for the all-reduce unfused from the norm after it; `breakdown`: also the kernel breakdown of a decode step at
+    batch 64."""
     spec = get_model_spec(model)
-    tp, eager, async_ = int(case[0]), case[1] == "e", case.endswith("a")
+    tp, eager, async_ = int(case[0]), case[1] == "e", "a" in case[2:]
+    if "u" in case[2:]:  # the all-reduce and the norm after it as two kernels (set before the TP workers start)
+        os.environ["TESTBED_TP_FUSED_NORM"] = "0"
     t0 = time.perf_counter()
     llm = LLM(model, load_format="dummy", tensor_parallel_size=tp, enforce_eager=eager, max_num_seqs=256,
               max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096, gpu_memory_utilization=0.85,
@@ -320,8 +379,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--cases", default="1g,2g,1ga,2ga,2e",
-                    help="TP size + g (CUDA graphs) or e (eager) [+ a: async scheduling], comma-separated")
+                    help="TP size + g (CUDA graphs) or e (eager) [+ a: async scheduling] [+ u: the all-reduce and "
+                         "the norm after it apart], comma-separated")
     ap.add_argument("--case-timeout", type=float, default=240)
+    ap.add_argument("--rounds", type=int, default=1, help="run the cases this many times, alternating; each "
+                                                             "ratio then compares medians over the rounds")
     ap.add_argument("--skip-allreduce", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="each case: the kernels of a decode step at batch 64 "
                                                              "(device time per kernel against the step's wall time)")
@@ -335,24 +397,29 @@ def main() -> None:
     if not args.skip_allreduce:
         out["allreduce"] = ar = allreduce_bench(spec.hidden_size)
         print(json.dumps(ar), flush=True)
-    cases = {}
-    for c in args.cases.split(","):
-        try:
-            cases[c] = engine_case_in_process(args.model, c, args.num_requests, args.max_num_batched_tokens,
-                                              args.case_timeout, args.breakdown)
-        except (RuntimeError, TimeoutError) as e:
-            print(f"case {c}: {e}", file=sys.stderr, flush=True)
-            cases[c] = {"error": str(e)}
+    cases, rounds = {}, {}
+    for r in range(args.rounds):  # A B A B: round 2's cases are keyed case@2
+        for c in args.cases.split(","):
+            key = c if r == 0 else f"{c}@{r + 1}"
+            try:
+                cases[key] = engine_case_in_process(args.model, c, args.num_requests, args.max_num_batched_tokens,
+                                                    args.case_timeout, args.breakdown)
+                rounds.setdefault(c, []).append(cases[key])
+            except (RuntimeError, TimeoutError) as e:
+                print(f"case {key}: {e}", file=sys.stderr, flush=True)
+                cases[key] = {"error": str(e)}
     out["cases"] = cases
-    ok = {k: v for k, v in cases.items() if "error" not in v}
-    for a, b in (("1g", "2g"), ("1ga", "2ga")):  # TP=2 over TP=1 (dummy weights differ between them: no agreement)
+    ok = {c: {k: float(np.median([x[k] for x in runs])) if k.endswith(("_ms", "_tok_s")) or "_ms_b" in k else v
+              for k, v in runs[0].items()} for c, runs in rounds.items()}  # each number the median over rounds
+    pairs = [("1g", "2g"), ("1ga", "2ga"), ("2gau", "2ga"), ("1ga", "2gau")]  # (A, B): B / A
+    for a, b in pairs:  # TP=2 over TP=1 (dummy weights differ between them: no agreement)
         if a in ok and b in ok:
             one, two = ok[a], ok[b]
             r = {f"decode_b{n}": two[f"decode_ms_b{n}"] / one[f"decode_ms_b{n}"] for n in (1, 64, 256)}
             r["mixed_512"] = two["mixed_512_ms"] / one["mixed_512_ms"]
             r["throughput"] = two["throughput_output_tok_s"] / one["throughput_output_tok_s"]
             out[f"{b}_over_{a}"] = r
-    for a, b in (("2g", "2e"), ("2ga", "2e")):
+    for a, b in (("2g", "2e"), ("2ga", "2e"), ("2ga", "2gau")):
         if a in ok and b in ok:
             out[f"agreement_{a}_{b}"] = agreement(ok[a], ok[b])
     print(json.dumps({k: v for k, v in out.items() if k not in ("allreduce", "cases")}, indent=1))

@@ -23,7 +23,7 @@ from testbed.kernels.lora import lora_apply, lora_step_plan
 from testbed.kernels.reference import rope_ref
 from testbed.worker.context import get_context
 from testbed.worker.pipeline import get_parallel_state
-from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce
+from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce, fused_for
 
 _TP_OVERRIDE: tuple[int, int] | None = None
 
@@ -55,7 +55,8 @@ def get_tp() -> tuple[int, int]:
     return 0, 1
 
 
-def _collectives(tp_size: int) -> bool:
+def tp_collectives(tp_size: int) -> bool:
+    """Whether layers of this TP size sum across ranks (a process group exists; tp_override builds without one)."""
     return tp_size > 1 and dist.is_available() and dist.is_initialized()
 
 
@@ -125,10 +126,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = lambda p, w, shard_id=None: _copy(p.data, w, p)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); with `residual`: (norm(x + residual), x + residual), the add fused into the norm."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial: bool = False):
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the add fused into the norm. `partial`:
+        x is this rank's partial sum of a row-parallel layer (one that did not reduce), all-reduced here first,
+        in the same kernel where the GPU allows (tp_all_reduce.FusedAllReduceNorm)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
+        if partial:
+            fused = fused_for(x)
+            if fused is not None:
+                return fused(x, residual, self.weight, self.eps)
+            x = tp_all_reduce(x)
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
@@ -324,9 +332,11 @@ class RowParallelLinear(LinearBase):
         n = param.size(1)
         _copy(param.data, _shard(loaded, 1, self.tp_rank * n, n, n * self.tp_size), param)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The summed output; with reduce=False this rank's partial sum (vLLM's reduce_results), which the next
+        RMSNorm(partial=True) reduces."""
         y = self._lora(linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.weight_bf16), x)
-        return tp_all_reduce(y) if _collectives(self.tp_size) else y
+        return tp_all_reduce(y) if reduce and tp_collectives(self.tp_size) else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -356,7 +366,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         y = F.embedding((input_ids - self.vocab_start).masked_fill(~mine, 0), self.weight)
         y = y.masked_fill(~mine.unsqueeze(-1), 0)
-        return tp_all_reduce(y, first=True) if _collectives(self.tp_size) else y
+        return tp_all_reduce(y, first=True) if tp_collectives(self.tp_size) else y
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -370,7 +380,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = linear(hidden, self.weight, None, self.weight_bf16)
-        if not _collectives(self.tp_size):
+        if not tp_collectives(self.tp_size):
             return logits[..., : self.vocab_end - self.vocab_start]
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
         state = get_parallel_state()

@@ -22,8 +22,10 @@ from testbed.kernels import (paged_attention_batched, paged_decode_attention, pa
                              rope_store_batched, rope_store_kvcache, step_plan, use_triton)
 from testbed.worker.context import get_context
 from testbed.worker.pipeline import pipeline_stage
+from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce, begin_forward
 from testbed.worker.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                                   RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, apply_rope)
+                                   RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, apply_rope,
+                                   get_tp, tp_collectives)
 
 logger = logging.getLogger(__name__)
 
@@ -133,14 +135,14 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, hd, hd ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         p = self.qkv_proj
         q, k, v = self.qkv_proj(x).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, p.head_dim), k.view(-1, self.num_kv_heads, p.head_dim)
         v = v.reshape(-1, self.num_kv_heads, p.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(positions, q, k, v, self.rotary_emb.cos_sin_cache).flatten(1))
+        return self.o_proj(self.attn(positions, q, k, v, self.rotary_emb.cos_sin_cache).flatten(1), reduce)
 
 
 class LlamaMLP(nn.Module):
@@ -151,8 +153,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)), reduce)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -163,16 +165,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                deferred: bool = False, x_partial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the next norm adds the two, so each
-        residual add runs inside a norm kernel (as vLLM's layers do)."""
+        residual add runs inside a norm kernel (as vLLM's layers do). `deferred` (tensor parallelism): this
+        layer's row-parallel outputs stay this rank's partial sums, which the norm after each reduces (fused with
+        it on GPUs, tp_all_reduce.FusedAllReduceNorm); `x_partial`: x is the previous layer's such output."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm(x, residual, x_partial)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x, not deferred), residual, deferred)
+        return self.mlp(x, not deferred), residual
 
 
 class MissingLayer(nn.Module):
@@ -195,20 +199,25 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary_emb) if self.start_layer <= i < self.end_layer
                                     else MissingLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+        self.tp_size = get_tp()[1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Final hidden states on the last stage; elsewhere (hidden, residual) for the next stage, which passes
         them in as `intermediate`."""
+        deferred = tp_collectives(self.tp_size)  # row-parallel outputs stay partial sums until the next norm
+        begin_forward()
         if self.is_first:
             h, residual = self.embed_tokens(input_ids), None
         else:
             h, residual = intermediate
+        partial = False  # the embedding's output and a received stream are summed
         for layer in self.layers[self.start_layer:self.end_layer]:
-            h, residual = layer(positions, h, residual)
-        if not self.is_last:
-            return h, residual
-        return self.norm(h, residual)[0]
+            h, residual = layer(positions, h, residual, deferred, partial)
+            partial = deferred
+        if not self.is_last:  # the next stage receives the summed stream
+            return (tp_all_reduce(h) if partial else h), residual
+        return self.norm(h, residual, partial)[0]
 
 
 class LlamaForCausalLM(nn.Module):
