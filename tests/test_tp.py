@@ -217,17 +217,22 @@ def test_clean_shutdown_ends_every_worker(tiny_folder, engines):
     llm.executor.shutdown()  # idempotent
 
 
+def _worker_start_hook(tmp_path_factory, monkeypatch, env: str, code: str) -> None:
+    """Every Python process started from now on runs `code` at start-up (a sitecustomize on PYTHONPATH) while
+    `env` is set (the test unsets it to stop); the resource tracker is started first, so it escapes the hook."""
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    hook = tmp_path_factory.mktemp("hook")
+    (hook / "sitecustomize.py").write_text(f"import os\nif os.environ.get({env!r}):\n    {code}\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(env, "1")
+
+
 def test_worker_dying_at_startup_is_named(tiny_folder, tmp_path_factory, monkeypatch, engines):
     """A rank that exits before joining the group: the engine fails after the bound, naming it, and
     the next engine in this process starts normally (a failed init must not leave torch state behind)."""
-    from multiprocessing import resource_tracker
-    resource_tracker.ensure_running()  # started now, so it does not pick up the deadly hook below
-    hook = tmp_path_factory.mktemp("die")
-    (hook / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('TESTBED_TEST_WORKER_EXIT'):\n    os._exit(3)\n")
     monkeypatch.setenv("TESTBED_TP_TIMEOUT_S", "5")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("TESTBED_TEST_WORKER_EXIT", "1")  # only processes started from now on read it
+    _worker_start_hook(tmp_path_factory, monkeypatch, "TESTBED_TEST_WORKER_EXIT", "os._exit(3)")
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker died during startup: rank 1 \(pid \d+, exit code 3\)"):
         LLM(tiny_folder, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
@@ -244,14 +249,8 @@ def test_a_worker_slow_to_start_is_waited_for_past_the_step_timeout(tiny_folder,
                                                                    engines):
     """TESTBED_TP_TIMEOUT_S bounds a step (and the collectives), not a live worker's spawn and imports: a worker
     that takes longer than it to get ready (a loaded host) still joins, and the engine works."""
-    from multiprocessing import resource_tracker
-    resource_tracker.ensure_running()  # started now, so it does not pick up the slow hook below
-    hook = tmp_path_factory.mktemp("slow")
-    (hook / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('TESTBED_TEST_WORKER_SLOW'):\n    time.sleep(6)\n")
     monkeypatch.setenv("TESTBED_TP_TIMEOUT_S", "3")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("TESTBED_TEST_WORKER_SLOW", "1")  # only processes started from now on read it
+    _worker_start_hook(tmp_path_factory, monkeypatch, "TESTBED_TEST_WORKER_SLOW", "__import__('time').sleep(6)")
     start = time.monotonic()
     llm = engines(tiny_folder, skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
     assert time.monotonic() - start >= 6
