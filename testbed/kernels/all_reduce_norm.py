@@ -12,7 +12,7 @@ adds the residual stream to the full sum. One program per token row:
 Pushing (stores to a peer) rather than pulling (loads from it) puts one NVLink crossing, not a round trip, on
 the path, and a program pairs only with the same row on the peers: no grid-wide barrier.
 
-Invariant (the caller's, worker/tp_fused_norm.py): consecutive calls alternate between two regions of the buffer
+Invariant (the caller's, worker/tp_all_reduce.py): consecutive calls alternate between two regions of the buffer
 and flags, and every rank makes the same calls in the same order, so a region is written again only after every
 peer has finished reading it (see FusedAllReduceNorm). The pointer arrays hold each rank's buffer and flag base
 address (symmetric memory); nothing else of the host enters the kernel, so it is captured in CUDA graphs.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from testbed.worker.pipeline import get_parallel_state
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BACKEND_ENV = "TESTBED_TP_ALL_REDUCE"  # auto (symmetric memory where available) | nccl
 FUSED_ENV = "TESTBED_TP_FUSED_NORM"  # 1 (default): the all-reduce fused with the residual add + norm; 0: apart
@@ -95,7 +97,8 @@ class FusedAllReduceNorm:
     which every peer made only after finishing its own reads of the region (one stream: kernels run in order).
     The flags a call sets are taken back to 0 by their reader within the same call, so they are 0 again before
     anyone sets them two calls later. `begin_forward` starts every forward on region 0: a forward makes an even
-    number of calls (two per decoder layer), so the turns alternate across forwards, replayed graphs included."""
+    number of calls (2 x its layers: each layer's post-attention norm and the norm after its MLP, the next layer's
+    input norm or the final norm), so the turns alternate across forwards, replayed graphs included."""
 
     def __init__(self, max_rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -144,33 +147,31 @@ def init_tp_all_reduce(max_tokens: int, hidden_size: int, dtype: torch.dtype, de
     choice = os.environ.get(BACKEND_ENV, "auto")
     if choice not in ("auto", "nccl"):
         raise ValueError(f"{BACKEND_ENV}={choice!r}: expected 'auto' or 'nccl'")
-    mine = None
-    if choice == "auto":
-        try:
-            mine = SymmetricAllReduce(max_tokens * hidden_size, dtype, device)
-        except Exception as e:  # an old torch, no peer access between these GPUs, no symmetric memory backend
-            logger.warning("tensor-parallel all-reduce: symmetric memory unavailable on rank %d (%s: %s); using NCCL",
-                           dist.get_rank(), type(e).__name__, e)
-    ok = torch.tensor([int(mine is not None)], device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    _symmetric = mine if bool(ok.item()) else None
+
+    def build() -> SymmetricAllReduce | None:
+        return SymmetricAllReduce(max_tokens * hidden_size, dtype, device) if choice == "auto" else None
+
+    _symmetric = _on_every_rank(build, "tensor-parallel all-reduce: symmetric memory unavailable", "; using NCCL",
+                                device)
     if _symmetric is not None and os.environ.get(FUSED_ENV, "1") != "0":
-        _init_fused(min(max_tokens, FUSED_MAX_ROWS), hidden_size, dtype, device)
+        rows = min(max_tokens, FUSED_MAX_ROWS)
+        _fused = _on_every_rank(lambda: FusedAllReduceNorm(rows, hidden_size, dtype, device),
+                                "tensor-parallel all-reduce + norm: not fused", "", device)
     return _symmetric is not None
 
 
-def _init_fused(max_rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Set up the fused all-reduce + norm on every rank, or on none (a collective)."""
-    global _fused
+def _on_every_rank(build: Callable[[], T | None], what: str, then: str, device: torch.device) -> T | None:
+    """What `build()` makes on this rank where every rank made one, else None on every rank (a collective: the
+    ranks agree, so every rank takes the same path). A rank whose build raised (an old torch, no peer access
+    between these GPUs, no symmetric memory backend) logs `what` on rank R (the error)`then`."""
     mine = None
     try:
-        mine = FusedAllReduceNorm(max_rows, hidden_size, dtype, device)
+        mine = build()
     except Exception as e:
-        logger.warning("tensor-parallel all-reduce + norm: not fused on rank %d (%s: %s)", dist.get_rank(),
-                       type(e).__name__, e)
+        logger.warning("%s on rank %d (%s: %s)%s", what, dist.get_rank(), type(e).__name__, e, then)
     ok = torch.tensor([int(mine is not None)], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    _fused = mine if bool(ok.item()) else None
+    return mine if bool(ok.item()) else None
 
 
 def symmetric_available() -> bool:
