@@ -36,7 +36,7 @@ for part in "$@"; do
           --out $OUT/tp.json 2>&1 | tee $OUT/tp.log | grep -E '^\{"case|decode|throughput|agreement' ;;
     tp-fidelity) bound python3 benchmarks/fidelity.py real --model $MODEL -tp 2 --out /tmp/fid_tp2 \
           --tar $OUT/runs_${MODEL}_${gpu}_tp2.tar.gz --profile-out $OUT/${MODEL}_${gpu}_tp2.json --no-progress \
-          --cases azure-burst,azure-80 --limit ${FID_LIMIT:-1000} --reps ${FID_REPS:-5} --budget-s ${FID_BUDGET_S:-400} 2>&1 | tee $OUT/tp_fidelity.log ;;
+          --cases ${FID_CASES:-azure-burst,azure-80} --limit ${FID_LIMIT:-1000} --reps ${FID_REPS:-5} --budget-s ${FID_BUDGET_S:-400} 2>&1 | tee $OUT/tp_fidelity.log ;;
     dp) bound python3 benchmarks/dp.py --layouts ${DP_LAYOUTS:-1x1 2x1} --model $DP_MODEL --rates ${DP_RATES:-40 80 160 400} \
           --num-prompts ${DP_PROMPTS:-1500} --cost-model ${DP_COST_MODEL:-profile} --budget-s ${DP_BUDGET_S:-420} --out $OUT/dp 2>&1 | tee $OUT/dp.log | tail -40 ;;
     dp-host) for m in Llama-3.2-1B Llama-3.1-8B; do
