@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable
 
 from testbed.cli_args import ArgumentParser, add_engine_args, add_lora_modules_arg, add_model_args, add_trace_args, default_run_dir, engine_config, print_result
 from testbed.engine.config import ConfigError
@@ -259,15 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     commands' modules, numpy and pyarrow among them): what that makes lives as long as the process, so the
     collector's 75 passes over it found nothing (about 6% of the imports' time). The command runs with the
     collector on, those objects frozen out of its passes."""
-    import gc
+    import contextlib
     import signal
     import threading
+
+    from testbed.sim.collector import collector_paused
     entry = argv is None and threading.current_thread() is threading.main_thread()
-    paused = entry and gc.isenabled()
-    if paused:
-        gc.disable()
     try:
-        return _main(argv, _collector_back if paused else None)
+        with collector_paused() if entry else contextlib.nullcontext():
+            parser = build_parser()
+        return _main(parser, argv)
     except KeyboardInterrupt:  # between the command's own handler and here (its clean-up)
         return 130
     finally:
@@ -275,20 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _collector_back() -> None:
-    """The garbage collector on again, what is alive now (modules, the parser) left out of its passes."""
-    import gc
-    gc.freeze()
-    gc.enable()
-
-
-def _main(argv: list[str] | None, parsed: Callable[[], None] | None = None) -> int:
-    """The command line's command; `parsed()`, when given, is called once the parser is built, before it runs."""
-    try:
-        parser = build_parser()
-    finally:
-        if parsed is not None:
-            parsed()
+def _main(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """The command line's command, parsed by `parser` (build_parser's)."""
     args, extras = parser.parse_known_args(argv)
     command = command_name(args)
     if extras:  # the subcommand's own one-line error, with the flag it most likely meant

@@ -1,4 +1,5 @@
-"""The cyclic garbage collector paused while a simulation builds its records."""
+"""The cyclic garbage collector paused while a simulation builds its records (and while `testbed`'s parser is
+built, cli.main: what a block makes that lives to the end holds no cycle worth a pass)."""
 from __future__ import annotations
 
 import contextlib
