@@ -1,7 +1,8 @@
 """A data-parallel replica's host term per step (the profile's `dp_replica_host`, sim/profiled.py; fitted by
-`testbed calibrate` of a DP run, sim/dp_host_fit.py): the simulator charges it on every step of a DP replica and
-never at DP=1, the same whether a stretch of decodes is stepped or fast-forwarded, and calibrating on a DP run
-whose replicas spent it between their steps (as a real replica's records hold it) finds it apart from the scales."""
+`testbed calibrate` of a DP run, sim/dp_host_fit.py): the simulator charges it on every step of a DP replica (and
+its per-request part on the steps that schedule requests for the first time) and never at DP=1, the same whether a
+stretch of decodes is stepped or fast-forwarded, and calibrating on a DP run whose replicas spent it between their
+steps (as a real replica's records hold it) finds it apart from the scales."""
 from __future__ import annotations
 
 import json
@@ -24,10 +25,10 @@ TRACE = ROOT / "traces/azure_conv_10min.jsonl"
 BLOCKS, MAX_LEN, VOCAB = 4000, 4096, 128256
 
 
-def _profile(step_s: float | None, row_s: float = 0.0, host: float = 1.0) -> dict:
+def _profile(step_s: float | None, row_s: float = 0.0, host: float = 1.0, request_s: float = 0.0) -> dict:
     prof = json.loads(PROFILE.read_text()) | {"scales": {"host": host}}
     if step_s is not None:
-        prof["dp_replica_host"] = {"step_s": step_s, "row_s": row_s}
+        prof["dp_replica_host"] = {"step_s": step_s, "row_s": row_s, "request_s": request_s}
     return prof
 
 
@@ -45,23 +46,29 @@ class Priced:
 @settings(max_examples=5, deadline=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow])
 @given(step_s=st.floats(1e-5, 1e-3), row_s=st.floats(0.0, 5e-6), host=st.floats(0.7, 1.5),
-       policy=st.sampled_from(["least_loaded", "round_robin"]))
+       policy=st.sampled_from(["least_loaded", "round_robin"]), request_s=st.sampled_from([0.0, 4e-4]))
 # a fast-forwarded stretch's last step (it finishes azure-18 at 1.18675 s) ends after replica 0 rejects azure-30
 # (4,081 tokens) at 1.18515 s: the rejection's row goes first, as stepping records it
-@example(step_s=9.795365473906027e-05, row_s=3.823674122256203e-06, host=0.8613719487464649, policy="round_robin")
-def test_the_term_is_charged_on_every_dp_replica_step_and_never_at_dp_1(step_s, row_s, host, policy):
+@example(step_s=9.795365473906027e-05, row_s=3.823674122256203e-06, host=0.8613719487464649, policy="round_robin",
+         request_s=0.0)
+def test_the_term_is_charged_on_every_dp_replica_step_and_never_at_dp_1(step_s, row_s, host, policy, request_s):
     trace = load_trace(str(TRACE), request_rate=30.0, limit=40, seed=0)
     config = EngineConfig(data_parallel_size=2, dp_policy=policy, max_model_len=MAX_LEN)
-    with_term = ProfiledCostModel(_profile(step_s, row_s, host), data_parallel_size=2)
+    with_term = ProfiledCostModel(_profile(step_s, row_s, host, request_s), data_parallel_size=2)
     without = ProfiledCostModel(_profile(None, host=host), data_parallel_size=2)
-    single = ProfiledCostModel(_profile(step_s, row_s, host), data_parallel_size=1)
+    single = ProfiledCostModel(_profile(step_s, row_s, host, request_s), data_parallel_size=1)
     priced = Priced(with_term)
     stepped = simulate(trace, config, priced, BLOCKS, MAX_LEN, VOCAB, fast_forward_decodes=False)
     assert {r[1] for r in stepped.records.requests} == {0, 1}  # both replicas served
-    for so in priced.batches:  # each replica step pays host x (step_s + row_s x rows) more; a single engine nothing
+    admitting = 0
+    for so in priced.batches:  # each replica step pays host x (step_s + row_s x rows + request_s x requests it
+        # schedules for the first time) more; a single engine nothing
         extra = with_term.step_time(so) - without.step_time(so)
-        assert extra == pytest.approx(host * (step_s + row_s * len(so.requests)), rel=1e-6, abs=1e-12)
+        admitting += bool(so.new_req_ids)
+        assert extra == pytest.approx(host * (step_s + row_s * len(so.requests) + request_s * len(so.new_req_ids)),
+                                      rel=1e-6, abs=1e-12)
         assert single.step_time(so) == without.step_time(so)
+    assert admitting >= 20
     # stretches of decodes priced in one go (decode_steps) charge it exactly as step by step
     fast = simulate(trace, config, with_term, BLOCKS, MAX_LEN, VOCAB, fast_forward_decodes=True)
     assert fast.records.requests == stepped.records.requests
@@ -120,6 +127,7 @@ def test_calibrate_fits_the_dp_term_apart_from_the_scales(tmp_path, capsys):
         assert prof["dp_replica_host"]["step_s"] == pytest.approx(true_step, rel=1e-3)
         assert prof["scales"]["decode"] == pytest.approx(1.0 if only else 1.1, rel=1e-3)
         assert prof["scales"]["host"] == pytest.approx(1.0, rel=1e-3)
+        assert prof["dp_replica_host"]["request_s"] < 5e-6  # this run's replicas took their requests in for free
     assert prof["calibration"]["error_after"]["mape"] < prof["calibration"]["error_before"]["mape"]
     single = tmp_path / "single"
     _simulate(tmp_path, json.loads(PROFILE.read_text()), "single", 1).rename(single)
@@ -128,7 +136,8 @@ def test_calibrate_fits_the_dp_term_apart_from_the_scales(tmp_path, capsys):
     assert "a single engine's run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bad", [{"row_s": 1e-6}, {"step_s": -1.0}, {"step_s": "slow"}])
+@pytest.mark.parametrize("bad", [{"row_s": 1e-6}, {"step_s": -1.0}, {"step_s": "slow"},
+                                 {"step_s": 1e-4, "request_s": -1e-4}, {"step_s": 1e-4, "request_s": float("inf")}])
 def test_a_bad_dp_replica_host_section_is_refused(bad):
     with pytest.raises(ProfileError, match="dp_replica_host"):
         ProfiledCostModel(json.loads(PROFILE.read_text()) | {"dp_replica_host": bad}, name="p.json",
@@ -152,3 +161,28 @@ def test_profile_measures_the_term_with_real_replica_processes(tmp_path, capsys)
     assert {k: v for k, v in prof.items() if k != "dp_replica_host"} == json.loads(PROFILE.read_text())
     cm = ProfiledCostModel.from_file(out, data_parallel_size=2)
     assert cm.dp_step(8) == pytest.approx(section["step_s"] + 8 * section["row_s"])
+
+
+@settings(max_examples=20, deadline=None)
+@given(request_s=st.floats(0.0, 1e-3), step_s=st.floats(0.0, 3e-4), seed=st.integers(0, 2**32 - 1))
+def test_the_per_request_time_is_recovered_from_the_cycles_before_the_admitting_steps(request_s, step_s, seed):
+    """fit_dp_admit: cycles that hold, besides the profile's prediction and the DP step term, request_s for each
+    request the replica's next step schedules for the first time (a real replica takes them in before that
+    schedule), give back request_s; the batches are a real DP simulation's, priced by the profile."""
+    import random
+
+    from testbed.sim.dp_host_fit import fit_dp_admit
+    from testbed.sim.rescale import StepSample
+    from testbed.sim.step_terms import Scales, combine
+    trace = load_trace(str(TRACE), request_rate=30.0, limit=60, seed=0)
+    cm = ProfiledCostModel(_profile(None))
+    priced = Priced(cm)
+    simulate(trace, EngineConfig(max_model_len=MAX_LEN), priced, BLOCKS, MAX_LEN, VOCAB, fast_forward_decodes=False)
+    rng = random.Random(seed)
+    samples = [StepSample(*cm.terms(so), 0.0, len(so.requests), 0.0, len(so.new_req_ids)) for so in priced.batches]
+    for s, nxt in zip(samples, samples[1:]):
+        s.admitted_next = nxt.admitted
+        s.seconds = combine(s.kind, s.terms, Scales()) + step_s + request_s * s.admitted_next + rng.gauss(0, 1e-6)
+    samples[-1].gap = None  # the last step has no next one
+    assert sum(s.admitted_next for s in samples) >= 40
+    assert fit_dp_admit(samples, Scales(), step_s) == pytest.approx(request_s, abs=2e-6)

@@ -14,6 +14,18 @@ where `a`, the part that does not grow with the batch, is the DP term (a single 
 RIDGE x n x (mean engine term)^2, so that a run of one narrow batch range, where u and a cannot be told apart,
 gives a ~ the mean gap less one engine term; a run over many batch sizes decides u itself. A per-row part of
 the DP term cannot be told from the host scale in one run, so the fit gives none (row_s 0).
+
+A replica also takes in each request the coordinator routes to it (its input thread decodes the message, the loop
+adds it to the engine) between an update and the next schedule, in the cycle before the step that first schedules
+it. Over every step that ran back to back with the next, once the scales and `a` are fitted,
+
+    cycle - predicted  =  c  +  request_s x (requests the replica's next step schedules for the first time)
+
+by least squares (request_s >= 0): 0.37-0.72 ms a request on the replicas of four Llama-3.1-8B runs on two 4-H100
+hosts (2026-11-27), where a single engine's replay, its requests added in its own loop, shows 0.03-0.11 ms a request
+(two Llama-3.1-8B runs, their step errors regressed on the requests that arrived during each step). The simulator charges it to the step
+that schedules the request (ProfiledCostModel.dp_admit): the same time, a step later, so the request's latency is
+the same.
 """
 from __future__ import annotations
 
@@ -21,7 +33,7 @@ import dataclasses
 
 import numpy as np
 
-from testbed.sim.step_terms import DECODE_SYNC
+from testbed.sim.step_terms import DECODE_SYNC, combine
 
 RIDGE = 0.1  # chosen on the 2026-11-26 H100 runs: 0.03-0.3 give DP=1 runs a < 0.05 ms, DP runs 0.09-0.2 ms
 
@@ -33,6 +45,8 @@ class DPHostFit:
     step_s: float
     update_scale: float
     steps: int
+    request_s: float = 0.0  # per request taken in (fit_dp_admit)
+    requests: int = 0       # the requests it was fitted over
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -56,12 +70,26 @@ def fit_dp_host(gaps: list[float], engine: list[float]) -> DPHostFit:
     return DPHostFit(float(a), float(u), n)
 
 
-def with_dp_term(samples: list, step_s: float, row_s: float = 0.0) -> list:
+def with_dp_term(samples: list, step_s: float, row_s: float = 0.0, request_s: float = 0.0) -> list:
     """The StepSamples (rescale.py) with the DP term added to each step's engine term (the first of every kind's
-    terms), as ProfiledCostModel adds it for a DP replica."""
-    if not step_s and not row_s:
+    terms), as ProfiledCostModel adds it for a DP replica: request_s for each request the step admits."""
+    if not step_s and not row_s and not request_s:
         return samples
-    return [dataclasses.replace(s, terms=(s.terms[0] + step_s + row_s * s.rows, *s.terms[1:])) for s in samples]
+    return [dataclasses.replace(s, terms=(s.terms[0] + step_s + row_s * s.rows + request_s * s.admitted,
+                                          *s.terms[1:])) for s in samples]
+
+
+def fit_dp_admit(samples: list, scales, step_s: float) -> float:
+    """request_s (the run's seconds) of the module docstring: the slope of the back-to-back steps' cycles, less their
+    prediction at `scales` with the DP term `step_s` (run seconds), on the requests taken in during them; 0.0 when
+    no such step took one in, or the slope is negative."""
+    used = [s for s in samples if s.gap is not None]
+    n = np.array([s.admitted_next for s in used], dtype=float)
+    if not len(used) or not n.any():
+        return 0.0
+    r = np.array([s.seconds - step_s - combine(s.kind, s.terms, scales) for s in used])
+    slope = np.polyfit(n, r, 1)[0] if np.ptp(n) > 0 else 0.0
+    return max(0.0, float(slope))
 
 
 def gap_samples(samples: list) -> tuple[list[float], list[float]]:

@@ -20,6 +20,8 @@ A step's time is the real engine's cycle, schedule to next schedule, built from 
   a data-parallel replica (data_parallel_size > 1) adds the profile's `dp_replica_host` per step to the engine
           term: step_s + row_s x rows, the host work its own engine process does between two steps beyond the
           single engine's (publishing the step's outputs to the API server, its input poll, its stats reports);
+          and request_s for each request a step schedules for the first time: its receipt from the coordinator
+          and admission (the replica takes it in just before that step's schedule when no queue holds it back);
           a profile without that section, or a single engine, charges nothing for it
 
 `explain(so)` returns those terms for one step, so a reader can see which one dominates.
@@ -97,22 +99,23 @@ def block_move_cost(profile: dict) -> BlockMoveCost | None:
     return BlockMoveCost(block_bytes, measured.get("bandwidth") or host, measured.get("device_bandwidth") or device)
 
 
-def dp_replica_host(profile: dict, name: str = "") -> tuple[float, float] | None:
-    """(step_s, row_s) of the profile's `dp_replica_host` section (a data-parallel replica's extra host seconds per
-    step, and per row of the step), or None when it has none. ProfileError for a malformed one."""
+def dp_replica_host(profile: dict, name: str = "") -> tuple[float, float, float] | None:
+    """(step_s, row_s, request_s) of the profile's `dp_replica_host` section (a data-parallel replica's extra host
+    seconds per step, per row of the step, and per request the step schedules for the first time), or None when
+    it has none. ProfileError for a malformed one."""
     d = profile.get("dp_replica_host")
     if d is None:
         return None
     try:
-        step, row = float(d["step_s"]), float(d.get("row_s", 0.0))
+        step, row, request = float(d["step_s"]), float(d.get("row_s", 0.0)), float(d.get("request_s", 0.0))
     except (KeyError, TypeError, ValueError):
         raise ProfileError(f"{name or 'profile'}: its dp_replica_host section needs a number step_s (and may give "
-                           f"row_s), got {d!r}; re-make it with `testbed profile --dp-replica-host` or "
+                           f"row_s and request_s), got {d!r}; re-make it with `testbed profile --dp-replica-host` or "
                            "`testbed calibrate` of a data-parallel run") from None
-    if not (step >= 0.0 and row >= 0.0 and math.isfinite(step) and math.isfinite(row)):
-        raise ProfileError(f"{name or 'profile'}: dp_replica_host step_s {step!r} and row_s {row!r} must be "
-                           "finite and >= 0")
-    return step, row
+    if not all(v >= 0.0 and math.isfinite(v) for v in (step, row, request)):
+        raise ProfileError(f"{name or 'profile'}: dp_replica_host step_s {step!r}, row_s {row!r} and request_s "
+                           f"{request!r} must be finite and >= 0")
+    return step, row, request
 
 
 class ProfiledCostModel:
@@ -243,8 +246,15 @@ class ProfiledCostModel:
         """A DP replica's extra host seconds in a step of b rows (0.0 for a single engine or without the term)."""
         if self.dp_host is None:
             return 0.0
-        step, row = self.dp_host
+        step, row, _ = self.dp_host
         return step + row * b
+
+    def dp_admit(self, so: SchedulerOutput) -> float:
+        """A DP replica's host seconds for the requests `so` schedules for the first time (0.0 for a single engine,
+        without the term, or for a step that schedules none)."""
+        if self.dp_host is None or not self.dp_host[2] or not so.new_req_ids:
+            return 0.0
+        return self.dp_host[2] * len(so.new_req_ids)
 
     def _eager_terms(self, so: SchedulerOutput) -> tuple[float, float, float, float, float]:
         """(linear, attention, sampler, host preparation, sampled rows) of a step with a prefill chunk."""
@@ -364,7 +374,7 @@ class ProfiledCostModel:
             return DECODE_SYNC, (eng, self.dec_wall(B, ctx), self.dec_host(B, ctx),
                                  self.dec_tail(B, skew) if self.dec_tail else 0.0, grammar)
         lin, attn, samp, prep, sampled = self._eager_terms(so)
-        eng = self._engine_term(B, so.num_prefill_tokens) if engine is None else engine
+        eng = self._engine_term(B, so.num_prefill_tokens) + self.dp_admit(so) if engine is None else engine
         out = self.output(sampled) if sampled else 0.0
         return (MIXED_ASYNC if overlap else MIXED_SYNC), (eng, prep, grammar, self.eager_launch, lin, attn, samp,
                                                            out, self.sync_gap)
@@ -414,7 +424,7 @@ class ProfiledCostModel:
         if so.num_structured_reqs:
             terms["grammar bitmasks"] = GRAMMAR_ROW_S * so.num_structured_reqs
         if self.dp_host is not None:
-            terms["dp replica host"] = self.dp_step(B)
+            terms["dp replica host"] = self.dp_step(B) + self.dp_admit(so)
         terms["total"] = self.step_time(so)
         return terms
 
@@ -443,7 +453,8 @@ class ProfiledCostModel:
         out = {"kind": "profile", "path": self.name, "model": self.model_name, "gpu": self.gpu_name,
                "tensor_parallel_size": self.tensor_parallel_size, "async_scheduling": self.async_scheduling}
         if self.dp_host is not None:
-            out["dp_replica_host"] = {"step_s": self.dp_host[0], "row_s": self.dp_host[1]}
+            out["dp_replica_host"] = {"step_s": self.dp_host[0], "row_s": self.dp_host[1],
+                                      **({"request_s": self.dp_host[2]} if self.dp_host[2] else {})}
         return out
 
     def __repr__(self) -> str:

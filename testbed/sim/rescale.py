@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.sim.dp_host_fit import DPHostFit, fit_dp_host, gap_samples, with_dp_term
+from testbed.sim.dp_host_fit import DPHostFit, fit_dp_admit, fit_dp_host, gap_samples, with_dp_term
 from testbed.sim.profiled import dp_replica_host, fit_nonnegative
 from testbed.sim.step_terms import COMPONENTS, DECODE_ASYNC, DECODE_SYNC, Scales, combine, design
 
@@ -58,6 +58,8 @@ class StepSample:
     seconds: float
     rows: int = 0              # requests in the step
     gap: float | None = None   # update to next schedule, when the next step followed at once (a real run's record)
+    admitted: int = 0          # requests the step schedules for the first time
+    admitted_next: int = 0     # those of the replica's next step: taken in during this step's cycle, before its schedule
 
 
 def step_errors(samples: list[StepSample], scales: Scales) -> np.ndarray:
@@ -180,14 +182,19 @@ class StepPairing:
         self.cost_model, self.durations = cost_model, durations
         self.cycles = [recorded_cycles(s, d) for s, d in zip(starts, durations)]
         self.samples: list[StepSample] = []
+        self._last: dict[int, StepSample] = {}  # each replica's latest sample, whose admitted_next this step gives
 
     def note(self, r: int, k: int, so) -> None:
         if so.requests:
             cycle, own = self.cycles[r][k], self.durations[r][k]
             kind, terms = self.cost_model.terms(so)
             back_to_back = cycle <= own + IDLE_GAP_S and k + 1 < len(self.cycles[r])
-            self.samples.append(StepSample(kind, terms, cycle if cycle <= own + IDLE_GAP_S else own, len(so.requests),
-                                           cycle - own if back_to_back else None))
+            sample = StepSample(kind, terms, cycle if cycle <= own + IDLE_GAP_S else own, len(so.requests),
+                                cycle - own if back_to_back else None, len(so.new_req_ids))
+            self.samples.append(sample)
+            if r in self._last:
+                self._last[r].admitted_next = sample.admitted
+            self._last[r] = sample
 
 
 def samples_from_run(run, model: str, config, cost_model, trace=None) -> list[StepSample]:
@@ -256,7 +263,8 @@ def calibrated_profile(profile: dict, scales: Scales, source: str, before: dict,
         record["dp_replica_host"] = dp_host.to_dict()
     out = rescaled_profile(profile, scales, record, before, after)
     if dp_host is not None:
-        out["dp_replica_host"] = {"step_s": dp_host.step_s / scales.host, "row_s": 0.0, "method": "calibrate",
+        out["dp_replica_host"] = {"step_s": dp_host.step_s / scales.host, "row_s": 0.0,
+                                  "request_s": dp_host.request_s / scales.host, "method": "calibrate",
                                   "fitted_on": source}
     return out
 
@@ -302,13 +310,16 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto", dp_host_only: bool 
         after = error_report(samples, scales)
         return calibrated_profile(cm.profile, scales, str(run_dir), before, after, trace=source), before, after
     base = dp_replica_host(cm.profile, cm.name)
-    before = error_report(with_dp_term(samples, *(base or (0.0, 0.0))), cm.scales)  # as the profile simulates it
+    before = error_report(with_dp_term(samples, *(base or (0.0, 0.0, 0.0))), cm.scales)  # as the profile simulates it
     fit = fit_dp_host(*gap_samples(samples))
-    scales = cm.scales
-    if not dp_host_only:  # the machine's scales from the steps less the DP replica's own work
-        scales = fit_scales([dataclasses.replace(s, seconds=max(s.seconds - fit.step_s, 1e-6)) for s in samples],
-                            cm.scales)
-    after = error_report(with_dp_term(samples, fit.step_s / scales.host), scales)
+    scales, request_s = cm.scales, 0.0
+    for _ in range(2):  # the machine's scales from the steps less the DP replica's own work, then its per-request part
+        if not dp_host_only:
+            scales = fit_scales([dataclasses.replace(s, seconds=max(s.seconds - fit.step_s - request_s * s.admitted_next,
+                                                                    1e-6)) for s in samples], cm.scales)
+        request_s = fit_dp_admit(samples, scales, fit.step_s)
+    fit = dataclasses.replace(fit, request_s=request_s, requests=sum(s.admitted_next for s in samples))
+    after = error_report(with_dp_term(samples, fit.step_s / scales.host, 0.0, request_s / scales.host), scales)
     return calibrated_profile(cm.profile, scales, str(run_dir), before, after, dp, fit, source), before, after
 
 
@@ -321,7 +332,8 @@ def cmd_calibrate(args) -> int:
     fit = profile["calibration"].get("dp_replica_host")
     if fit is not None:
         print(f"dp replica host: {fit['step_s'] * 1e3:.3f} ms a step (gap = {fit['update_scale']:.2f} x engine term "
-              f"+ that, over {fit['steps']} back-to-back decode steps)")
+              f"+ that, over {fit['steps']} back-to-back decode steps), {fit['request_s'] * 1e3:.3f} ms a request "
+              f"taken in (over {fit['requests']} requests)")
     print(f"wrote {out} (use: testbed simulate TRACE --cost-model {out})", file=sys.stderr)
     return 0
 
