@@ -21,11 +21,11 @@ it. Over every step that ran back to back with the next, once the scales and `a`
 
     cycle - predicted  =  c  +  request_s x (requests the replica's next step schedules for the first time)
 
-by least squares (request_s >= 0): 0.37-0.72 ms a request on the replicas of four Llama-3.1-8B runs on two 4-H100
-hosts (2026-11-27), where a single engine's replay, its requests added in its own loop, shows 0.03-0.11 ms a request
-(two Llama-3.1-8B runs, their step errors regressed on the requests that arrived during each step). The simulator charges it to the step
-that schedules the request (ProfiledCostModel.dp_admit): the same time, a step later, so the request's latency is
-the same.
+by least squares (request_s >= 0). On the committed DP runs of 4 H100s (2026-11-27) it is 0.09-0.19 ms a request
+for Llama-3.2-1B and 0.37-0.72 ms for Llama-3.1-8B, where decoding a 700-token request's message and adding it to
+an engine take about 0.17 ms on a 2-core AMD EPYC: the 8B's cycles hold more than that intake, which the fit
+cannot tell apart. The simulator charges it to the step that schedules the request (ProfiledCostModel.dp_admit):
+the same time a step later, so the request's latency is the same.
 """
 from __future__ import annotations
 
