@@ -23,8 +23,8 @@ it. Over every step that ran back to back with the next, once the scales and `a`
 
 by least squares (request_s >= 0). On the committed DP runs of 4 H100s (2026-11-27) it is 0.09-0.19 ms a request
 for Llama-3.2-1B and 0.37-0.72 ms for Llama-3.1-8B, where decoding a 700-token request's message and adding it to
-an engine take about 0.17 ms on a 2-core AMD EPYC: the 8B's cycles hold more than that intake, which the fit
-cannot tell apart. The simulator charges it to the step that schedules the request (ProfiledCostModel.dp_admit):
+an engine take 0.09-0.13 ms on an H100 host's Xeon: the 1B's term is that intake, the 8B's cycles hold more, which
+the fit cannot tell apart. The simulator charges it to the step that schedules the request (ProfiledCostModel.dp_admit):
 the same time a step later, so the request's latency is the same.
 """
 from __future__ import annotations
