@@ -16,16 +16,18 @@ gives a ~ the mean gap less one engine term; a run over many batch sizes decides
 the DP term cannot be told from the host scale in one run, so the fit gives none (row_s 0).
 
 A replica also takes in each request the coordinator routes to it (its input thread decodes the message, the loop
-adds it to the engine) between an update and the next schedule, in the cycle before the step that first schedules
-it. Over every step that ran back to back with the next, once the scales and `a` are fitted,
+adds it to the engine) between an update and the next schedule: in the gap before the step that first schedules
+it. Over every step that ran back to back with the next,
 
-    cycle - predicted  =  c  +  request_s x (requests the replica's next step schedules for the first time)
+    gap  =  c  +  u' x engine term  +  m x (the step has a prefill chunk)  +  request_s x (requests the next step
+            schedules for the first time)
 
-by least squares (request_s >= 0). On the committed DP runs of 4 H100s (2026-11-27) it is 0.09-0.19 ms a request
-for Llama-3.2-1B and 0.37-0.72 ms for Llama-3.1-8B, where decoding a 700-token request's message and adding it to
-an engine take 0.09-0.13 ms on an H100 host's Xeon: the 1B's term is that intake, the 8B's cycles hold more, which
-the fit cannot tell apart. The simulator charges it to the step that schedules the request (ProfiledCostModel.dp_admit):
-the same time a step later, so the request's latency is the same.
+by least squares (request_s >= 0). The gap, not the whole cycle: a longer step lets more requests arrive during it,
+all admitted by the next step when no queue holds them, so the cycle grows with the next step's admissions whatever
+the intake costs. On the committed DP runs of 4 H100s (2026-11-27) request_s is 0.06-0.11 ms a request, about what
+decoding a 700-token request's message and adding it to an engine take on an H100 host's Xeon (0.09-0.13 ms), where
+a single engine's replay gives 0.02 ms. The simulator charges it to the step that schedules the request
+(ProfiledCostModel.dp_admit): the same time, moved from before that step's schedule into it.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import dataclasses
 
 import numpy as np
 
-from testbed.sim.step_terms import DECODE_SYNC, combine
+from testbed.sim.step_terms import DECODE_SYNC
 
 RIDGE = 0.1  # chosen on the 2026-11-26 H100 runs: 0.03-0.3 give DP=1 runs a < 0.05 ms, DP runs 0.09-0.2 ms
 
@@ -79,17 +81,16 @@ def with_dp_term(samples: list, step_s: float, row_s: float = 0.0, request_s: fl
                                           *s.terms[1:])) for s in samples]
 
 
-def fit_dp_admit(samples: list, scales, step_s: float) -> float:
-    """request_s (the run's seconds) of the module docstring: the slope of the back-to-back steps' cycles, less their
-    prediction at `scales` with the DP term `step_s` (run seconds), on the requests taken in during them; 0.0 when
-    no such step took one in, or the slope is negative."""
+def fit_dp_admit(samples: list) -> float:
+    """request_s (the run's seconds) of the module docstring, fitted to the gaps of the steps that ran back to back
+    with the next; 0.0 when no next step took a request in, or the fit's slope is negative."""
     used = [s for s in samples if s.gap is not None]
     n = np.array([s.admitted_next for s in used], dtype=float)
-    if not len(used) or not n.any():
+    if not len(used) or not np.ptp(n) > 0:
         return 0.0
-    r = np.array([s.seconds - step_s - combine(s.kind, s.terms, scales) for s in used])
-    slope = np.polyfit(n, r, 1)[0] if np.ptp(n) > 0 else 0.0
-    return max(0.0, float(slope))
+    X = np.c_[np.ones(len(used)), [s.terms[0] for s in used], [s.kind != DECODE_SYNC for s in used], n]
+    coef = np.linalg.lstsq(X, np.array([s.gap for s in used]), rcond=None)[0]
+    return max(0.0, float(coef[3]))
 
 
 def gap_samples(samples: list) -> tuple[list[float], list[float]]:

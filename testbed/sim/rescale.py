@@ -312,13 +312,12 @@ def calibrate(run_dir: str | Path, cost_model: str = "auto", dp_host_only: bool 
     base = dp_replica_host(cm.profile, cm.name)
     before = error_report(with_dp_term(samples, *(base or (0.0, 0.0, 0.0))), cm.scales)  # as the profile simulates it
     fit = fit_dp_host(*gap_samples(samples))
-    scales, request_s = cm.scales, 0.0
-    for _ in range(2):  # the machine's scales from the steps less the DP replica's own work, then its per-request part
-        if not dp_host_only:
-            scales = fit_scales([dataclasses.replace(s, seconds=max(s.seconds - fit.step_s - request_s * s.admitted_next,
-                                                                    1e-6)) for s in samples], cm.scales)
-        request_s = fit_dp_admit(samples, scales, fit.step_s)
+    request_s = fit_dp_admit(samples)  # from the gaps, as step_s
     fit = dataclasses.replace(fit, request_s=request_s, requests=sum(s.admitted_next for s in samples))
+    scales = cm.scales
+    if not dp_host_only:  # the machine's scales from the steps less the DP replica's own work
+        scales = fit_scales([dataclasses.replace(s, seconds=max(s.seconds - fit.step_s - request_s * s.admitted_next,
+                                                                1e-6)) for s in samples], cm.scales)
     after = error_report(with_dp_term(samples, fit.step_s / scales.host, 0.0, request_s / scales.host), scales)
     return calibrated_profile(cm.profile, scales, str(run_dir), before, after, dp, fit, source), before, after
 
