@@ -164,12 +164,14 @@ def test_profile_measures_the_term_with_real_replica_processes(tmp_path, capsys)
 
 
 @settings(max_examples=20, deadline=None)
-@given(request_s=st.floats(0.0, 1e-3), step_s=st.floats(0.0, 3e-4), seed=st.integers(0, 2**32 - 1))
-def test_the_per_request_time_is_recovered_from_the_gaps_before_the_admitting_steps(request_s, step_s, seed):
+@given(request_s=st.floats(0.0, 1e-3), step_s=st.floats(0.0, 3e-4), after=st.floats(0.0, 1.0),
+       seed=st.integers(0, 2**32 - 1))
+def test_the_per_request_time_is_recovered_from_the_gaps_around_the_admitting_steps(request_s, step_s, after, seed):
     """fit_dp_admit: gaps (update to next schedule) that hold, besides the replica's step term and its update (a
-    multiple of the engine term, more after a step with a chunk), request_s for each request the next step
-    schedules for the first time (a real replica takes them in there), give back request_s, whatever the steps'
-    own lengths; the batches are a real simulation's, priced by the profile."""
+    multiple of the engine term, more after a step with a chunk), request_s for each request a step schedules for
+    the first time, the share `after` in the gap after that step (its notices and report) and the rest in the gap
+    before it (its intake), give back request_s, whatever the steps' own lengths; the batches are a real
+    simulation's, priced by the profile."""
     import random
 
     from testbed.sim.dp_host_fit import fit_dp_admit
@@ -183,8 +185,8 @@ def test_the_per_request_time_is_recovered_from_the_gaps_before_the_admitting_st
     samples = [StepSample(*cm.terms(so), 0.0, len(so.requests), 0.0, len(so.new_req_ids)) for so in priced.batches]
     for s, nxt in zip(samples, samples[1:]):
         s.admitted_next = nxt.admitted
-        s.gap = (step_s + 1.3 * s.terms[0] + (5e-5 if s.kind != DECODE_SYNC else 0.0) + request_s * s.admitted_next
-                 + rng.gauss(0, 1e-6))
+        s.gap = (step_s + 1.3 * s.terms[0] + (5e-5 if s.kind != DECODE_SYNC else 0.0)
+                 + request_s * (after * s.admitted + (1.0 - after) * s.admitted_next) + rng.gauss(0, 1e-6))
         s.seconds = rng.uniform(1e-3, 5e-2) + s.gap  # the steps' own lengths say nothing of the intake
     samples[-1].gap = None  # the last step has no next one
     assert sum(s.admitted_next for s in samples) >= 40

@@ -15,19 +15,21 @@ RIDGE x n x (mean engine term)^2, so that a run of one narrow batch range, where
 gives a ~ the mean gap less one engine term; a run over many batch sizes decides u itself. A per-row part of
 the DP term cannot be told from the host scale in one run, so the fit gives none (row_s 0).
 
-A replica also takes in each request the coordinator routes to it (its input thread decodes the message, the loop
-adds it to the engine) between an update and the next schedule: in the gap before the step that first schedules
-it. Over every step that ran back to back with the next,
+A replica also pays for each request the coordinator routes to it: its input thread decodes the message and the
+loop adds it to the engine before the schedule of the step that first schedules it, and after that step's update
+the loop tells the API server when it was scheduled and reports its changed stats. Over every step that ran back
+to back with the next,
 
-    gap  =  c  +  u' x engine term  +  m x (the step has a prefill chunk)  +  request_s x (requests the next step
-            schedules for the first time)
+    gap  =  c  +  u' x engine term  +  m x (the step has a prefill chunk)
+            +  p x (requests the step scheduled for the first time)  +  q x (those of the next step)
 
-by least squares (request_s >= 0). The gap, not the whole cycle: a longer step lets more requests arrive during it,
-all admitted by the next step when no queue holds them, so the cycle grows with the next step's admissions whatever
-the intake costs. On the committed DP runs of 4 H100s (2026-11-27) request_s is 0.06-0.11 ms a request, about what
-decoding a 700-token request's message and adding it to an engine take on an H100 host's Xeon (0.09-0.13 ms), where
-a single engine's replay gives 0.02 ms. The simulator charges it to the step that schedules the request
-(ProfiledCostModel.dp_admit): the same time, moved from before that step's schedule into it.
+by least squares, and request_s = max(0, p + q): what a request adds around the step that first schedules it,
+where the simulator charges it (ProfiledCostModel.dp_admit). The gaps, not the whole cycles: a longer step lets
+more requests arrive during it, all admitted by the next step when no queue holds them, so a cycle grows with the
+next step's admissions whatever the intake costs. On the committed DP runs of 4 H100s (2026-11-27) request_s is
+0.055-0.073 ms a request, where the same fit to a single engine's replay gives 0.000-0.015 ms (decoding a 700-token
+request's message and adding it to an engine take 0.09-0.13 ms on an H100 host's Xeon, much of it on the replica's
+input thread, beside the step).
 """
 from __future__ import annotations
 
@@ -83,14 +85,16 @@ def with_dp_term(samples: list, step_s: float, row_s: float = 0.0, request_s: fl
 
 def fit_dp_admit(samples: list) -> float:
     """request_s (the run's seconds) of the module docstring, fitted to the gaps of the steps that ran back to back
-    with the next; 0.0 when no next step took a request in, or the fit's slope is negative."""
+    with the next (in a replica's order: `admitted_next` is its next step's `admitted`); 0.0 when no step took a
+    request in, or the fit's sum is negative."""
     used = [s for s in samples if s.gap is not None]
-    n = np.array([s.admitted_next for s in used], dtype=float)
-    if not len(used) or not np.ptp(n) > 0:
+    own = np.array([s.admitted for s in used], dtype=float)
+    nxt = np.array([s.admitted_next for s in used], dtype=float)
+    if not len(used) or not (np.ptp(own) > 0 or np.ptp(nxt) > 0):
         return 0.0
-    X = np.c_[np.ones(len(used)), [s.terms[0] for s in used], [s.kind != DECODE_SYNC for s in used], n]
+    X = np.c_[np.ones(len(used)), [s.terms[0] for s in used], [s.kind != DECODE_SYNC for s in used], own, nxt]
     coef = np.linalg.lstsq(X, np.array([s.gap for s in used]), rcond=None)[0]
-    return max(0.0, float(coef[3]))
+    return max(0.0, float(coef[3] + coef[4]))
 
 
 def gap_samples(samples: list) -> tuple[list[float], list[float]]:
