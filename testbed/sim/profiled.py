@@ -20,8 +20,9 @@ A step's time is the real engine's cycle, schedule to next schedule, built from 
   a data-parallel replica (data_parallel_size > 1) adds the profile's `dp_replica_host` per step to the engine
           term: step_s + row_s x rows, the host work its own engine process does between two steps beyond the
           single engine's (publishing the step's outputs to the API server, its input poll, its stats reports);
-          and request_s for each request a step schedules for the first time: its receipt from the coordinator
-          and admission (the replica takes it in just before that step's schedule when no queue holds it back);
+          and request_s for each request a step with a prefill chunk schedules for the first time (or resumes
+          after a preemption: the step's new_req_ids): its receipt from the coordinator and admission around
+          that step;
           a profile without that section, or a single engine, charges nothing for it
 
 `explain(so)` returns those terms for one step, so a reader can see which one dominates.
@@ -250,8 +251,9 @@ class ProfiledCostModel:
         return step + row * b
 
     def dp_admit(self, so: SchedulerOutput) -> float:
-        """A DP replica's host seconds for the requests `so` schedules for the first time (0.0 for a single engine,
-        without the term, or for a step that schedules none)."""
+        """A DP replica's host seconds for the requests `so` schedules for the first time or resumes (its
+        new_req_ids; 0.0 for a single engine, without the term, or for a step that has none). `terms` charges it to
+        steps with a prefill chunk, where a request's first step falls."""
         if self.dp_host is None or not self.dp_host[2] or not so.new_req_ids:
             return 0.0
         return self.dp_host[2] * len(so.new_req_ids)

@@ -58,8 +58,8 @@ class StepSample:
     seconds: float
     rows: int = 0              # requests in the step
     gap: float | None = None   # update to next schedule, when the next step followed at once (a real run's record)
-    admitted: int = 0          # requests the step schedules for the first time
-    admitted_next: int = 0     # those of the replica's next step: taken in during this step's cycle, before its schedule
+    admitted: int = 0          # requests the step schedules for the first time or resumes (its new_req_ids)
+    admitted_next: int = 0     # those of the replica's next step (its intake falls in this step's gap)
 
 
 def step_errors(samples: list[StepSample], scales: Scales) -> np.ndarray:
