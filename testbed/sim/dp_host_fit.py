@@ -27,9 +27,9 @@ by least squares, and request_s = max(0, p + q): what a request adds around the 
 where the simulator charges it (ProfiledCostModel.dp_admit). The gaps, not the whole cycles: a longer step lets
 more requests arrive during it, all admitted by the next step when no queue holds them, so a cycle grows with the
 next step's admissions whatever the intake costs. On the committed DP runs of 4 H100s (2026-11-27) request_s is
-0.055-0.073 ms a request, where the same fit to a single engine's replay gives 0.000-0.015 ms (decoding a 700-token
-request's message and adding it to an engine take 0.09-0.13 ms on an H100 host's Xeon, much of it on the replica's
-input thread, beside the step).
+0.055-0.073 ms a request, where the same fit to a single engine's replay gives 0.000-0.015 ms (on an H100 host's Xeon a
+700-token request's frame decodes in 0.076 ms, on the replica's input thread beside the step, and its add to an
+engine, which a single engine pays too, takes 0.089 ms: benchmarks/dp_intake.py).
 """
 from __future__ import annotations
 
