@@ -32,7 +32,7 @@ def test_smoke_profile_on_cpu_loads_and_drives_simulate_and_quick_rescales_it(tm
     d = prof["decode"]
     assert all(v is not None and v > 0 for row in d["wall_s"] for v in row)  # 4 x 65 tokens fit 96 blocks
     assert all(t > 0 for t in prof["engine_host"]["decode_step_s"]) and len(prof["validation"]) == 2
-    assert prof["engine_host"]["method"] == "in_loop"  # timed between real steps on the executor
+    assert prof["engine_host"]["method"] == "cycle"  # timed in a real stepper loop on the executor
     cm = ProfiledCostModel.from_file(out)
     assert set(cm.validate()) >= {"sync_mape", "sync_worst", "sync_steps"}
     hd = prof["host_device"]  # swap traffic: measured on this machine, and what the cost model prices it at
@@ -137,9 +137,11 @@ def test_every_row_of_the_full_sweep_has_a_point_within_max_model_len(max_model_
 
 
 def test_engine_host_costs_in_a_real_loop_and_their_bound_on_the_kv_cache(tmp_path):
-    """The engine's schedule + update timed between real decode steps on the executor (what a profile records
-    from now on), the executor serving on afterwards; a batch the executor's KV cache cannot hold is refused,
-    naming what to change."""
+    """The engine's host work per decode step timed in a real loop on the executor: by default the stepper's cycle
+    outside the runner (what a profile records from now on), or schedule + update between real steps (in_loop, as
+    older profiles and their --quick anchors time it); the executor serving on afterwards, its timing switch as it
+    was; a batch the executor's KV cache cannot hold is refused, naming what to change, and so is a method that
+    does not go with the executor given."""
     from llm_helpers import save_tiny_llama
     from testbed.engine.config import EngineConfig
     from testbed.profiling.host_costs import engine_host_costs
@@ -149,9 +151,14 @@ def test_engine_host_costs_in_a_real_loop_and_their_bound_on_the_kv_cache(tmp_pa
     cfg = EngineConfig(num_gpu_blocks=64, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=128)
     ex = create_executor(str(tmp_path), cfg, dtype="float32")
     host = engine_host_costs(cfg, 128, [1, 4], [16], ex)
-    assert host["method"] == "in_loop" and host["decode_batch"] == [1, 4]
+    assert host["method"] == "cycle" and host["decode_batch"] == [1, 4]
     assert len(host["decode_step_s"]) == 2 and all(t > 0 for t in host["decode_step_s"])
+    assert ex.runner.record_timing is False
+    assert engine_host_costs(cfg, 128, [4], [16], ex, method="in_loop")["method"] == "in_loop"
     assert engine_host_costs(cfg, 128, [4], [16])["method"] == "isolated"
+    for method, executor in (("isolated", ex), ("cycle", None), ("wall", ex)):
+        with pytest.raises(ValueError, match="cycle and in_loop time steps on an executor, isolated without one"):
+            engine_host_costs(cfg, 128, [4], [16], executor, method=method)
     out = ex.execute(StepFactory(64, 16, ex.vocab_size).step(decode_rows(2, 20)))
     assert len(out.sampled_token_ids) == 2
     with pytest.raises(ValueError, match="needs .* KV blocks, the executor has 64"):

@@ -148,3 +148,26 @@ def test_while_device_runs_is_called_once_a_step_between_its_launch_and_the_wait
         assert all(events[i:i + 3] == [f"launch {k}", "hook", f"wait {k}"]
                    for k, i in enumerate(range(0, len(events), 3), start=1))
     assert finals[0] == finals[1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_last_output_is_the_executor_output_of_the_step_just_updated(async_scheduling):
+    """`last_output` pairs with `last_updated` (what a profile's cycle timing reads): None when a call updated
+    nothing (async: the first launch), else the output whose tokens that step applied, a failed step's
+    isolated output included."""
+    engine = make_engine(async_scheduling=async_scheduling)
+    executor = FailsOnMarkedRequests()
+    stepper = EngineStepper(engine, executor, lambda: 0.0, async_scheduling)
+    engine.add_request(make_request("a", 8, max_tokens=3), 0.0)
+    engine.add_request(make_request("bad", tokens=MARK + [9] * 4, max_tokens=3), 0.0)
+    updated = []
+    while stepper.has_work():
+        stepper.step()
+        if stepper.last_updated is None:
+            assert stepper.last_output is None
+            continue
+        out = stepper.last_output
+        assert len(out.sampled_token_ids) == len(stepper.last_updated.requests)
+        updated.append((len(stepper.last_updated.requests), out.errors))
+    assert updated[0][0] == 2 and "bad" in updated[0][1]  # the failed step, its requests re-run one by one
+    assert [n for n, _ in updated[1:]] == [1, 1]

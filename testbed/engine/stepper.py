@@ -69,6 +69,7 @@ class EngineStepper:
             raise ValueError("--pipeline-parallel-size needs an executor that launches a batch without waiting for it")
         # launched steps, oldest first: (SchedulerOutput, a function that waits for its ModelRunnerOutput)
         self.queue: deque[tuple[SchedulerOutput, Callable[[], ModelRunnerOutput]]] = deque()
+        self.last_output: ModelRunnerOutput | None = None  # the executor's output of `last_updated` (its timing)
         self.last_updated: SchedulerOutput | None = None  # the step the last `step` call updated, if any
         # called with a step that admits new requests, after scheduling and before executing it: a server
         # reports them running while their (maybe long) first step runs
@@ -129,7 +130,7 @@ class EngineStepper:
         before; pipeline parallelism: N) or nothing was schedulable. The SchedulerOutput returned is the one
         scheduled now (empty when nothing was schedulable)."""
         core = self.core
-        self.last_updated = None
+        self.last_updated = self.last_output = None
         now = self.clock() if now is None else now
         ready = self._advance_grammars(now) if self.grammars is not None else []
         so = core.schedule(now)
@@ -138,7 +139,7 @@ class EngineStepper:
         if self.max_in_flight == 1:
             if so.is_empty:
                 return so, ready
-            out = self._execute(so)
+            out = self.last_output = self._execute(so)
             self.last_updated = so
             return so, ready + core.update(so, out, self.clock())
         if not so.is_empty:
@@ -149,7 +150,8 @@ class EngineStepper:
                     raise
                 outputs = self.drain()  # the steps before first: this one's placeholders are their tokens
                 self.last_updated = so
-                return so, ready + outputs + core.update(so, self._isolate(so, e), self.clock())
+                self.last_output = self._isolate(so, e)
+                return so, ready + outputs + core.update(so, self.last_output, self.clock())
             if self.while_device_runs is not None:
                 self.while_device_runs()
             if len(self.queue) < self.max_in_flight:
@@ -159,7 +161,8 @@ class EngineStepper:
     def _update_oldest(self) -> list[EngineCoreOutput]:
         prev, result = self.queue.popleft()
         self.last_updated = prev
-        return self.core.update(prev, result(), self.clock())
+        self.last_output = result()
+        return self.core.update(prev, self.last_output, self.clock())
 
     def drain(self) -> list[EngineCoreOutput]:
         """Read back and apply every step in flight, oldest first (before an abort-all or shutdown)."""

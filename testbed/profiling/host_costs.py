@@ -1,12 +1,17 @@
 """The EngineCore's own host work per step on this machine: part of a profile, since a serving step's cycle
 includes the scheduler and the update as well as the executor.
 
-Decode steps are timed in one of two ways, named in the result's `method`:
-  in_loop   schedule and update of a real decode batch on the executor, each step run between them as a
-            serving engine runs it (the model's host and device work leave the caches as they are in a run);
+Decode steps are timed in one of three ways, named in the result's `method`:
+  cycle     a real decode batch stepped by the EngineStepper on the executor, as `testbed replay` and the
+            server step it: each step's cycle (one schedule's start to the next one's) less the model runner's
+            own wall time of the step (its StepTiming), which the profile's step tables price. That is the
+            scheduler, the update, the executor's call around the runner and the stepper's own work: what a
+            cycle spends outside the runner (what profiles made from the commit after 1a52b7b record);
+  in_loop   schedule and update of a real decode batch on the executor, each step run between them, untimed;
   isolated  schedule + update back to back without a model (what profiles made before in_loop recorded).
-In a real loop the same code took 1.35-2.17x its isolated time (benchmarks/engine_host.py: a tiny model on a
-CPU, batches 16-128)."""
+In a real loop schedule + update took 1.35-2.17x its isolated time (benchmarks/engine_host.py: a tiny model on a
+CPU, batches 16-128); in loaded replays on an H100 a cycle spent 0.25-0.6 ms outside the runner at 32-127 rows
+(benchmarks/in_loop.py), about twice what schedule + update took there."""
 from __future__ import annotations
 
 import statistics
@@ -19,13 +24,18 @@ from testbed.engine.core import EngineCore
 from testbed.engine.outputs import ModelRunnerOutput
 from testbed.engine.params import SamplingParams
 from testbed.engine.request import Request
+from testbed.engine.stepper import EngineStepper
 
 
 def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[int], admit_tokens: list[int],
-                      executor=None, decode_steps: int = 30) -> dict:
-    """Seconds of the EngineCore's own work per step on this host: schedule + update of a decode batch (in a
-    real loop on `executor` when given, else isolated; see the module docstring), the median of `decode_steps`
-    steps, and of a step admitting one prompt (with and without prefix caching, isolated)."""
+                      executor=None, decode_steps: int = 30, method: str | None = None) -> dict:
+    """Seconds of the EngineCore's own work per step on this host: a decode batch's (`method` as the module
+    docstring says; default: cycle on `executor` when given, else isolated), the median of `decode_steps` steps,
+    and a step admitting one prompt (with and without prefix caching, isolated)."""
+    method = method or ("isolated" if executor is None else "cycle")
+    if method not in ("cycle", "in_loop", "isolated") or (executor is None) != (method == "isolated"):
+        raise ValueError(f"engine host sweep: method {method!r} with{'out' if executor is None else ''} an executor: "
+                         "cycle and in_loop time steps on an executor, isolated without one")
     def timed_steps(core: EngineCore, n: int, execute=None) -> float:
         """Median seconds of schedule + update over n steps; `execute` runs each step between them, untimed
         (None: no model, every row samples token 7, that output's making timed with the update)."""
@@ -42,6 +52,28 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
                 away = time.perf_counter() - t1
             core.update(so, out, 0.0)
             times.append(time.perf_counter() - t0 - away)
+        return statistics.median(times)
+
+    def cycle_steps(core: EngineCore, n: int) -> float:
+        """Median seconds over n steps of a cycle outside the model runner: each step's start to the next one's,
+        less the runner's own wall time of the step (the stepper's output timing)."""
+        runner = executor.runner
+        timing, runner.record_timing = runner.record_timing, True
+        try:
+            stepper = EngineStepper(core, executor, time.perf_counter)
+            times, prev = [], None
+            for _ in range(n + 1):
+                t0 = time.perf_counter()
+                if prev is not None:
+                    times.append(t0 - prev)
+                stepper.step()
+                stepper.has_work()  # as a serving loop asks before its next step
+                out = stepper.last_output
+                if out is None or out.timing is None:
+                    raise RuntimeError("engine host sweep: the executor gave no step timing (record_timing)")
+                prev = t0 + out.timing.wall_s
+        finally:
+            runner.record_timing = timing
         return statistics.median(times)
 
     rng = np.random.default_rng(0)
@@ -68,7 +100,7 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
         for i in range(b):
             admitted(core, Request(f"host-{b}-{i}", rng.integers(low, high, 16, dtype=np.int32), params, 0.0))
         timed_steps(core, 1 if execute is None else 3, execute)  # the prefills (in a loop, two decodes more)
-        decode.append(timed_steps(core, decode_steps, execute))
+        decode.append(cycle_steps(core, decode_steps) if method == "cycle" else timed_steps(core, decode_steps, execute))
     admit = {}
     for caching in (False, True):
         cfg = EngineConfig(**{**config.to_dict(), "enable_prefix_caching": caching})
@@ -81,5 +113,5 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
                 samples.append(timed_steps(core, 1))
             times.append(statistics.median(samples))
         admit["prefix_caching" if caching else "plain"] = times
-    return {"decode_batch": batches, "decode_step_s": decode, "method": "isolated" if executor is None else "in_loop",
+    return {"decode_batch": batches, "decode_step_s": decode, "method": method,
             "admit_tokens": admit_tokens, "admit_step_s": admit}

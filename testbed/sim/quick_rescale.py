@@ -96,9 +96,9 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
     sync = cms["sync"]
     batches = sorted({1, min(64, config.max_num_seqs)})
     admit = min(2048, config.max_num_batched_tokens, max_model_len - 1)
-    in_loop = base["engine_host"].get("method") == "in_loop"
-    host = engine_host_costs(config, max_model_len, batches, [admit], executor if in_loop else None,
-                             decode_steps=HOST_STEPS_PER_REP * reps)
+    method = base["engine_host"].get("method", "isolated")
+    host = engine_host_costs(config, max_model_len, batches, [admit], None if method == "isolated" else executor,
+                             decode_steps=HOST_STEPS_PER_REP * reps, method=method)
     for b, seconds in zip(host["decode_batch"], host["decode_step_s"]):
         samples.append(StepSample(DECODE_SYNC, (sync.engine_step(b), 0.0, 0.0, 0.0, 0.0), seconds))
         records.append({"anchor": f"engine schedule+update b={b}", "mode": "host", "measured_s": seconds})
