@@ -1,9 +1,10 @@
-"""The engine's schedule + update per decode step: timed in a real loop against timed alone, on one machine.
+"""The engine's host work per decode step, timed the three ways profiling/host_costs.py knows, on one machine.
 
 A profile prices the EngineCore's own host work per step (`engine_host`). Timed alone, back to back without a
-model, it ran shorter than the same code between real steps. This runs both on one executor (a tiny random
-Llama on the CPU, or a preset with dummy weights on a GPU), alternating A B A B per batch size, and prints each
-median and the in-loop / isolated ratio.
+model (isolated), schedule + update ran shorter than the same code between real steps (in_loop); a stepper's
+cycle outside the model runner (cycle, what profiles record now) also counts the executor's call and the stepper.
+This runs the three on one executor (a tiny random Llama on the CPU, or a preset with dummy weights on a GPU),
+alternating per batch size, and prints each median and the ratios to isolated.
 
   python benchmarks/engine_host.py [--model PRESET] [--batch 16 64 128] [--rounds 3] [--out F]
 """
@@ -41,19 +42,24 @@ def main() -> None:
     rows = []
     try:
         for b in a.batch:
-            t = {"in_loop": [], "isolated": []}
+            t = {"cycle": [], "in_loop": [], "isolated": []}
             for _ in range(a.rounds):
-                t["in_loop"] += engine_host_costs(cfg, executor.max_model_len, [b], [16], executor)["decode_step_s"]
-                t["isolated"] += engine_host_costs(cfg, executor.max_model_len, [b], [16])["decode_step_s"]
-            loop, alone = statistics.median(t["in_loop"]), statistics.median(t["isolated"])
-            rows.append({"batch": b, "in_loop_s": loop, "isolated_s": alone, "ratio": loop / alone})
+                for method in t:
+                    ex = None if method == "isolated" else executor
+                    t[method] += engine_host_costs(cfg, executor.max_model_len, [b], [16], ex,
+                                                   method=method)["decode_step_s"]
+            cycle, loop, alone = (statistics.median(t[m]) for m in ("cycle", "in_loop", "isolated"))
+            rows.append({"batch": b, "cycle_s": cycle, "in_loop_s": loop, "isolated_s": alone, "ratio": loop / alone,
+                         "cycle_ratio": cycle / alone})
     finally:
         executor.shutdown()
-    print(f"{model}: the engine's schedule + update per decode step")
-    print("| batch | in a real loop, us | alone, us | in loop / alone |")
-    print("|---|---|---|---|")
+    print(f"{model}: the engine's host work per decode step")
+    print("| batch | stepper cycle outside the runner, us | schedule + update in a real loop, us | alone, us | "
+          "cycle / alone | in loop / alone |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['in_loop_s'] * 1e6:.0f} | {r['isolated_s'] * 1e6:.0f} | {r['ratio']:.2f} |")
+        print(f"| {r['batch']} | {r['cycle_s'] * 1e6:.0f} | {r['in_loop_s'] * 1e6:.0f} | {r['isolated_s'] * 1e6:.0f} | "
+              f"{r['cycle_ratio']:.2f} | {r['ratio']:.2f} |")
     if a.out:
         a.out.write_text(json.dumps({"model": model, "rows": rows}, indent=1) + "\n")
 
