@@ -10,7 +10,7 @@ Decode steps are timed in one of three ways, named in the result's `method`:
   in_loop   schedule and update of a real decode batch on the executor, each step run between them, untimed;
   isolated  schedule + update back to back without a model (what profiles made before in_loop recorded).
 In a real loop schedule + update took 1.35-2.17x its isolated time (benchmarks/engine_host.py: a tiny model on a
-CPU, batches 16-128); in loaded replays on an H100 a cycle spent 0.25-0.6 ms outside the runner at 32-127 rows
+CPU, batches 16-128); in loaded replays on an H100 a cycle spent 0.23-0.79 ms outside the runner at 32-127 rows
 (benchmarks/in_loop.py), about twice what schedule + update took there."""
 from __future__ import annotations
 
