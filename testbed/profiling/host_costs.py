@@ -6,12 +6,12 @@ Decode steps are timed in one of three ways, named in the result's `method`:
             server step it: each step's cycle (one schedule's start to the next one's) less the model runner's
             own wall time of the step (its StepTiming), which the profile's step tables price. That is the
             scheduler, the update, the executor's call around the runner and the stepper's own work: what a
-            cycle spends outside the runner (what profiles made from the commit after 1a52b7b record);
+            cycle spends outside the runner (what profiles made from 074730c on record);
   in_loop   schedule and update of a real decode batch on the executor, each step run between them, untimed;
   isolated  schedule + update back to back without a model (what profiles made before in_loop recorded).
 In a real loop schedule + update took 1.35-2.17x its isolated time (benchmarks/engine_host.py: a tiny model on a
 CPU, batches 16-128); in loaded replays on an H100 a cycle spent 0.23-0.79 ms outside the runner at 32-127 rows
-(benchmarks/in_loop.py), about twice what schedule + update took there."""
+(benchmarks/in_loop.py), two to four times what schedule + update took in a loop on such a host."""
 from __future__ import annotations
 
 import statistics
