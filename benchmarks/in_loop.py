@@ -15,7 +15,8 @@ as a long-running engine hands them out) and re-run in their order, each once, t
 --isolated of them are timed as the profiler times a step (StepMeasurer.sync: a warm-up, then the median of 5).
 `analyze` gives, per step kind (decode-only or with a prefill chunk), the medians of in-loop / isolated and
 sequential / isolated for each part, and a profile's prediction against the in-loop parts: the whole cycle, the
-engine's share (the cycle less the runner's wall) and the runner's share.
+engine's share (the cycle less the runner's wall) and the runner's share, and its runner share against the steps
+timed alone (the profile's own model of those shapes, with no loop involved).
 """
 from __future__ import annotations
 
@@ -156,6 +157,17 @@ def analyze(args: argparse.Namespace) -> None:
         return
     print(f"\nagainst {desc.split(';')[0]}: medians of predicted / in-loop (sum over the steps in brackets); steps "
           "followed by an idle gap left out")
+    print("| steps timed alone | step kind | steps | runner share: predicted / alone | alone (ms) |")
+    print("|---|---|---|---|---|")
+    factory = StepFactory(1 << 20, 16, 1000, seed=1)
+    for kind in ("decode", "mixed"):
+        alone = [(cm.step_time(so) - cm.terms(so)[1][0], iso["wall_s"]) for so, iso in
+                 ((factory.step([tuple(r) for r in run80[lo + int(i)]["rows"]]), iso) for i, iso in d["isolated"].items()
+                  if _kind(run80[lo + int(i)]["rows"]) == kind)]
+        if alone:
+            a = np.array(alone)
+            print(f"| azure-80 window | {kind} | {len(a)} | {np.median(a[:, 0] / a[:, 1]):.3f} | {1e3 * np.median(a[:, 1]):.3f} |")
+    print()
     print("| case | step kind | steps | cycle | engine share: predicted, in-loop (ms) | runner share |")
     print("|---|---|---|---|---|---|")
     factory = StepFactory(1 << 20, 16, 1000, seed=1)
