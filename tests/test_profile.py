@@ -140,8 +140,8 @@ def test_engine_host_costs_in_a_real_loop_and_their_bound_on_the_kv_cache(tmp_pa
     """The engine's host work per decode step timed in a real loop on the executor: by default the stepper's cycle
     outside the runner (what a profile records from now on), or schedule + update between real steps (in_loop, as
     older profiles and their --quick anchors time it); the executor serving on afterwards, its timing switch as it
-    was; a batch the executor's KV cache cannot hold is refused, naming what to change, and so is a method that
-    does not go with the executor given."""
+    was, whatever the number of steps timed; a batch the executor's KV cache cannot hold is refused, naming what
+    to change, and so is a method that does not go with the executor given."""
     from llm_helpers import save_tiny_llama
     from testbed.engine.config import EngineConfig
     from testbed.profiling.host_costs import engine_host_costs
@@ -155,6 +155,8 @@ def test_engine_host_costs_in_a_real_loop_and_their_bound_on_the_kv_cache(tmp_pa
     assert len(host["decode_step_s"]) == 2 and all(t > 0 for t in host["decode_step_s"])
     assert ex.runner.record_timing is False
     assert engine_host_costs(cfg, 128, [4], [16], ex, method="in_loop")["method"] == "in_loop"
+    for method in ("cycle", "in_loop"):  # more steps than a 64-token request lives (profile --quick --reps 11)
+        assert len(engine_host_costs(cfg, 128, [4], [16], ex, decode_steps=70, method=method)["decode_step_s"]) == 1
     assert engine_host_costs(cfg, 128, [4], [16])["method"] == "isolated"
     for method, executor in (("isolated", ex), ("cycle", None), ("wall", ex)):
         with pytest.raises(ValueError, match="cycle and in_loop time steps on an executor, isolated without one"):

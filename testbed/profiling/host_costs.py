@@ -77,7 +77,9 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
         return statistics.median(times)
 
     rng = np.random.default_rng(0)
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    # each decode request outlives the steps timed (the prefill, two warm-up decodes, then decode_steps + 1)
+    tokens = max(64, decode_steps + 8)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     bs = config.block_size
 
     def admitted(core: EngineCore, req: Request) -> Request:
@@ -90,7 +92,7 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
     high = 30000 if executor is None else executor.vocab_size  # a model reads the tokens: stay in its vocabulary
     low = min(1000, high // 10)
     for b in batches:
-        blocks = b * -(-(16 + 64) // bs) + 8
+        blocks = b * -(-(16 + tokens) // bs) + 8
         if executor is not None and blocks > executor.num_gpu_blocks:
             raise ValueError(f"engine host sweep: a decode batch of {b} needs {blocks} KV blocks, the executor has "
                              f"{executor.num_gpu_blocks}; profile with fewer --max-num-seqs or more KV cache")
@@ -108,7 +110,8 @@ def engine_host_costs(config: EngineConfig, max_model_len: int, batches: list[in
         for n in admit_tokens:
             samples = []
             for k in range(5):
-                core = EngineCore(cfg, num_gpu_blocks=-(-(n + 64) // bs) + 8, max_model_len=max(max_model_len, n + 65))
+                core = EngineCore(cfg, num_gpu_blocks=-(-(n + tokens) // bs) + 8,
+                                  max_model_len=max(max_model_len, n + tokens + 1))
                 admitted(core, Request(f"a{k}", rng.integers(1000, 30000, n, dtype=np.int32), params, 0.0))
                 samples.append(timed_steps(core, 1))
             times.append(statistics.median(samples))
