@@ -64,9 +64,11 @@ def real(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    smi = None if shutil.which("nvidia-smi") is None else subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,"
-                            "utilization.gpu", "--format=csv", "-lms", "200"],
-                           stdout=open(out / f"smi_{args.model}.csv", "w"))
+    smi = None  # the GPU's clocks, power and temperature every 200 ms beside the runs
+    if shutil.which("nvidia-smi") is not None:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,"
+                                "utilization.gpu", "--format=csv", "-lms", "200"],
+                               stdout=open(out / f"smi_{args.model}.csv", "w"))
     base = EngineConfig()
     t0 = time.perf_counter()
     ex = create_executor(args.model, base, "dummy")
@@ -117,9 +119,9 @@ def real(args: argparse.Namespace) -> None:
     if smi is not None:
         smi.terminate()
     import torch
-    result = {"model": args.model, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "steps": steps, "window_start": lo, "sequential": sequential,
-              "isolated": isolated}
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"model": args.model, "gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "steps": steps, "window_start": lo, "sequential": sequential, "isolated": isolated}
     path = out / f"in_loop_{args.model}.json.gz"
     with gzip.open(path, "wt") as fh:
         json.dump(result, fh)
@@ -142,51 +144,55 @@ def analyze(args: argparse.Namespace) -> None:
         d = json.load(fh)
     print(f"{d['model']} on {d['gpu']} ({d['date']}, torch {d['torch']})\n")
     run80, lo = d["steps"]["azure-80"], d["window_start"]
-    print("| step kind | part | steps | in-loop / isolated | sequential / isolated (1st, 2nd pass) | in-loop, isolated (ms) |")
+    print("| step kind | part | steps | in-loop / isolated | sequential / isolated (1st, 2nd pass) | "
+          "in-loop, isolated (ms) |")
     print("|---|---|---|---|---|---|")
     for kind in ("decode", "mixed"):
         picked = [(run80[lo + int(i)], d["sequential"][0][int(i)], d["sequential"][1][int(i)], iso)
                   for i, iso in d["isolated"].items() if _kind(run80[lo + int(i)]["rows"]) == kind]
         for part in PARTS if picked else ():
             a = np.array([[s[part], q0[part], q1[part], iso[part]] for s, q0, q1, iso in picked])
-            print(f"| {kind} | {part} | {len(a)} | {np.median(a[:, 0] / a[:, 3]):.3f} | {np.median(a[:, 1] / a[:, 3]):.3f}, "
-                  f"{np.median(a[:, 2] / a[:, 3]):.3f} | {1e3 * np.median(a[:, 0]):.3f}, {1e3 * np.median(a[:, 3]):.3f} |")
+            ratio = np.median(a[:, :3] / a[:, 3:], axis=0)
+            print(f"| {kind} | {part} | {len(a)} | {ratio[0]:.3f} | {ratio[1]:.3f}, {ratio[2]:.3f} | "
+                  f"{1e3 * np.median(a[:, 0]):.3f}, {1e3 * np.median(a[:, 3]):.3f} |")
     cm, desc = load_cost_model(args.profile, get_model_spec(d["model"]), get_gpu_spec("H100-SXM"), EngineConfig())
     if not hasattr(cm, "terms"):
         print(f"\n{desc}: not a profile (no terms to compare)")
         return
     print(f"\nagainst {desc.split(';')[0]}: medians of predicted / in-loop (sum over the steps in brackets); steps "
           "followed by an idle gap left out")
+    # the runner's share: the step priced without the engine term (its scale applied, as step_time applies it)
+    factory = StepFactory(1 << 20, 16, 1000, seed=1)
+
+    def priced(rows) -> tuple[float, float]:
+        so = factory.step([tuple(r) for r in rows])
+        return cm.step_time(so), cm.step_time(so, engine=0.0)
+
     print("| steps timed alone | step kind | steps | runner share: predicted / alone | alone (ms) |")
     print("|---|---|---|---|---|")
-    factory = StepFactory(1 << 20, 16, 1000, seed=1)
     for kind in ("decode", "mixed"):
-        alone = [(cm.step_time(so) - cm.terms(so)[1][0], iso["wall_s"]) for so, iso in
-                 ((factory.step([tuple(r) for r in run80[lo + int(i)]["rows"]]), iso) for i, iso in d["isolated"].items()
-                  if _kind(run80[lo + int(i)]["rows"]) == kind)]
+        alone = [(priced(run80[lo + int(i)]["rows"])[1], iso["wall_s"]) for i, iso in d["isolated"].items()
+                 if _kind(run80[lo + int(i)]["rows"]) == kind]
         if alone:
             a = np.array(alone)
-            print(f"| azure-80 window | {kind} | {len(a)} | {np.median(a[:, 0] / a[:, 1]):.3f} | {1e3 * np.median(a[:, 1]):.3f} |")
+            print(f"| azure-80 window | {kind} | {len(a)} | {np.median(a[:, 0] / a[:, 1]):.3f} | "
+                  f"{1e3 * np.median(a[:, 1]):.3f} |")
     print()
     print("| case | step kind | steps | cycle | engine share: predicted, in-loop (ms) | runner share |")
     print("|---|---|---|---|---|---|")
-    factory = StepFactory(1 << 20, 16, 1000, seed=1)
     for case, steps in d["steps"].items():
         acc: dict[str, list] = {"decode": [], "mixed": []}
         for s in steps:
             cyc = s["cycle_s"]
             if cyc is None or cyc > 2 * s["wall_s"] + 0.002:
                 continue
-            so = factory.step([tuple(r) for r in s["rows"]])
-            kind, terms = cm.terms(so)
-            pred = cm.step_time(so)
-            acc[_kind(s["rows"])].append((pred, cyc, terms[0], cyc - s["wall_s"], pred - terms[0], s["wall_s"]))
+            pred, runner = priced(s["rows"])
+            acc[_kind(s["rows"])].append((pred, cyc, pred - runner, cyc - s["wall_s"], runner, s["wall_s"]))
         for kind, v in acc.items():
             a = np.array(v)
             print(f"| {case} | {kind} | {len(a)} | {np.median(a[:, 0] / a[:, 1]):.3f} ({a[:, 0].sum() / a[:, 1].sum():.3f}) "
                   f"| {1e3 * np.median(a[:, 2]):.3f}, {1e3 * np.median(a[:, 3]):.3f} | {np.median(a[:, 4] / a[:, 5]):.3f} "
                   f"({a[:, 4].sum() / a[:, 5].sum():.3f}) |")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
