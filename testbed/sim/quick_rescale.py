@@ -101,7 +101,8 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
                              decode_steps=HOST_STEPS_PER_REP * reps, method=method)
     for b, seconds in zip(host["decode_batch"], host["decode_step_s"]):
         samples.append(StepSample(DECODE_SYNC, (sync.engine_step(b), 0.0, 0.0, 0.0, 0.0), seconds))
-        records.append({"anchor": f"engine schedule+update b={b}", "mode": "host", "measured_s": seconds})
+        what = "cycle outside the runner" if method == "cycle" else "schedule+update"
+        records.append({"anchor": f"engine {what} b={b}", "mode": "host", "measured_s": seconds})
     seconds = host["admit_step_s"]["plain"][0]
     samples.append(StepSample(DECODE_SYNC, (sync._engine(1, admit), 0.0, 0.0, 0.0, 0.0), seconds))
     records.append({"anchor": f"engine admission of {admit} tokens", "mode": "host", "measured_s": seconds})
