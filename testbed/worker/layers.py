@@ -126,16 +126,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = lambda p, w, shard_id=None: _copy(p.data, w, p)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial: bool = False):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial: bool = False,
+                next_weight: torch.Tensor | None = None):
         """norm(x); with `residual`: (norm(x + residual), x + residual), the add fused into the norm. `partial`:
         x is this rank's partial sum of a row-parallel layer (one that did not reduce), all-reduced here first,
-        in the same kernel where the GPU allows (tp_all_reduce.FusedAllReduceNorm)."""
+        in the same kernel where the GPU allows (tp_all_reduce.FusedAllReduceNorm), which pulls the start of
+        `next_weight` (the GEMM after this norm) into L2 while it waits on the peers."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         if partial:
             fused = fused_for(x)
             if fused is not None:
-                return fused(x, residual, self.weight, self.eps)
+                return fused(x, residual, self.weight, self.eps, next_weight)
             x = tp_all_reduce(x)
         return add_rms_norm(x, residual, self.weight, self.eps)
 

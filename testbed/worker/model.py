@@ -174,8 +174,9 @@ class LlamaDecoderLayer(nn.Module):
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual, x_partial)
-        x, residual = self.post_attention_layernorm(self.self_attn(positions, x, not deferred), residual, deferred)
+            x, residual = self.input_layernorm(x, residual, x_partial, self.self_attn.qkv_proj.weight)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x, not deferred), residual, deferred,
+                                                    self.mlp.gate_up_proj.weight)
         return self.mlp(x, not deferred), residual
 
 

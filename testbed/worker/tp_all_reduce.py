@@ -13,7 +13,9 @@ The all-reduce of a row-parallel layer's output is followed by the residual add 
 tensor parallelism the row-parallel layers leave their partial sums to that norm (RMSNorm(partial=True)), which
 reduces them: on GPUs with symmetric memory all three run in one kernel (FusedAllReduceNorm,
 kernels/all_reduce_norm.py) for steps of up to FUSED_MAX_ROWS tokens, elsewhere `all_reduce` runs first.
-TESTBED_TP_FUSED_NORM=0 keeps them apart (the benchmark's A/B).
+TESTBED_TP_FUSED_NORM=0 keeps them apart (the benchmark's A/B). While the fused kernel waits on its peers, a
+side stream pulls the start of the next GEMM's weight into L2 (kernels/l2_prefetch.py; TESTBED_TP_PREFETCH):
+on 2 H100s the Llama-3.1-8B decode step at batch 64 took 0.98x its time without (benchmarks/tp.py, 2ga / 2gan).
 
 Invariant: every rank calls `all_reduce` and the fused kernel with the same shapes, dtypes and order
 (the model is the same on each), so every rank takes the same path for each message and the barriers pair up.
@@ -34,6 +36,8 @@ T = TypeVar("T")
 
 BACKEND_ENV = "TESTBED_TP_ALL_REDUCE"  # auto (symmetric memory where available) | nccl
 FUSED_ENV = "TESTBED_TP_FUSED_NORM"  # 1 (default): the all-reduce fused with the residual add + norm; 0: apart
+PREFETCH_ENV = "TESTBED_TP_PREFETCH"  # bulk | load | off: the next GEMM's weight into L2 during the fused call
+PREFETCH_MB_ENV = "TESTBED_TP_PREFETCH_MB"  # how much of it, MiB
 FUSED_MAX_ROWS = 256  # steps of more tokens reduce, then normalise (fused 20.9 against 23.8 us at 256 on 2 H200s)
 
 
@@ -115,17 +119,53 @@ class FusedAllReduceNorm:
         torch.cuda.synchronize(device)
         dist.barrier()  # every rank's flags are 0 before any rank pushes
         self.turn = 0
+        self.prefetch_way, self.prefetch_bytes = prefetch_setting(torch.cuda.get_device_capability(device))
+        self.side = torch.cuda.Stream(device) if self.prefetch_way != "off" else None
+        self.scratch = torch.zeros(1024, dtype=torch.float32, device=device)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.dim() == 2 and x.shape[0] <= self.max_rows and x.shape[1] == self.hidden
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefetch`: the weight of the GEMM that reads this call's output; its first bytes are pulled into L2
+        on a side stream while this call waits on the peers (kernels/l2_prefetch.py), and the caller's stream
+        waits for both. Results are the same with or without it."""
         from testbed.kernels.all_reduce_norm import all_reduce_add_rms_norm_triton
         region, self.turn = self.turn, 1 - self.turn
         rows = self.world * self.max_rows
-        return all_reduce_add_rms_norm_triton(x, residual, weight, eps, self.buf_ptrs, self.flag_ptrs, self.rank,
-                                              region * rows * self.hidden, region * rows, self.max_rows)
+        side = self.side if prefetch is not None else None
+        if side is not None:
+            from testbed.kernels.l2_prefetch import l2_prefetch
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                l2_prefetch(prefetch, self.prefetch_bytes, self.prefetch_way, self.scratch)
+        out = all_reduce_add_rms_norm_triton(x, residual, weight, eps, self.buf_ptrs, self.flag_ptrs, self.rank,
+                                             region * rows * self.hidden, region * rows, self.max_rows)
+        if side is not None:
+            main.wait_stream(side)
+        return out
+
+
+def prefetch_setting(capability: tuple[int, int]) -> tuple[str, int]:
+    """(way, bytes) of the L2 prefetch beside the fused call on a GPU of this compute capability, from
+    TESTBED_TP_PREFETCH (default bulk) and TESTBED_TP_PREFETCH_MB (default 24). "bulk" needs Hopper (9.0) or
+    later, so older GPUs take none: the "load" way cost 3-9% a decode step on 2 H100s (benchmarks/tp.py, case
+    2gal), so it runs only when asked for. "off": none."""
+    way = os.environ.get(PREFETCH_ENV, "bulk")
+    if way not in ("bulk", "load", "off"):
+        raise ValueError(f"{PREFETCH_ENV}={way!r}: expected 'bulk', 'load' or 'off'")
+    if way == "bulk" and capability < (9, 0):
+        way = "off"
+    text = os.environ.get(PREFETCH_MB_ENV, "24")
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise ValueError(f"{PREFETCH_MB_ENV}={text!r}: expected a positive number of MiB")
+    return way, int(mb * 2**20)
 
 
 _symmetric: SymmetricAllReduce | None = None
