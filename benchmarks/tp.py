@@ -283,7 +283,7 @@ def kernel_breakdown(llm: LLM, batch: int = 64, steps: int = 20, prompt_len: int
 def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: int, breakdown: bool = False) -> dict:
     """One engine: `case` is the TP size, then g (CUDA graphs) or e (eager), then a for async scheduling, u
     for the all-reduce unfused from the norm after it, n for no L2 prefetch of the next GEMM's weight beside the
-    fused all-reduce (l: the prefetch's "load" way instead of "bulk"); `breakdown`: also the kernel breakdown of a decode step at
+    fused all-reduce (l: the prefetch's "load" way instead of "bulk"; j: joined after each call); `breakdown`: also the kernel breakdown of a decode step at
     batch 64."""
     spec = get_model_spec(model)
     tp, eager, async_ = int(case[0]), case[1] == "e", "a" in case[2:]
@@ -291,6 +291,8 @@ def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: 
         os.environ["TESTBED_TP_FUSED_NORM"] = "0"
     if "n" in case[2:] or "l" in case[2:]:  # no L2 prefetch beside the fused all-reduce, or the "load" way
         os.environ["TESTBED_TP_PREFETCH"] = "off" if "n" in case[2:] else "load"
+    if "j" in case[2:]:  # each fused call's stream waits for its prefetch (not only the forward's end)
+        os.environ["TESTBED_TP_PREFETCH_JOIN"] = "call"
     t0 = time.perf_counter()
     llm = LLM(model, load_format="dummy", tensor_parallel_size=tp, enforce_eager=eager, max_num_seqs=256,
               max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096, gpu_memory_utilization=0.85,
@@ -383,7 +385,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--cases", default="1g,2g,1ga,2ga,2e",
                     help="TP size + g (CUDA graphs) or e (eager) [+ a: async scheduling] [+ u: the all-reduce and "
-                         "the norm after it apart] [+ n: no L2 prefetch beside the fused all-reduce; l: its load way], "
+                         "the norm after it apart] [+ n: no L2 prefetch beside the fused all-reduce; l: its load way; j: "
+                         "joined after each call], "
                          "comma-separated")
     ap.add_argument("--case-timeout", type=float, default=240)
     ap.add_argument("--rounds", type=int, default=1, help="run the cases this many times, alternating; each "
@@ -417,7 +420,7 @@ def main() -> None:
     ok = {c: {k: float(np.median([x[k] for x in runs])) if k.endswith(("_ms", "_tok_s")) or "_ms_b" in k else v
               for k, v in runs[0].items()} for c, runs in rounds.items()}  # each number the median over rounds
     pairs = [("1g", "2g"), ("1ga", "2ga"), ("2gau", "2ga"), ("1ga", "2gau"), ("1ga", "2gan"), ("2gan", "2ga"),
-             ("1ga", "2gal"), ("2gan", "2gal")]  # (A, B): B / A
+             ("1ga", "2gal"), ("2gan", "2gal"), ("2gaj", "2ga"), ("2gan", "2gaj")]  # (A, B): B / A
     for a, b in pairs:  # TP=2 over TP=1 (dummy weights differ between them: no agreement)
         if a in ok and b in ok:
             one, two = ok[a], ok[b]
@@ -425,7 +428,7 @@ def main() -> None:
             r["mixed_512"] = two["mixed_512_ms"] / one["mixed_512_ms"]
             r["throughput"] = two["throughput_output_tok_s"] / one["throughput_output_tok_s"]
             out[f"{b}_over_{a}"] = r
-    for a, b in (("2g", "2e"), ("2ga", "2e"), ("2ga", "2gau"), ("2ga", "2gan"), ("2gal", "2gan")):
+    for a, b in (("2g", "2e"), ("2ga", "2e"), ("2ga", "2gau"), ("2ga", "2gan"), ("2gal", "2gan"), ("2ga", "2gaj")):
         if a in ok and b in ok:
             out[f"agreement_{a}_{b}"] = agreement(ok[a], ok[b])
     print(json.dumps({k: v for k, v in out.items() if k not in ("allreduce", "cases")}, indent=1))

@@ -22,7 +22,7 @@ from testbed.kernels import (paged_attention_batched, paged_decode_attention, pa
                              rope_store_batched, rope_store_kvcache, step_plan, use_triton)
 from testbed.worker.context import get_context
 from testbed.worker.pipeline import pipeline_stage
-from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce, begin_forward
+from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce, begin_forward, end_forward
 from testbed.worker.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                    RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding, apply_rope,
                                    get_tp, tp_collectives)
@@ -217,8 +217,11 @@ class LlamaModel(nn.Module):
             h, residual = layer(positions, h, residual, deferred, partial)
             partial = deferred
         if not self.is_last:  # the next stage receives the summed stream
-            return (tp_all_reduce(h) if partial else h), residual
-        return self.norm(h, residual, partial)[0]
+            out = (tp_all_reduce(h) if partial else h), residual
+        else:
+            out = self.norm(h, residual, partial)[0]
+        end_forward()
+        return out
 
 
 class LlamaForCausalLM(nn.Module):

@@ -38,6 +38,7 @@ BACKEND_ENV = "TESTBED_TP_ALL_REDUCE"  # auto (symmetric memory where available)
 FUSED_ENV = "TESTBED_TP_FUSED_NORM"  # 1 (default): the all-reduce fused with the residual add + norm; 0: apart
 PREFETCH_ENV = "TESTBED_TP_PREFETCH"  # bulk | load | off: the next GEMM's weight into L2 during the fused call
 PREFETCH_MB_ENV = "TESTBED_TP_PREFETCH_MB"  # how much of it, MiB
+PREFETCH_JOIN_ENV = "TESTBED_TP_PREFETCH_JOIN"  # forward (default): the stream waits for it at the forward's end; call
 FUSED_MAX_ROWS = 256  # steps of more tokens reduce, then normalise (fused 20.9 against 23.8 us at 256 on 2 H200s)
 
 
@@ -122,6 +123,11 @@ class FusedAllReduceNorm:
         self.prefetch_way, self.prefetch_bytes = prefetch_setting(torch.cuda.get_device_capability(device))
         self.side = torch.cuda.Stream(device) if self.prefetch_way != "off" else None
         self.scratch = torch.zeros(1024, dtype=torch.float32, device=device)
+        join = os.environ.get(PREFETCH_JOIN_ENV, "forward")
+        if join not in ("forward", "call"):
+            raise ValueError(f"{PREFETCH_JOIN_ENV}={join!r}: expected 'forward' or 'call'")
+        self.join_each_call = join == "call"
+        self.pending: torch.cuda.Stream | None = None  # the stream that has yet to wait for the side stream
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.dim() == 2 and x.shape[0] <= self.max_rows and x.shape[1] == self.hidden
@@ -129,8 +135,10 @@ class FusedAllReduceNorm:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`prefetch`: the weight of the GEMM that reads this call's output; its first bytes are pulled into L2
-        on a side stream while this call waits on the peers (kernels/l2_prefetch.py), and the caller's stream
-        waits for both. Results are the same with or without it."""
+        on a side stream while this call waits on the peers (kernels/l2_prefetch.py). The GEMM does not wait for
+        the prefetch: the caller's stream waits for the side stream once, at the forward's end (`join`), so a
+        captured graph's branches meet before the capture ends (TESTBED_TP_PREFETCH_JOIN=call: after each call).
+        The prefetch writes nothing the model reads: results are the same with or without it."""
         from testbed.kernels.all_reduce_norm import all_reduce_add_rms_norm_triton
         region, self.turn = self.turn, 1 - self.turn
         rows = self.world * self.max_rows
@@ -144,8 +152,16 @@ class FusedAllReduceNorm:
         out = all_reduce_add_rms_norm_triton(x, residual, weight, eps, self.buf_ptrs, self.flag_ptrs, self.rank,
                                              region * rows * self.hidden, region * rows, self.max_rows)
         if side is not None:
-            main.wait_stream(side)
+            self.pending = main
+            if self.join_each_call:
+                self.join()
         return out
+
+    def join(self) -> None:
+        """The stream of the last prefetching call waits for the side stream's prefetches."""
+        if self.pending is not None:
+            self.pending.wait_stream(self.side)
+            self.pending = None
 
 
 def prefetch_setting(capability: tuple[int, int]) -> tuple[str, int]:
@@ -233,7 +249,15 @@ def begin_forward() -> None:
     """Called once at the start of every forward: the fused calls start on their first region (see
     FusedAllReduceNorm)."""
     if _fused is not None:
+        _fused.join()  # a forward that raised part-way left its prefetches unjoined
         _fused.turn = 0
+
+
+def end_forward() -> None:
+    """Called once at the end of every forward (before its output is read): the forward's stream waits for the
+    L2 prefetches its fused calls started (FusedAllReduceNorm.join), so a captured graph ends joined."""
+    if _fused is not None:
+        _fused.join()
 
 
 def fused_for(x: torch.Tensor) -> FusedAllReduceNorm | None:
