@@ -211,12 +211,12 @@ def mixed_step_ms(llm: LLM, reps: int = 20) -> float:
                         SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         start = len(steps.steps)
         llm.step()
+        llm.step()  # under async scheduling the chunk's step is recorded when the next one is scheduled
         cols = steps.step_columns()
         sel = slice(start, None)
         # async scheduling: the step may also hold the last chunk request's final (discarded) token
         hit = (cols["num_prefill_tokens"][sel] == MIXED_CHUNK) & (cols["num_reqs"][sel] >= MIXED_DECODES + 1)
         times.extend(cols["duration"][sel][hit].tolist())
-        llm.step()
     for i in range(MIXED_DECODES):
         llm.abort_request(f"dec{i}")
     while llm.has_unfinished_requests():
