@@ -4,7 +4,7 @@
   python benchmarks/decode_spread.py analyze DIR [--profile PROFILE.json]
 `real` (one GPU): for each model, graphed decode steps of B rows (16-256) whose contexts are drawn lognormal
 (CV 0.3-1.0, scaled to an exact mean of 400 / 1,200 / 2,500) against B rows at that mean, device time (forward
-+ LM head and sampler) as the profiler times a step; with --in-loop (a file of benchmarks/in_loop.py) also that
++ LM head and sampler) and the runner's host parts and wall as the profiler times a step; with --in-loop (a file of benchmarks/in_loop.py) also that
 run's real azure-80 decode batches, on the first model, as they came, sorted long-first, short-first,
 shuffled, and at their mean (does the rows' order, the decode kernel's launch order, change the spread's cost?).
 `analyze`: fits extra = kappa x (longest - mean) / splits, splits being the decode kernel's split count
@@ -21,6 +21,7 @@ import math
 import os
 import random
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -63,9 +64,10 @@ def real(args: argparse.Namespace) -> None:
         factory = StepFactory(ex.num_gpu_blocks, cfg.block_size, ex.vocab_size, 0, scattered=True)
         measure = StepMeasurer(ex, 5, 2)
 
-        def device_s(rows) -> float:
+        def timed(rows) -> dict[str, float]:
             t = measure.sync(factory.step(rows))
-            return t["forward_s"] + t["sample_s"]
+            return {"device_s": t["forward_s"] + t["sample_s"], "prepare_s": t["prepare_s"],
+                    "launch_s": t["launch_s"], "wall_s": t["wall_s"]}
         rng = np.random.default_rng(0)
         res = []
         for batch in B_GRID:
@@ -76,19 +78,19 @@ def real(args: argparse.Namespace) -> None:
                         if sum(x // cfg.block_size + 1 for x in cc) > 0.9 * ex.num_gpu_blocks:
                             continue  # past this model's KV cache
                         res.append({"B": batch, "mean": sum(cc) / batch, "cv": float(np.std(cc) / np.mean(cc)),
-                                    "max": max(cc), "ctx": cc, "device_s": device_s([(x - 1, 1, True) for x in cc])})
+                                    "max": max(cc), "ctx": cc, **timed([(x - 1, 1, True) for x in cc])})
         out = {"model": model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                "kv_heads": get_model_spec(model).num_key_value_heads, "date": time.strftime("%Y-%m-%d"),
                "lognormal": res}
         if k == 0 and args.in_loop:
-            out["real_batches"] = _real_batches(args.in_loop, device_s)
+            out["real_batches"] = _real_batches(args.in_loop, lambda rows: timed(rows)["device_s"])
         with open(os.path.join(args.out, f"decode_spread_{model}.json"), "w") as fh:
             json.dump(out, fh)
         print(f"[spread] {model}: {len(res)} batches in {time.time() - t0:.0f} s", flush=True)
         ex.shutdown()
 
 
-def _real_batches(path: str, device_s) -> list[dict]:
+def _real_batches(path: str, device_s: Callable[[list], float]) -> list[dict]:
     with gzip.open(path, "rt") as fh:
         d = json.load(fh)
     run80, lo = d["steps"]["azure-80"], d["window_start"]
@@ -113,8 +115,8 @@ def _real_batches(path: str, device_s) -> list[dict]:
 def analyze(args: argparse.Namespace) -> None:
     files = sorted(f for f in os.listdir(args.dir) if f.startswith("decode_spread_") and f.endswith(".json"))
     print("| model | GPU | batches | kappa (us a token) | device time, error without the term: mean / max | "
-          "with it: mean / max |")
-    print("|---|---|---|---|---|---|")
+          "with it: mean / max | the runner's prepare + launch, spread less uniform (ms, median) |")
+    print("|---|---|---|---|---|---|---|")
     loaded = []
     for name in files:
         with open(os.path.join(args.dir, name)) as fh:
@@ -128,8 +130,12 @@ def analyze(args: argparse.Namespace) -> None:
         y = np.array([r["device_s"] for r, _ in pts])
         kappa = float(x @ (y - base) / (x @ x))
         none, fit = np.abs(base / y - 1), np.abs((base + kappa * x) / y - 1)
+        host = [(r["prepare_s"] + r["launch_s"]) - (u["prepare_s"] + u["launch_s"]) for r, u in
+                ((r, next(v for v in d["lognormal"] if v["cv"] == 0 and v["B"] == r["B"]
+                          and round(v["mean"]) == round(r["mean"]))) for r, _ in pts) if "prepare_s" in r]
         print(f"| {d['model']} | {d['gpu']} | {len(pts)} | {kappa * 1e6:.3f} | {100 * none.mean():.1f}% / "
-              f"{100 * none.max():.1f}% | {100 * fit.mean():.1f}% / {100 * fit.max():.1f}% |")
+              f"{100 * none.max():.1f}% | {100 * fit.mean():.1f}% / {100 * fit.max():.1f}% | "
+              f"{1e3 * np.median(host):.3f} |" if host else "")
     for d in loaded:
         rb = d.get("real_batches")
         if not rb:
@@ -141,7 +147,7 @@ def analyze(args: argparse.Namespace) -> None:
               "medians):")
         print(f"- device time as they came {1e3 * np.median(a[:, 0]):.3f} ms, at their mean context "
               f"{1e3 * np.median(a[:, 4]):.3f} ms ({np.median(a[:, 0] / a[:, 4]):.3f}x)")
-        print(f"- sorted long-first / short-first / shuffled against as they came: "
+        print("- sorted long-first / short-first / shuffled against as they came: "
               + " / ".join(f"{v:.4f}" for v in np.median(a[:, 1:4] / a[:, :1], axis=0)))
         print(f"- kappa from them: {1e6 * np.median((a[:, 0] - a[:, 4]) / x):.3f} us a token")
         if args.profile:
