@@ -10,7 +10,10 @@ The engine's prefetch (kernels/l2_prefetch.py) came from part 2; benchmarks/tp.p
 import json
 import os
 
-import torch, triton, triton.language as tl
+import torch
+import triton
+
+from testbed.kernels.l2_prefetch import l2_prefetch
 
 dev = torch.device("cuda")
 torch.manual_seed(0)
@@ -49,50 +52,9 @@ def graph_time(fn, reps=20, rounds=5):
     return ts[len(ts) // 2]
 
 
-@triton.jit
-def _prefetch(W, Out, n, per_prog, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    start = pid * per_prog
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in range(start, start + per_prog, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        v = tl.load(W + idx, mask=idx < n, other=0.0, eviction_policy="evict_last")
-        acc += v.to(tl.float32)
-    tl.store(Out + pid, tl.sum(acc, axis=0))
-
-
-@triton.jit
-def _bulk_l2(W, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    idx = tl.minimum(pid * BLOCK + tl.arange(0, BLOCK), n_chunks - 1).to(tl.int64)
-    addr = (W + idx * (CHUNK // 2)).to(tl.int64)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 16384; mov.u32 $0, 0;",
-                              "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _wide(W, Out, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(W + idx, mask=idx < n, other=0.0, eviction_policy="evict_last")
-    s = tl.sum(v.to(tl.float32), axis=0)
-    tl.store(Out + (pid % 1024), s, mask=s == 12345.0)
-
-
-MODE = "loop"
-
-
 def prefetch(w, nbytes, out, progs):
-    n = min(w.numel(), nbytes // w.element_size())
-    if MODE == "bulk":
-        chunk = 16384
-        nc = triton.cdiv(n * 2, chunk)
-        _bulk_l2[(triton.cdiv(nc, 128),)](w, nc, CHUNK=chunk, BLOCK=128, num_warps=4)
-    elif MODE == "wide":
-        _wide[(triton.cdiv(n, 8192),)](w, out, n, BLOCK=8192, num_warps=8)
-    else:
-        per = triton.cdiv(triton.cdiv(n, progs), 4096) * 4096
-        _prefetch[(progs,)](w, out, n, per, BLOCK=4096, num_warps=8)
+    """The engine's L2 prefetch (kernels/l2_prefetch.py): MODE "bulk", or "wide" (its "load" way)."""
+    l2_prefetch(w, nbytes, "bulk" if MODE == "bulk" else "load", out)
 
 
 for tp in (() if os.environ.get("SKIP_GEMM") else (1, 2)):
