@@ -24,6 +24,7 @@ def test_bulk_by_default_on_hopper_and_none_before(env) -> None:
     assert prefetch_setting((9, 0)) == ("bulk", 24 << 20)
     assert prefetch_setting((10, 0)) == ("bulk", 24 << 20)
     assert prefetch_setting((8, 0))[0] == "off"
+    assert prefetch_setting((9, 4), hip=True)[0] == "off"  # an MI300's numbers: no PTX there
 
 
 def test_the_environment_chooses_the_way_and_size(env) -> None:

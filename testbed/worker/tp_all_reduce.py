@@ -120,7 +120,8 @@ class FusedAllReduceNorm:
         torch.cuda.synchronize(device)
         dist.barrier()  # every rank's flags are 0 before any rank pushes
         self.turn = 0
-        self.prefetch_way, self.prefetch_bytes = prefetch_setting(torch.cuda.get_device_capability(device))
+        self.prefetch_way, self.prefetch_bytes = prefetch_setting(torch.cuda.get_device_capability(device),
+                                                                  hip=torch.version.hip is not None)
         self.side = torch.cuda.Stream(device) if self.prefetch_way != "off" else None
         self.scratch = torch.zeros(1024, dtype=torch.float32, device=device)
         join = os.environ.get(PREFETCH_JOIN_ENV, "forward")
@@ -164,15 +165,16 @@ class FusedAllReduceNorm:
             self.pending = None
 
 
-def prefetch_setting(capability: tuple[int, int]) -> tuple[str, int]:
-    """(way, bytes) of the L2 prefetch beside the fused call on a GPU of this compute capability, from
-    TESTBED_TP_PREFETCH (default bulk) and TESTBED_TP_PREFETCH_MB (default 24). "bulk" needs Hopper (9.0) or
-    later, so older GPUs take none: the "load" way cost 3-9% a decode step on 2 H100s (benchmarks/tp.py, case
-    2gal), so it runs only when asked for. "off": none."""
+def prefetch_setting(capability: tuple[int, int], hip: bool = False) -> tuple[str, int]:
+    """(way, bytes) of the L2 prefetch beside the fused call on a GPU of this compute capability (`hip`: an AMD
+    GPU under ROCm, whose numbers are not NVIDIA's), from TESTBED_TP_PREFETCH (default bulk) and
+    TESTBED_TP_PREFETCH_MB (default 24). "bulk" is a PTX instruction of NVIDIA Hopper (9.0) and later, so other
+    GPUs take none: the "load" way cost 3-9% a decode step on 2 H100s (benchmarks/tp.py, case 2gal), so it runs
+    only when asked for. "off": none."""
     way = os.environ.get(PREFETCH_ENV, "bulk")
     if way not in ("bulk", "load", "off"):
         raise ValueError(f"{PREFETCH_ENV}={way!r}: expected 'bulk', 'load' or 'off'")
-    if way == "bulk" and capability < (9, 0):
+    if way == "bulk" and (hip or capability < (9, 0)):
         way = "off"
     text = os.environ.get(PREFETCH_MB_ENV, "24")
     try:
