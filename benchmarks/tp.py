@@ -283,8 +283,8 @@ def kernel_breakdown(llm: LLM, batch: int = 64, steps: int = 20, prompt_len: int
 def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: int, breakdown: bool = False) -> dict:
     """One engine: `case` is the TP size, then g (CUDA graphs) or e (eager), then a for async scheduling, u
     for the all-reduce unfused from the norm after it, n for no L2 prefetch of the next GEMM's weight beside the
-    fused all-reduce (l: the prefetch's "load" way instead of "bulk"; j: joined after each call); `breakdown`: also the kernel breakdown of a decode step at
-    batch 64."""
+    fused all-reduce (l: the prefetch's "load" way instead of "bulk"; j: joined after each call); `breakdown`:
+    also the kernel breakdown of a decode step at batch 64."""
     spec = get_model_spec(model)
     tp, eager, async_ = int(case[0]), case[1] == "e", "a" in case[2:]
     if "u" in case[2:]:  # the all-reduce and the norm after it as two kernels (set before the TP workers start)
@@ -385,9 +385,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--cases", default="1g,2g,1ga,2ga,2e",
                     help="TP size + g (CUDA graphs) or e (eager) [+ a: async scheduling] [+ u: the all-reduce and "
-                         "the norm after it apart] [+ n: no L2 prefetch beside the fused all-reduce; l: its load way; j: "
-                         "joined after each call], "
-                         "comma-separated")
+                         "the norm after it apart] [+ n: no L2 prefetch beside the fused all-reduce; l: its load "
+                         "way; j: joined after each call], comma-separated")
     ap.add_argument("--case-timeout", type=float, default=240)
     ap.add_argument("--rounds", type=int, default=1, help="run the cases this many times, alternating; each "
                                                              "ratio then compares medians over the rounds")
