@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -121,11 +122,17 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
     encrypted = Config({"KernelManager": {"transport_encryption": "required"}})
     # a cell past the timeout is interrupted first, so the kernel answers it before it is shut down (shut down
     # mid-cell, it logs a traceback of its reply to a closed socket)
+    # the kernel's own stderr (zmq's teardown noise when a cell past the timeout is stopped, say) goes to a file,
+    # not the caller's stderr; it is shown only where the kernel stopped
+    kernel_log = tempfile.TemporaryFile()
+
     def run() -> None:
+        kernel_log.seek(0)
+        kernel_log.truncate()
         NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False, config=encrypted,
                        interrupt_on_timeout=True, error_on_timeout={"ename": TIMEOUT, "evalue": "", "traceback": []},
                        resources={"metadata": {"path": str(Path(cwd).resolve())}},
-                       on_cell_executed=on_cell_executed).execute()
+                       on_cell_executed=on_cell_executed).execute(stderr=kernel_log)
 
     try:
         for attempt in range(KERNEL_STARTS):
@@ -143,7 +150,13 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
         raise NotebookError(f"{src}: a cell ran longer than --timeout {timeout:g} s (the executed notebook up to it: "
                             f"{target}); a full experiment on a small machine needs more, e.g. --timeout 14400, "
                             "or more --parameter jobs=N on more cores") from None
+    except RuntimeError as e:  # the kernel died, or never answered: what it printed says why
+        kernel_log.seek(0)
+        said = kernel_log.read().decode(errors="replace").strip().splitlines()[-20:]
+        raise NotebookError(f"{src}: its kernel stopped ({type(e).__name__}: {e}; the executed notebook up to it: "
+                            f"{target}); the kernel's last words:\n" + "\n".join(said or ["(nothing)"])) from None
     finally:
+        kernel_log.close()
         nbformat.write(nb, target)
     return target
 

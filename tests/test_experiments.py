@@ -163,6 +163,23 @@ def test_notebook_runner_errors_are_one_line(tmp_path, capfd):
     assert len(err.strip().splitlines()) == 1 and "encryption" not in err, err
 
 
+def test_the_kernels_own_stderr_stays_off_the_runners_unless_the_kernel_dies(tmp_path, capfd):
+    """What the kernel process itself writes to stderr (not a cell's output, which the notebook keeps) is not
+    the runner's to print; where the kernel dies, its last words are in the one error."""
+    from testbed.notebooks import main
+    noisy = tmp_path / "01_noisy.py"
+    noisy.write_text('# %% tags=["parameters"]\noutput_dir = "x"\n\n# %%\nimport os\n'
+                     'os.write(2, b"kernel noise\\n")\n')
+    assert main([str(noisy), "-o", str(tmp_path / "out")]) == 0
+    assert "kernel noise" not in capfd.readouterr().err
+    dying = tmp_path / "02_dying.py"
+    dying.write_text('# %% tags=["parameters"]\noutput_dir = "x"\n\n# %%\nimport os\n'
+                     'os.write(2, b"dying words\\n")\nos._exit(3)\n')
+    assert main([str(dying), "-o", str(tmp_path / "out")]) == 2
+    err = capfd.readouterr().err
+    assert "02_dying.py: its kernel stopped" in err and "dying words" in err, err
+
+
 def test_a_relative_output_folder_is_read_from_where_the_command_runs(tmp_path, monkeypatch):
     """The kernel works from elsewhere (the notebooks chdir to the repository root), so a relative --output is
     made absolute first: the notebook's own files and the executed .ipynb land side by side under the caller's
