@@ -8,7 +8,7 @@
 run's real azure-80 decode batches, on the first model, as they came, sorted long-first, short-first,
 shuffled, and at their mean (does the rows' order, the decode kernel's launch order, change the spread's cost?).
 `analyze`: fits extra = kappa x (longest - mean) / splits, splits being the decode kernel's split count
-(kernels/decode_attention.choose_num_splits on 132 SMs), per model, and prints the fit's error against none;
+(kernels/decode_attention.num_splits_for on 132 SMs), per model, and prints the fit's error against none;
 for the real batches, each order against as-is and kappa from them; with --profile, the profile's decode_tail
 term against the measured extra on the real batches.
 """
@@ -30,10 +30,10 @@ MEANS = (400, 1200, 2500)
 CVS = (0.0, 0.3, 0.6, 1.0)
 
 
-def splits(batch: int, kv_heads: int, sms: int = 132) -> int:
-    """The decode kernel's splits per sequence for a batch (choose_num_splits, its context cap left out)."""
-    programs, target = batch * kv_heads, 2 * sms
-    return 1 if programs >= target else 1 << (math.ceil(target / programs) - 1).bit_length()
+def splits(batch: int, kv_heads: int, max_context: int) -> int:
+    """The decode kernel's splits per sequence for a batch on an H100 (132 SMs; 64-token tiles)."""
+    from testbed.kernels.decode_attention import num_splits_for
+    return num_splits_for(batch, kv_heads, max_context, 64, 132)
 
 
 def _contexts(rng: np.random.Generator, batch: int, mean: float, cv: float) -> list[int]:
@@ -122,17 +122,16 @@ def analyze(args: argparse.Namespace) -> None:
         with open(os.path.join(args.dir, name)) as fh:
             d = json.load(fh)
         loaded.append(d)
-        uni = {(r["B"], round(r["mean"])): r["device_s"] for r in d["lognormal"] if r["cv"] == 0}
+        uni = {(r["B"], round(r["mean"])): r for r in d["lognormal"] if r["cv"] == 0}
         pts = [(r, uni[(r["B"], round(r["mean"]))]) for r in d["lognormal"]
                if r["cv"] > 0 and (r["B"], round(r["mean"])) in uni]
-        x = np.array([(r["max"] - r["mean"]) / splits(r["B"], d["kv_heads"]) for r, _ in pts])
-        base = np.array([u for _, u in pts])
+        x = np.array([(r["max"] - r["mean"]) / splits(r["B"], d["kv_heads"], r["max"]) for r, _ in pts])
+        base = np.array([u["device_s"] for _, u in pts])
         y = np.array([r["device_s"] for r, _ in pts])
         kappa = float(x @ (y - base) / (x @ x))
         none, fit = np.abs(base / y - 1), np.abs((base + kappa * x) / y - 1)
-        host = [(r["prepare_s"] + r["launch_s"]) - (u["prepare_s"] + u["launch_s"]) for r, u in
-                ((r, next(v for v in d["lognormal"] if v["cv"] == 0 and v["B"] == r["B"]
-                          and round(v["mean"]) == round(r["mean"]))) for r, _ in pts) if "prepare_s" in r]
+        host = [(r["prepare_s"] + r["launch_s"]) - (u["prepare_s"] + u["launch_s"]) for r, u in pts
+                if "prepare_s" in r]
         print(f"| {d['model']} | {d['gpu']} | {len(pts)} | {kappa * 1e6:.3f} | {100 * none.mean():.1f}% / "
               f"{100 * none.max():.1f}% | {100 * fit.mean():.1f}% / {100 * fit.max():.1f}% | "
               f"{1e3 * np.median(host):.3f} |" if host else "")
@@ -141,7 +140,7 @@ def analyze(args: argparse.Namespace) -> None:
         if not rb:
             continue
         a = np.array([[r[k] for k in ("asis", "desc", "asc", "shuffled", "uniform")] for r in rb])
-        x = np.array([(r["max"] - r["mean"]) / splits(r["B"], d["kv_heads"]) for r in rb])
+        x = np.array([(r["max"] - r["mean"]) / splits(r["B"], d["kv_heads"], r["max"]) for r in rb])
         print(f"\n{d['model']}, {len(rb)} real azure-80 decode batches (B {int(np.median([r['B'] for r in rb]))}, "
               f"mean context {np.median([r['mean'] for r in rb]):.0f}, longest {np.median([r['max'] for r in rb]):.0f}, "
               "medians):")

@@ -182,8 +182,13 @@ def supports_pdl(device: torch.device) -> bool:
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
     """Splits per sequence so that about 2x the SM count programs run; a power of 2, from shapes only."""
+    return num_splits_for(num_seqs, num_kv_heads, max_context, block_n, sm_count(device))
+
+
+def num_splits_for(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
+    """choose_num_splits on a GPU of `sms` streaming multiprocessors (no device needed: for analyses)."""
     programs = num_seqs * num_kv_heads
-    target = 2 * sm_count(device)
+    target = 2 * sms
     if programs >= target:
         return 1
     splits = min(triton.cdiv(target, programs), triton.cdiv(max_context, block_n), 256)
