@@ -120,12 +120,12 @@ def execute_notebook(path: str | Path, output: str | Path, parameters: dict[str,
     # kernel. (IPC sockets avoid it too, but through a KernelManager of our own, a blocking one, a cell past the
     # timeout was never stopped; nbclient's own AsyncKernelManager, configured here, stops it.)
     encrypted = Config({"KernelManager": {"transport_encryption": "required"}})
-    # a cell past the timeout is interrupted first, so the kernel answers it before it is shut down (shut down
-    # mid-cell, it logs a traceback of its reply to a closed socket)
     # the kernel's own stderr (zmq's teardown noise when a cell past the timeout is stopped, say) goes to a file,
     # not the caller's stderr; it is shown only where the kernel stopped
     kernel_log = tempfile.TemporaryFile()
 
+    # a cell past the timeout is interrupted first, so the kernel answers it before it is shut down (shut down
+    # mid-cell, it logs a traceback of its reply to a closed socket)
     def run() -> None:
         kernel_log.seek(0)
         kernel_log.truncate()
