@@ -52,7 +52,7 @@ def graph_time(fn, reps=20, rounds=5):
     return ts[len(ts) // 2]
 
 
-def prefetch(w, nbytes, out, progs):
+def prefetch(w, nbytes, out):
     """The engine's L2 prefetch (kernels/l2_prefetch.py): MODE "bulk", or "wide" (its "load" way)."""
     l2_prefetch(w, nbytes, "bulk" if MODE == "bulk" else "load", out)
 
@@ -84,7 +84,7 @@ hz = torch.cuda.get_device_properties(0).clock_rate if hasattr(torch.cuda.get_de
 res["clock_khz"] = hz
 
 
-def layers(wait_cycles, pf_bytes, progs):
+def layers(wait_cycles, pf_bytes):
     F = torch.nn.functional.linear
     for l in range(L):
         F(X["qkv"], W["qkv"][l]); F(X["o"], W["o"][l])
@@ -93,7 +93,7 @@ def layers(wait_cycles, pf_bytes, progs):
             if pf_bytes:
                 side.wait_stream(cur)
                 with torch.cuda.stream(side):
-                    prefetch(W["gate_up"][l], pf_bytes, pout, progs)
+                    prefetch(W["gate_up"][l], pf_bytes, pout)
             torch.cuda._sleep(wait_cycles)
             if pf_bytes:
                 cur.wait_stream(side)
@@ -102,7 +102,7 @@ def layers(wait_cycles, pf_bytes, progs):
             if pf_bytes:
                 side.wait_stream(cur)
                 with torch.cuda.stream(side):
-                    prefetch(W["qkv"][(l + 1) % L], pf_bytes, pout, progs)
+                    prefetch(W["qkv"][(l + 1) % L], pf_bytes, pout)
             torch.cuda._sleep(wait_cycles)
             if pf_bytes:
                 cur.wait_stream(side)
@@ -116,15 +116,15 @@ print("cycles/us", cyc_per_us)
 out = {}
 for mode in ("bulk", "wide"):
     MODE = mode
-    for pf, progs in ((16 << 20, 0), (25 << 20, 0)):
-        t = graph_time(lambda: [prefetch(W["gate_up"][l], pf, pout, progs) for l in range(L)]) / L
+    for pf in (16 << 20, 25 << 20):
+        t = graph_time(lambda: [prefetch(W["gate_up"][l], pf, pout) for l in range(L)]) / L
         res[f"prefetch_alone_{mode}_{pf >> 20}MB_ms"] = t
         print(f"prefetch alone {mode} {pf>>20} MB: {t*1e3:.1f} us = {pf / t / 1e9:.2f} TB/s", flush=True)
     for wait_us in (0, 8, 11):
         cyc = int(wait_us * cyc_per_us)
-        variants = [(0, 0)] if not wait_us else [(0, 0), (8 << 20, 0), (16 << 20, 0), (25 << 20, 0), (32 << 20, 0)]
-        for pf, progs in variants:
-            ts = [graph_time(lambda: layers(cyc, pf, progs)) / L for rep in range(3)]
+        variants = [0] if not wait_us else [0, 8 << 20, 16 << 20, 25 << 20, 32 << 20]
+        for pf in variants:
+            ts = [graph_time(lambda: layers(cyc, pf)) / L for rep in range(3)]
             t = sorted(ts)[1]
             out[f"{mode}_wait{wait_us}_pf{pf >> 20}MB"] = t
             print(f"{mode} wait {wait_us}us prefetch {pf >> 20} MB: layer {t*1e3:.1f} us", flush=True)
