@@ -283,7 +283,8 @@ def kernel_breakdown(llm: LLM, batch: int = 64, steps: int = 20, prompt_len: int
 def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: int, breakdown: bool = False) -> dict:
     """One engine: `case` is the TP size, then g (CUDA graphs) or e (eager), then a for async scheduling, u
     for the all-reduce unfused from the norm after it, n for no L2 prefetch of the next GEMM's weight beside the
-    fused all-reduce (l: the prefetch's "load" way instead of "bulk"; j: joined after each call); `breakdown`:
+    fused all-reduce (l: the prefetch's "load" way instead of "bulk"; j: joined after each call), p for cuBLAS
+    row-parallel GEMMs whose rows the fused call pushes (not the GEMM's own tiles); `breakdown`:
     also the kernel breakdown of a decode step at batch 64."""
     spec = get_model_spec(model)
     tp, eager, async_ = int(case[0]), case[1] == "e", "a" in case[2:]
@@ -293,6 +294,8 @@ def engine_case(model: str, case: str, n_requests: int, max_num_batched_tokens: 
         os.environ["TESTBED_TP_PREFETCH"] = "off" if "n" in case[2:] else "load"
     if "j" in case[2:]:  # each fused call's stream waits for its prefetch (not only the forward's end)
         os.environ["TESTBED_TP_PREFETCH_JOIN"] = "call"
+    if "p" in case[2:]:  # cuBLAS for the row-parallel GEMMs, the fused call pushes (not the GEMM's own tiles)
+        os.environ["TESTBED_TP_GEMM_PUSH"] = "0"
     t0 = time.perf_counter()
     llm = LLM(model, load_format="dummy", tensor_parallel_size=tp, enforce_eager=eager, max_num_seqs=256,
               max_num_batched_tokens=max_num_batched_tokens, max_model_len=4096, gpu_memory_utilization=0.85,
@@ -399,7 +402,7 @@ def main() -> None:
     out = {"gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
            "nccl": ".".join(map(str, torch.cuda.nccl.version())), "model": spec.name, "date": time.strftime("%Y-%m-%d"),
            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                                  "TESTBED_TP_ALL_REDUCE", "TESTBED_TP_PREFETCH",
+                                                  "TESTBED_TP_ALL_REDUCE", "TESTBED_TP_PREFETCH", "TESTBED_TP_GEMM_PUSH",
                                                   "TESTBED_TP_PREFETCH_MB")}}
     if not args.skip_allreduce:
         out["allreduce"] = ar = allreduce_bench(spec.hidden_size)

@@ -23,7 +23,7 @@ from testbed.kernels.lora import lora_apply, lora_step_plan
 from testbed.kernels.reference import rope_ref
 from testbed.worker.context import get_context
 from testbed.worker.pipeline import get_parallel_state
-from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce, fused_for
+from testbed.worker.tp_all_reduce import all_reduce as tp_all_reduce, fused_for, gemm_push_for
 
 _TP_OVERRIDE: tuple[int, int] | None = None
 
@@ -336,7 +336,12 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The summed output; with reduce=False this rank's partial sum (vLLM's reduce_results), which the next
-        RMSNorm(partial=True) reduces."""
+        RMSNorm(partial=True) reduces (on GPUs, pushed to the peers by the GEMM itself where it can:
+        tp_all_reduce.FusedAllReduceNorm.gemm)."""
+        if not reduce and self.lora_a is None and self.bias is None:  # the same on every rank: they pair up
+            fused = gemm_push_for(x, self.weight)
+            if fused is not None:
+                return fused.gemm(x, self.weight)
         y = self._lora(linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.weight_bf16), x)
         return tp_all_reduce(y) if reduce and tp_collectives(self.tp_size) else y
 

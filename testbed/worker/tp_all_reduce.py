@@ -13,7 +13,10 @@ The all-reduce of a row-parallel layer's output is followed by the residual add 
 tensor parallelism the row-parallel layers leave their partial sums to that norm (RMSNorm(partial=True)), which
 reduces them: on GPUs with symmetric memory all three run in one kernel (FusedAllReduceNorm,
 kernels/all_reduce_norm.py) for steps of up to FUSED_MAX_ROWS tokens, elsewhere `all_reduce` runs first.
-TESTBED_TP_FUSED_NORM=0 keeps them apart (the benchmark's A/B). While the fused kernel waits on its peers, a
+TESTBED_TP_FUSED_NORM=0 keeps them apart (the benchmark's A/B). For steps of up to GEMM_PUSH_MAX_ROWS tokens the
+row-parallel GEMM itself pushes its tiles to the peers as it computes them (FusedAllReduceNorm.gemm,
+kernels/gemm_push.py), so the fused call only waits, sums and normalises (TESTBED_TP_GEMM_PUSH=0: cuBLAS, then
+the fused call pushes). While the fused kernel waits on its peers, a
 side stream pulls the start of the next GEMM's weight into L2 (kernels/l2_prefetch.py; TESTBED_TP_PREFETCH):
 on 2 H100s the Llama-3.1-8B decode step at batch 64 took 0.98x its time without (benchmarks/tp.py, 2ga / 2gan).
 
@@ -39,6 +42,8 @@ FUSED_ENV = "TESTBED_TP_FUSED_NORM"  # 1 (default): the all-reduce fused with th
 PREFETCH_ENV = "TESTBED_TP_PREFETCH"  # bulk | load | off: the next GEMM's weight into L2 during the fused call
 PREFETCH_MB_ENV = "TESTBED_TP_PREFETCH_MB"  # how much of it, MiB
 PREFETCH_JOIN_ENV = "TESTBED_TP_PREFETCH_JOIN"  # forward (default): the stream waits for it at the forward's end; call
+GEMM_PUSH_ENV = "TESTBED_TP_GEMM_PUSH"  # 1 (default): row-parallel GEMMs push their own tiles; 0: the fused call does
+GEMM_PUSH_MAX_ROWS = 64  # steps of more tokens take cuBLAS, then the fused call's push (benchmarks/tp_gemm_push.py)
 FUSED_MAX_ROWS = 256  # steps of more tokens reduce, then normalise (fused 20.9 against 23.8 us at 256 on 2 H200s)
 
 
@@ -107,19 +112,25 @@ class FusedAllReduceNorm:
 
     def __init__(self, max_rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
+        from testbed.kernels.all_reduce_norm import MIN_BLOCK_ROWS, PeerBuffers
         group = dist.group.WORLD.group_name
         self.world = dist.get_world_size()
         self.max_rows, self.hidden, self.dtype = max_rows, hidden, dtype
         self.buffer = symm_mem.empty(2 * self.world * max_rows * hidden, dtype=dtype, device=device)
         self.flags = symm_mem.empty(2 * self.world * max_rows, dtype=torch.int32, device=device)
+        self.counters = symm_mem.empty(2 * self.world * -(-max_rows // MIN_BLOCK_ROWS), dtype=torch.int32,
+                                       device=device)
         self.flags.zero_()
-        handles = symm_mem.rendezvous(self.buffer, group), symm_mem.rendezvous(self.flags, group)
+        self.counters.zero_()
+        handles = [symm_mem.rendezvous(t, group) for t in (self.buffer, self.flags, self.counters)]
         self.rank = handles[0].rank
-        self.buf_ptrs, self.flag_ptrs = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device)
-                                         for h in handles)
+        self.peers = PeerBuffers(*(torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device) for h in handles),
+                                 rank=self.rank, max_rows=max_rows, hidden=hidden)
         torch.cuda.synchronize(device)
-        dist.barrier()  # every rank's flags are 0 before any rank pushes
+        dist.barrier()  # every rank's flags and counters are 0 before any rank pushes
         self.turn = 0
+        self.pushed: tuple[int, int, int] | None = None  # (data_ptr, tiles, block_rows) of the last gemm's push
+        self.gemm_push = os.environ.get(GEMM_PUSH_ENV, "1") != "0" and dtype in (torch.bfloat16, torch.float16)
         self.prefetch_way, self.prefetch_bytes = prefetch_setting(torch.cuda.get_device_capability(device),
                                                                   hip=torch.version.hip is not None)
         self.side = torch.cuda.Stream(device) if self.prefetch_way != "off" else None
@@ -133,6 +144,21 @@ class FusedAllReduceNorm:
     def fits(self, x: torch.Tensor) -> bool:
         return x.dtype == self.dtype and x.dim() == 2 and x.shape[0] <= self.max_rows and x.shape[1] == self.hidden
 
+    def gemm_fits(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `gemm` can compute x W^T for this call (16-bit, few enough rows, `hidden` outputs)."""
+        return (self.gemm_push and x.dtype == self.dtype and weight.dtype == self.dtype and x.dim() == 2
+                and x.shape[0] <= GEMM_PUSH_MAX_ROWS and x.shape[0] <= self.max_rows and weight.shape[0] == self.hidden)
+
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x W^T, this rank's partial sum of a row-parallel layer, computed by a kernel that pushes it into the
+        next call's region of every rank's buffer (kernels/gemm_push.py). Returns it as this rank's slot there;
+        the call that receives this very tensor next only waits for the peers' pushes, then sums and normalises."""
+        from testbed.kernels.gemm_push import gemm_push_triton
+        tiles, block_rows = gemm_push_triton(x, weight, self.peers, self.turn)
+        y = self.peers.slot(self.buffer, self.turn, x.shape[0])
+        self.pushed = (y.data_ptr(), tiles, block_rows)
+        return y
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`prefetch`: the weight of the GEMM that reads this call's output; its first bytes are pulled into L2
@@ -140,9 +166,9 @@ class FusedAllReduceNorm:
         the prefetch: the caller's stream waits for the side stream once, at the forward's end (`join`), so a
         captured graph's branches meet before the capture ends (TESTBED_TP_PREFETCH_JOIN=call: after each call).
         The prefetch writes nothing the model reads: results are the same with or without it."""
-        from testbed.kernels.all_reduce_norm import all_reduce_add_rms_norm_triton
+        from testbed.kernels.all_reduce_norm import all_reduce_add_rms_norm_triton, reduce_add_rms_norm_triton
         region, self.turn = self.turn, 1 - self.turn
-        rows = self.world * self.max_rows
+        pushed, self.pushed = self.pushed, None
         side = self.side if prefetch is not None else None
         if side is not None:
             from testbed.kernels.l2_prefetch import l2_prefetch
@@ -150,8 +176,10 @@ class FusedAllReduceNorm:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 l2_prefetch(prefetch, self.prefetch_bytes, self.prefetch_way, self.scratch)
-        out = all_reduce_add_rms_norm_triton(x, residual, weight, eps, self.buf_ptrs, self.flag_ptrs, self.rank,
-                                             region * rows * self.hidden, region * rows, self.max_rows)
+        if pushed is not None and pushed[0] == x.data_ptr():
+            out = reduce_add_rms_norm_triton(residual, weight, eps, self.peers, region, pushed[1], pushed[2])
+        else:
+            out = all_reduce_add_rms_norm_triton(x, residual, weight, eps, self.peers, region)
         if side is not None:
             self.pending = main
             if self.join_each_call:
@@ -252,7 +280,7 @@ def begin_forward() -> None:
     FusedAllReduceNorm)."""
     if _fused is not None:
         _fused.join()  # a forward that raised part-way left its prefetches unjoined
-        _fused.turn = 0
+        _fused.turn, _fused.pushed = 0, None
 
 
 def end_forward() -> None:
@@ -266,6 +294,12 @@ def fused_for(x: torch.Tensor) -> FusedAllReduceNorm | None:
     """The fused all-reduce + residual add + norm for a row-parallel layer's partial sums x, where it is set up
     and x fits it (else the caller all-reduces, then normalises)."""
     return _fused if _fused is not None and _fused.fits(x) else None
+
+
+def gemm_push_for(x: torch.Tensor, weight: torch.Tensor) -> FusedAllReduceNorm | None:
+    """The fused call whose `gemm` computes a row-parallel layer's partial sums x W^T and pushes them itself,
+    where it is set up and this step fits it (else the caller runs the GEMM, and the fused call pushes)."""
+    return _fused if _fused is not None and _fused.gemm_fits(x, weight) else None
 
 
 def close_tp_all_reduce() -> None:
