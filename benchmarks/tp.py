@@ -422,7 +422,8 @@ def main() -> None:
     ok = {c: {k: float(np.median([x[k] for x in runs])) if k.endswith(("_ms", "_tok_s")) or "_ms_b" in k else v
               for k, v in runs[0].items()} for c, runs in rounds.items()}  # each number the median over rounds
     pairs = [("1g", "2g"), ("1ga", "2ga"), ("2gau", "2ga"), ("1ga", "2gau"), ("1ga", "2gan"), ("2gan", "2ga"),
-             ("1ga", "2gal"), ("2gan", "2gal"), ("2gaj", "2ga"), ("2gan", "2gaj")]  # (A, B): B / A
+             ("1ga", "2gal"), ("2gan", "2gal"), ("2gaj", "2ga"), ("2gan", "2gaj"), ("1ga", "2gap"),
+             ("2gap", "2ga")]  # (A, B): B / A
     for a, b in pairs:  # TP=2 over TP=1 (dummy weights differ between them: no agreement)
         if a in ok and b in ok:
             one, two = ok[a], ok[b]
@@ -430,7 +431,8 @@ def main() -> None:
             r["mixed_512"] = two["mixed_512_ms"] / one["mixed_512_ms"]
             r["throughput"] = two["throughput_output_tok_s"] / one["throughput_output_tok_s"]
             out[f"{b}_over_{a}"] = r
-    for a, b in (("2g", "2e"), ("2ga", "2e"), ("2ga", "2gau"), ("2ga", "2gan"), ("2gal", "2gan"), ("2ga", "2gaj")):
+    for a, b in (("2g", "2e"), ("2ga", "2e"), ("2ga", "2gau"), ("2ga", "2gan"), ("2gal", "2gan"), ("2ga", "2gaj"),
+                 ("2ga", "2gap")):
         if a in ok and b in ok:
             out[f"agreement_{a}_{b}"] = agreement(ok[a], ok[b])
     print(json.dumps({k: v for k, v in out.items() if k not in ("allreduce", "cases")}, indent=1))
