@@ -23,13 +23,13 @@ def test_the_shipped_bands_are_the_fidelity_benchmarks_largest_errors():
     """The H100 bands come from the graphed runs on five H100s other than the profiles' (of 2026-11-26 simulated at
     ca99c8b and, those at 7513608, with the shipped profile at 4f7e4f2; of 2026-11-27 at 7a8dc98 and f0fda61,
     simulated at f541366), the H100 TP=2 ones from three runs on 2 H100s other than that profile's (2026-11-27,
-    c97fbda), the rest from the runs of 2026-11-24 (fidelity.py bands --merge); each band names its runs."""
+    c97fbda; the profile of 2026-11-28, 36b1454), the rest from the runs of 2026-11-24 (fidelity.py bands --merge); each band names its runs."""
     shipped = load_bands()
     h100 = [c for name in ("sim_2026-11-26_h100_ca99c8b.json", "sim_2026-11-26_h100_7513608_shipped.json",
                            "sim_2026-11-27_h100_7a8dc98_shipped.json", "sim_2026-11-27_h100_f0fda61_8b_shipped.json")
             for c in json.loads((FIDELITY / name).read_text())]
     new = bands_from_fidelity(h100, "")["bands"]
-    tp2 = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-27_h100_tp2_c97fbda_shipped.json").read_text()), "")["bands"]
+    tp2 = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-28_h100_tp2_c97fbda_shipped_36b1454.json").read_text()), "")["bands"]
     old = bands_from_fidelity(json.loads((FIDELITY / "sim_2026-11-24.json").read_text()), "")["bands"]
     strip = lambda bands: {k: {f: v for f, v in b.items() if f != "source"} for k, b in bands.items()}  # noqa: E731
     assert strip(shipped["bands"]) == strip({**{k: v for k, v in old.items() if k not in new}, **new, **tp2})
