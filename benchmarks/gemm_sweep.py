@@ -15,8 +15,10 @@ import os
 import torch, triton, triton.language as tl
 import torch.nn.functional as F
 
+from tp_gemms import graph_time, shapes  # benchmarks/tp_gemms.py
+
 dev = torch.device("cuda")
-H, I, NH, NKV, D, L = 4096, 14336, 32, 8, 128, 8
+L = 8  # distinct weights a GEMM cycles through
 
 
 @triton.jit
@@ -57,35 +59,11 @@ def gemm(a, w, cfg, c, p):
         _reduce[(triton.cdiv(M * N, 1024),)](p, c, M * N, SPLIT=SPLIT, BLOCK=1024)
 
 
-def graph_time(fn, reps=20, rounds=5):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / reps)
-    return sorted(ts)[len(ts) // 2]
-
-
 def main() -> None:
     cfgs = [c for c in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 3, 4, 8), (3, 4), (4,))] + [(128, 128, s, 3, 8) for s in (1, 2, 4)]
     res = {"gpu": torch.cuda.get_device_name(), "rows": []}
     for tp in (1, 2):
-        sh = {"qkv": ((NH + 2 * NKV) * D // tp, H), "o": (H, NH * D // tp), "gate_up": (2 * I // tp, H), "down": (H, I // tp)}
-        for name, (N, K) in sh.items():
+        for name, (N, K) in shapes(tp).items():
             Ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(L)]
             for M in (1, 64):
                 a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
