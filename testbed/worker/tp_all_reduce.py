@@ -106,7 +106,8 @@ class FusedAllReduceNorm:
     calls later, after the call between has finished on it, and that call waited for every peer's push of it,
     which every peer made only after finishing its own reads of the region (one stream: kernels run in order).
     The flags a call sets are taken back to 0 by their reader within the same call, so they are 0 again before
-    anyone sets them two calls later. `begin_forward` starts every forward on region 0: a forward makes an even
+    anyone sets them two calls later; the counters a GEMM's push adds to (`gemm`) are set back to 0 by this rank's
+    next call, whichever way it runs (kernels/gemm_push.py's invariant). `begin_forward` starts every forward on region 0: a forward makes an even
     number of calls (2 x its layers: each layer's post-attention norm and the norm after its MLP, the next layer's
     input norm or the final norm), so the turns alternate across forwards, replayed graphs included."""
 
