@@ -9,7 +9,8 @@ for each step size T: a chain of 8 layers (8 distinct weights, so none stays in 
 replayed, in three ways, alternating over rounds:
   cublas  F.linear, then the fused call (it pushes the rows itself);
   push    FusedAllReduceNorm.gemm (the GEMM pushes each tile as it is done), then the fused call (it only waits,
-          sums and normalises);
+          sums and normalises; on Hopper the norm launches while the GEMM runs, programmatic dependent
+          launch); push_nopdl: the same, launched one after the other;
   gemm    F.linear alone (no peers): what the GEMM costs without any all-reduce.
 Prints and writes µs a layer (median of the rounds), the push's saving, and the largest difference of the
 chain's outputs between push and cublas relative to their size (the two GEMMs sum K in different orders).
@@ -55,8 +56,9 @@ def _worker(rank: int, port: int, rows_list: list[int], rounds: int, q) -> None:
                     if way == "gemm":
                         r = F.linear(x, w) + r
                         continue
-                    if way == "push":
-                        tiles, bm = gemm_push_triton(x, w, fused.peers, fused.turn)
+                    if way.startswith("push"):
+                        fused.pdl = way == "push"
+                        tiles, bm = gemm_push_triton(x, w, fused.peers, fused.turn, pdl=fused.pdl)
                         y = fused.peers.slot(fused.buffer, fused.turn, t)
                         fused.pushed = (y.data_ptr(), tiles, bm)
                     else:
@@ -64,7 +66,7 @@ def _worker(rank: int, port: int, rows_list: list[int], rounds: int, q) -> None:
                     _, r = fused(y, r, norm_w, EPS)
                 return r
 
-            ways = ["cublas", "push", "gemm"]
+            ways = ["cublas", "push", "push_nopdl", "gemm"]
             graphs, outs = {}, {}
             for way in ways:
                 fused.turn, fused.pushed = 0, None
@@ -84,7 +86,7 @@ def _worker(rank: int, port: int, rows_list: list[int], rounds: int, q) -> None:
             ref = outs["cublas"].float()
             row = {"gemm": name, "tokens": t, **{f"{w}_us": statistics.median(v) for w, v in times.items()},
                    **{f"{w}_max_rel_diff": float((outs[w].float() - ref).abs().max() / ref.abs().max())
-                      for w in ways if w == "push"}}
+                      for w in ways if w.startswith("push")}}
             row["push_saving_us"] = row["cublas_us"] - row["push_us"]
             out.append(row)
             if rank == 0:

@@ -85,7 +85,8 @@ def _all_reduce_add_rms_norm_kernel(X, Res, W, Out, Hout, buf_ptrs, flag_ptrs, c
 
 @triton.jit
 def _reduce_add_rms_norm_kernel(Res, W, Out, Hout, buf_ptrs, cnt_ptrs, rank, buf_off, cnt_off, n_blocks, n_tiles,
-                                block_rows, max_rows, n_cols, eps, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+                                block_rows, max_rows, n_cols, eps, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                                PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -94,6 +95,8 @@ def _reduce_add_rms_norm_kernel(Res, W, Out, Hout, buf_ptrs, cnt_ptrs, rank, buf
         while tl.atomic_add(mine + p * n_blocks, 0, sem="acquire", scope="sys") < n_tiles:
             pass
     tl.debug_barrier()  # no thread reads the slots before every peer's tiles of the row arrived
+    if PDL:  # launched while the GEMM ran: its outputs' memory may be what the GEMM still reads until it ends
+        tl.extra.cuda.gdc_wait()
     buf = tl.load(buf_ptrs + rank).to(tl.pointer_type(Res.dtype.element_ty)) + buf_off
     _sum_add_rms_norm(buf, row, cols, mask, n_cols, max_rows, Res, W, Out, Hout, eps, WORLD)
 
@@ -152,10 +155,12 @@ def all_reduce_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weig
 
 
 def reduce_add_rms_norm_triton(residual: torch.Tensor, weight: torch.Tensor, eps: float, peers: PeerBuffers,
-                               region: int, n_tiles: int, block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                               region: int, n_tiles: int, block_rows: int, pdl: bool = False
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """all_reduce_add_rms_norm_triton's result for partial sums that every rank's row-parallel GEMM already
     pushed into `region` (kernels/gemm_push.py: `n_tiles` column tiles a block of `block_rows` rows): waits for
-    each peer's tiles of a row, then sums and normalises it."""
+    each peer's tiles of a row, then sums and normalises it. `pdl`: a programmatic dependent launch, which starts
+    while a GEMM launched with pdl still runs."""
     rows, n = residual.shape
     _check(residual, weight, rows, n, peers)
     residual = residual.contiguous()
@@ -165,8 +170,8 @@ def reduce_add_rms_norm_triton(residual: torch.Tensor, weight: torch.Tensor, eps
         w, nb = peers.world, peers.n_blocks
         _reduce_add_rms_norm_kernel[(rows,)](
             residual, weight, out, h, peers.buf_ptrs, peers.cnt_ptrs, peers.rank, peers.buf_off(region),
-            region * w * nb, nb, n_tiles, block_rows, peers.max_rows, n, eps, WORLD=w, BLOCK=block,
-            num_warps=max(1, min(16, block // 256)))
+            region * w * nb, nb, n_tiles, block_rows, peers.max_rows, n, eps, WORLD=w, BLOCK=block, PDL=pdl,
+            num_warps=max(1, min(16, block // 256)), **({"launch_pdl": True} if pdl else {}))
     return out, h
 
 

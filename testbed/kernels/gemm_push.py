@@ -28,7 +28,10 @@ BLOCK_N, BLOCK_K, STAGES, WARPS = 32, 256, 4, 4  # Llama-3.1-8B's TP=2 o_proj/do
 @triton.jit
 def _gemm_push_kernel(A, Wt, buf_ptrs, cnt_ptrs, rank, buf_off, cnt_off, zero_off, n_zero, n_blocks, max_rows, M, N,
                       K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WORLD: tl.constexpr,
-                      ZERO: tl.constexpr):
+                      ZERO: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the norm after it may launch now (it spins on the counters); nothing here runs before the last kernel ends
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -58,10 +61,11 @@ def block_rows_for(rows: int) -> int:
 
 
 def gemm_push_triton(x: torch.Tensor, weight: torch.Tensor, peers: PeerBuffers, region: int,
-                     block_rows: int | None = None, block_n: int = BLOCK_N) -> tuple[int, int]:
+                     block_rows: int | None = None, block_n: int = BLOCK_N, pdl: bool = False) -> tuple[int, int]:
     """x [T, K] @ weight[N, K]^T (N = hidden, T <= max_rows) pushed into slot `rank` of `region` of every rank's
     buffer, each block of rows counted on every rank; returns (tiles a block of rows gets, block_rows), what
-    reduce_add_rms_norm_triton waits for. Also sets this rank's counters of the other region to 0."""
+    reduce_add_rms_norm_triton waits for. Also sets this rank's counters of the other region to 0. `pdl`: launched
+    as a programmatic dependent launch that lets the kernel after it launch at once (Hopper and later)."""
     rows, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or n != peers.hidden or rows > peers.max_rows or x.dtype != weight.dtype:
@@ -77,5 +81,5 @@ def gemm_push_triton(x: torch.Tensor, weight: torch.Tensor, peers: PeerBuffers, 
             x.contiguous(), weight, peers.buf_ptrs, peers.cnt_ptrs, peers.rank, peers.buf_off(region),
             region * w * nb, (1 - region) * w * nb, w * nb, nb, peers.max_rows, rows, n, k, BM=bm, BN=block_n,
             BK=min(BLOCK_K, max(16, triton.next_power_of_2(k))), WORLD=w, ZERO=triton.next_power_of_2(w * nb),
-            num_stages=STAGES, num_warps=WARPS)
+            PDL=pdl, num_stages=STAGES, num_warps=WARPS, **({"launch_pdl": True} if pdl else {}))
     return tiles, bm

@@ -132,6 +132,8 @@ class FusedAllReduceNorm:
         self.turn = 0
         self.pushed: tuple[int, int, int] | None = None  # (data_ptr, tiles, block_rows) of the last gemm's push
         self.gemm_push = os.environ.get(GEMM_PUSH_ENV, "1") != "0" and dtype in (torch.bfloat16, torch.float16)
+        from testbed.kernels.decode_attention import supports_pdl
+        self.pdl = supports_pdl(device)  # the norm after a GEMM's push launches while the GEMM runs
         self.prefetch_way, self.prefetch_bytes = prefetch_setting(torch.cuda.get_device_capability(device),
                                                                   hip=torch.version.hip is not None)
         self.side = torch.cuda.Stream(device) if self.prefetch_way != "off" else None
@@ -155,7 +157,7 @@ class FusedAllReduceNorm:
         next call's region of every rank's buffer (kernels/gemm_push.py). Returns it as this rank's slot there;
         the call that receives this very tensor next only waits for the peers' pushes, then sums and normalises."""
         from testbed.kernels.gemm_push import gemm_push_triton
-        tiles, block_rows = gemm_push_triton(x, weight, self.peers, self.turn)
+        tiles, block_rows = gemm_push_triton(x, weight, self.peers, self.turn, pdl=self.pdl)
         y = self.peers.slot(self.buffer, self.turn, x.shape[0])
         self.pushed = (y.data_ptr(), tiles, block_rows)
         return y
@@ -178,7 +180,8 @@ class FusedAllReduceNorm:
             with torch.cuda.stream(side):
                 l2_prefetch(prefetch, self.prefetch_bytes, self.prefetch_way, self.scratch)
         if pushed is not None and pushed[0] == x.data_ptr():
-            out = reduce_add_rms_norm_triton(residual, weight, eps, self.peers, region, pushed[1], pushed[2])
+            out = reduce_add_rms_norm_triton(residual, weight, eps, self.peers, region, pushed[1], pushed[2],
+                                             self.pdl)
         else:
             out = all_reduce_add_rms_norm_triton(x, residual, weight, eps, self.peers, region)
         if side is not None:
