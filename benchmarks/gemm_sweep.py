@@ -34,7 +34,8 @@ def _gemm(A, W, C, P, M, N, K, k_per, BM: tl.constexpr, BN: tl.constexpr, BK: tl
         w = tl.load(W + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
         acc += tl.dot(a, tl.trans(w))
     if SPLIT == 1:
-        tl.store(C + rm[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        tl.store(C + rm[:, None] * N + rn[None, :], acc.to(C.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
     else:
         tl.store(P + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -60,7 +61,9 @@ def gemm(a, w, cfg, c, p):
 
 
 def main() -> None:
-    cfgs = [c for c in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 3, 4, 8), (3, 4), (4,))] + [(128, 128, s, 3, 8) for s in (1, 2, 4)]
+    # (BLOCK_N, BLOCK_K, split, stages, warps)
+    cfgs = [*itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 3, 4, 8), (3, 4), (4,)),
+            *[(128, 128, s, 3, 8) for s in (1, 2, 4)]]
     res = {"gpu": torch.cuda.get_device_name(), "rows": []}
     for tp in (1, 2):
         for name, (N, K) in shapes(tp).items():
@@ -87,9 +90,9 @@ def main() -> None:
                     if best is None or t < best[0]:
                         best = (t, cfg)
                 bytes_ = N * K * 2
-                row = {"tp": tp, "gemm": name, "M": M, "cublas_us": t_cub * 1e3, "cublas_TBps": bytes_ / t_cub / 1e9, "cublaslt_TBps": bytes_ / t_lt / 1e9,
-                       "triton_us": best[0] * 1e3 if best else None, "triton_TBps": bytes_ / best[0] / 1e9 if best else None,
-                       "cfg": best[1] if best else None}
+                row = {"tp": tp, "gemm": name, "M": M, "cublas_us": t_cub * 1e3, "cublas_TBps": bytes_ / t_cub / 1e9,
+                       "cublaslt_TBps": bytes_ / t_lt / 1e9, "triton_us": best[0] * 1e3 if best else None,
+                       "triton_TBps": bytes_ / best[0] / 1e9 if best else None, "cfg": best[1] if best else None}
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()

@@ -38,7 +38,6 @@ def _worker(rank: int, port: int, rows_list: list[int], rounds: int, q) -> None:
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    from testbed.kernels.gemm_push import gemm_push_triton
     from testbed.worker import tp_all_reduce as tar
     fused = tar.FusedAllReduceNorm(256, HIDDEN, torch.bfloat16, dev)
     g = torch.Generator(device=dev).manual_seed(rank)
@@ -58,9 +57,7 @@ def _worker(rank: int, port: int, rows_list: list[int], rounds: int, q) -> None:
                         continue
                     if way.startswith("push"):
                         fused.pdl = way == "push"
-                        tiles, bm = gemm_push_triton(x, w, fused.peers, fused.turn, pdl=fused.pdl)
-                        y = fused.peers.slot(fused.buffer, fused.turn, t)
-                        fused.pushed = (y.data_ptr(), tiles, bm)
+                        y = fused.gemm(x, w)
                     else:
                         y = F.linear(x, w)
                     _, r = fused(y, r, norm_w, EPS)

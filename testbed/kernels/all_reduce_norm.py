@@ -119,7 +119,7 @@ class PeerBuffers(NamedTuple):
 
     @property
     def n_blocks(self) -> int:
-        return -(-self.max_rows // MIN_BLOCK_ROWS)
+        return counter_blocks(self.max_rows)
 
     def buf_off(self, region: int) -> int:
         return region * self.world * self.max_rows * self.hidden
@@ -131,6 +131,11 @@ class PeerBuffers(NamedTuple):
 
 
 MIN_BLOCK_ROWS = 16  # the smallest block of rows a row-parallel GEMM tile covers (tl.dot's least M)
+
+
+def counter_blocks(max_rows: int) -> int:
+    """Counters a rank keeps per peer and region: one per smallest block of rows."""
+    return -(-max_rows // MIN_BLOCK_ROWS)
 
 
 def all_reduce_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -29,7 +29,7 @@ BLOCK_N, BLOCK_K, STAGES, WARPS = 32, 256, 4, 4  # Llama-3.1-8B's TP=2 o_proj/do
 def _gemm_push_kernel(A, Wt, buf_ptrs, cnt_ptrs, rank, buf_off, cnt_off, zero_off, n_zero, n_blocks, max_rows, M, N,
                       K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WORLD: tl.constexpr,
                       ZERO: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the norm after it may launch now (it spins on the counters); nothing here runs before the last kernel ends
+    if PDL:  # the norm after it may launch now (it spins on the counters); nothing here runs before the last ends
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)

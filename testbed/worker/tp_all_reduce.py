@@ -42,7 +42,7 @@ FUSED_ENV = "TESTBED_TP_FUSED_NORM"  # 1 (default): the all-reduce fused with th
 PREFETCH_ENV = "TESTBED_TP_PREFETCH"  # bulk | load | off: the next GEMM's weight into L2 during the fused call
 PREFETCH_MB_ENV = "TESTBED_TP_PREFETCH_MB"  # how much of it, MiB
 PREFETCH_JOIN_ENV = "TESTBED_TP_PREFETCH_JOIN"  # forward (default): the stream waits for it at the forward's end; call
-GEMM_PUSH_ENV = "TESTBED_TP_GEMM_PUSH"  # 1 (default): row-parallel GEMMs push their own tiles; 0: the fused call does
+GEMM_PUSH_ENV = "TESTBED_TP_GEMM_PUSH"  # 1 (default): row-parallel GEMMs push their own tiles; 0: the fused call
 GEMM_PUSH_MAX_ROWS = 64  # steps of more tokens take cuBLAS, then the fused call's push (benchmarks/tp_gemm_push.py)
 FUSED_MAX_ROWS = 256  # steps of more tokens reduce, then normalise (fused 20.9 against 23.8 us at 256 on 2 H200s)
 
@@ -107,20 +107,20 @@ class FusedAllReduceNorm:
     which every peer made only after finishing its own reads of the region (one stream: kernels run in order).
     The flags a call sets are taken back to 0 by their reader within the same call, so they are 0 again before
     anyone sets them two calls later; the counters a GEMM's push adds to (`gemm`) are set back to 0 by this rank's
-    next call, whichever way it runs (kernels/gemm_push.py's invariant). `begin_forward` starts every forward on region 0: a forward makes an even
-    number of calls (2 x its layers: each layer's post-attention norm and the norm after its MLP, the next layer's
-    input norm or the final norm), so the turns alternate across forwards, replayed graphs included."""
+    next call, whichever way it runs (kernels/gemm_push.py's invariant). `begin_forward` starts every forward on
+    region 0: a forward makes an even number of calls (2 x its layers: each layer's post-attention norm and the
+    norm after its MLP, the next layer's input norm or the final norm), so the turns alternate across forwards,
+    replayed graphs included."""
 
     def __init__(self, max_rows: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
-        from testbed.kernels.all_reduce_norm import MIN_BLOCK_ROWS, PeerBuffers
+        from testbed.kernels.all_reduce_norm import PeerBuffers, counter_blocks
         group = dist.group.WORLD.group_name
         self.world = dist.get_world_size()
         self.max_rows, self.hidden, self.dtype = max_rows, hidden, dtype
         self.buffer = symm_mem.empty(2 * self.world * max_rows * hidden, dtype=dtype, device=device)
         self.flags = symm_mem.empty(2 * self.world * max_rows, dtype=torch.int32, device=device)
-        self.counters = symm_mem.empty(2 * self.world * -(-max_rows // MIN_BLOCK_ROWS), dtype=torch.int32,
-                                       device=device)
+        self.counters = symm_mem.empty(2 * self.world * counter_blocks(max_rows), dtype=torch.int32, device=device)
         self.flags.zero_()
         self.counters.zero_()
         handles = [symm_mem.rendezvous(t, group) for t in (self.buffer, self.flags, self.counters)]
