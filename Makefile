@@ -11,7 +11,7 @@ ALL := $(VENV)/.all-installed
 
 # The real GPU run the demo simulates and compares against (a committed run directory): `--like` takes its
 # requests, model, GPU, KV-cache size and engine flags. This line is the demo's only choice of run.
-DEMO_REAL ?= benchmarks/results/fidelity/2026-11-24_795c0af_h200_llama-3.2-1b/azure-80
+DEMO_REAL ?= benchmarks/results/fidelity/2026-11-28_15d107a_h200_llama-3.2-1b/azure-80
 DEMO_OUT ?= runs/demo
 RUNS ?= runs
 PORT ?= 8501

@@ -1,6 +1,7 @@
 """Simulator fidelity, checked on CPU against committed real runs: every shipped profile loads and composes its
-own held-out steps, the simulation of one committed H200 run stays within the fidelity targets, and the committed
-DP benchmark's runs simulate again to the tables the results quote."""
+own held-out steps, the simulations of two committed H200 runs stay within the fidelity targets (one with the
+profile of its own engine, retired since, one with the shipped profile), and the committed DP benchmark's runs
+simulate again to the tables the results quote."""
 from __future__ import annotations
 
 import subprocess
@@ -16,7 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from fidelity import METRICS, error_rows, sim_case  # noqa: E402
 
-CASE = ROOT / "benchmarks/results/fidelity/2026-11-24_795c0af_h200_llama-3.2-1b/mooncake-burst"
+RETIRED = ROOT / "benchmarks/results/2026-11-24_h200_profiles_retired"  # the H200 profiles shipped until 2026-11-28
+CASES = {  # a committed run -> the profile it is simulated with (None: the shipped one for its model, GPU and TP)
+    "eager-era 1B, mooncake-burst": (ROOT / "benchmarks/results/fidelity/2026-11-24_795c0af_h200_llama-3.2-1b/"
+                                      "mooncake-burst", RETIRED / "Llama-3.2-1B_H200_tp1.json"),
+    "8B TP=2, azure-light": (ROOT / "benchmarks/results/fidelity/2026-11-28_15d107a_h200_llama-3.1-8b_tp2/azure-light",
+                             None),
+}
 SHIPPED = {f"{m}_{g}_tp1" for m in ("Llama-3.2-1B", "Qwen3-0.6B", "Llama-3.1-8B") for g in ("H200", "H100-SXM")}
 
 
@@ -32,9 +39,12 @@ def test_every_model_and_gpu_the_docs_list_ships():
     assert {p.stem for p in PROFILES_DIR.glob("*.json")} >= SHIPPED
 
 
-def test_committed_run_is_simulated_within_the_targets():
-    res = sim_case(CASE, None)  # the shipped profile for the run's model and GPU
-    assert res["sim"]["profile"]["cost_model"].startswith("profile Llama-3.2-1B_H200_tp1.json")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_committed_run_is_simulated_within_the_targets(case):
+    run, profile = CASES[case]
+    res = sim_case(run, profile and str(profile))
+    expected = (profile or PROFILES_DIR / f"{res['model']}_H200_tp{res['config']['tensor_parallel_size']}.json").name
+    assert res["sim"]["profile"]["cost_model"].startswith(f"profile {expected}")
     rows = {r["metric"]: r["profile"] for r in error_rows(res)}
     assert len(rows) == len(METRICS)
     for metric, err in rows.items():
@@ -50,11 +60,11 @@ def test_committed_run_is_simulated_within_the_targets():
 def test_committed_dp_runs_resimulate_to_the_committed_tables(tmp_path):
     """`benchmarks/dp.py --resimulate` on the committed H200 DP benchmark (no GPU): every real run, one replica and
     two sharing the GPU, replays its own routing and batches exactly, and the simulator's prediction with the
-    shipped profile is the table RESULTS.md quotes."""
+    profile shipped then (retired since, kept in RETIRED) is the table RESULTS.md quotes."""
     done = ROOT / "benchmarks/results/dp/2026-11-24_9240c70_h200_llama-3.2-1b"
     out = tmp_path / "dp"
     subprocess.run([sys.executable, str(ROOT / "benchmarks/dp.py"), "--resimulate", str(done), "--out", str(out),
-                    "--jobs", "2"], check=True, cwd=ROOT, capture_output=True, timeout=280)
+                    "--cost-model", str(RETIRED / "Llama-3.2-1B_H200_tp1.json"), "--jobs", "2"], check=True, cwd=ROOT, capture_output=True, timeout=280)
     table = (out / "dp_tables.md").read_text().splitlines()
     assert sum(line.endswith("| exact |") for line in table) == 6
     assert table[1:] == (done / "dp_tables.md").read_text().splitlines()[1:]  # the first line times this call

@@ -74,7 +74,8 @@ class BlockMoveCost:
 class RooflineConstants:
     """What the roofline adds to physics, recalibrated from measured profiles (testbed/sim/calibrate.py):
     a decode step's fixed cost (host preparation, launches, sampler, readback), the host time to issue one
-    decoder layer of an eager step (any step with a prefill chunk runs without a CUDA graph), and the
+    decoder layer of an eager step (a floor under any step with a prefill chunk: the engine of the shipped
+    profiles replays those as CUDA graphs too, so it binds only for a tiny model on a slow host), and the
     fractions of the GPU preset's bandwidth and matmul rate that attention and the linear layers reach."""
 
     step_overhead_s: float
@@ -90,10 +91,10 @@ class RooflineConstants:
 
 
 PHYSICAL = RooflineConstants(0.0, 0.0, 1.0, 1.0)  # the bounds alone: no overhead, every byte and FLOP at the preset
-# Medians over the profiles shipped in testbed/profiling/profiles (3 models x H200 of 2026-11-24, eager mixed steps;
-# x H100 of 2026-11-26, graphed); a test checks that calibrate.roofline_constants() over those files still gives these.
-CALIBRATED = RooflineConstants(step_overhead_s=1.4636e-3, eager_overhead_per_layer_s=0.3813e-3,
-                               bandwidth_efficiency=0.9436, matmul_efficiency=0.8072)
+# Medians over the profiles shipped in testbed/profiling/profiles (3 models x H100 of 2026-11-26 and x H200 of
+# 2026-11-28, every step graphed); a test checks that calibrate.roofline_constants() over those files still gives these.
+CALIBRATED = RooflineConstants(step_overhead_s=1.4636e-3, eager_overhead_per_layer_s=0.02347e-3,
+                               bandwidth_efficiency=0.9480, matmul_efficiency=0.7835)
 
 
 # Host time a row sampled under a grammar adds to a step (xgrammar's matcher advance and bitmask fill; the
@@ -109,8 +110,8 @@ GRAMMAR_COMPILE_S = 5e-3
 class RooflineCostModel:
     """Per step: each part costs max(bytes / bandwidth, flops / matmul rate) on one TP rank (ranks run in
     parallel on equal shares), at the calibrated fractions of the GPU preset's rates, plus 2 ring
-    all-reduces per layer when tp > 1, plus a fixed per-step overhead; a step with a prefill chunk runs
-    eager and takes at least the host time to issue its layers.
+    all-reduces per layer when tp > 1, plus a fixed per-step overhead; a step with a prefill chunk takes at
+    least the host time to issue its layers eagerly (RooflineConstants.eager_overhead_per_layer_s).
 
     Parts: decoder linear layers (weights read once, 2*T*params FLOPs); LM head for the last token
     of each request only (2*B*vocab*hidden FLOPs); attention (C KV positions read per layer,
