@@ -64,7 +64,8 @@ def test_committed_dp_runs_resimulate_to_the_committed_tables(tmp_path):
     done = ROOT / "benchmarks/results/dp/2026-11-24_9240c70_h200_llama-3.2-1b"
     out = tmp_path / "dp"
     subprocess.run([sys.executable, str(ROOT / "benchmarks/dp.py"), "--resimulate", str(done), "--out", str(out),
-                    "--cost-model", str(RETIRED / "Llama-3.2-1B_H200_tp1.json"), "--jobs", "2"], check=True, cwd=ROOT, capture_output=True, timeout=280)
+                    "--cost-model", str(RETIRED / "Llama-3.2-1B_H200_tp1.json"), "--jobs", "2"],
+                   check=True, cwd=ROOT, capture_output=True, timeout=280)
     table = (out / "dp_tables.md").read_text().splitlines()
     assert sum(line.endswith("| exact |") for line in table) == 6
     assert table[1:] == (done / "dp_tables.md").read_text().splitlines()[1:]  # the first line times this call
@@ -73,8 +74,9 @@ def test_committed_dp_runs_resimulate_to_the_committed_tables(tmp_path):
 def test_step_errors_cover_every_back_to_back_step_once_and_refuse_an_async_run():
     import pandas as pd
     from step_errors import step_errors
-    rows = step_errors(CASE)
-    steps = pd.read_parquet(CASE / "steps.parquet")
+    run = ROOT / "benchmarks/results/fidelity/2026-11-28_15d107a_h200_llama-3.2-1b/azure-80"  # the shipped profile's
+    rows = step_errors(run)
+    steps = pd.read_parquet(run / "steps.parquet")
     gaps = steps["start"].diff().shift(-1) - steps["duration"]  # the next step's start after this one's end
     assert sum(r["n"] for r in rows) == int((gaps.fillna(0.0) <= 2e-3).sum())
     assert {r["kind"] for r in rows} == {"decode", "mixed"}
