@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from testbed.engine.config import ConfigError, EngineConfig
 from testbed.worker.context import reset_context, set_context
-from testbed.worker.cuda_graphs import CudaGraphs, StaticInputs, default_capture_sizes, pad_into, split_sizes
+from testbed.engine.capture_sizes import default_capture_sizes, padded_tokens, split_sizes
+from testbed.worker.cuda_graphs import CudaGraphs, StaticInputs, pad_into
 from testbed.worker.loader import build_model, init_dummy_weights
 from testbed.worker.model_runner import StepInputs
 
@@ -29,8 +30,9 @@ def test_every_step_up_to_the_largest_size_has_a_bucket_with_bounded_padding(max
     decode, mixed = split_sizes(config)
     assert decode[-1] == min(max_num_seqs, 512) and mixed[-1] == max_tokens and sorted(sizes) == sizes
     for t in range(1, max_tokens + 1, 7):
-        bucket = next(s for s in mixed if s >= t)
-        assert bucket - t < 32 or bucket - t <= t / 8, (t, bucket)
+        bucket = padded_tokens(mixed, t)  # the graph the runner replays and the size the simulator prices
+        assert bucket in mixed and (bucket - t < 32 or bucket - t <= t / 8), (t, bucket)
+    assert padded_tokens(mixed, max_tokens + 1) == max_tokens + 1  # past the largest: eager, unpadded
     for b in range(1, decode[-1] + 1):
         assert next(s for s in decode if s >= b) - b < 16
 

@@ -96,6 +96,29 @@ def test_decode_steps_are_the_measured_steps_at_grid_points_and_interpolate_betw
     assert cm.step_time(F.step(decode_rows(9, 128))) < mid < cm.step_time(F.step(decode_rows(16, 128)))
 
 
+def test_a_step_with_a_chunk_pays_the_linear_work_of_the_mixed_graph_it_is_padded_to():
+    """The runner pads a step with a prefill chunk to the smallest mixed capture size >= its tokens
+    (engine/capture_sizes.py), so its linear layers do that size's work; the profile's points are read at the
+    sizes they were padded to when measured. A profile that records no mixed graphs (--enforce-eager, or made
+    before they were recorded) is not padded."""
+    prof = fake_profile()
+    sizes = [1, 2, 4, 8, 16, 17, 20, 32, 64, 256, 400, 1024]  # every measured step's tokens is one: no pad then
+    graphed = ProfiledCostModel({**prof, "mixed_graph_sizes": sizes})
+    plain = ProfiledCostModel(prof)
+    so = F.step(decode_rows(3, 1024) + [(1024, 256, False), (0, 64, False)])  # 323 tokens: padded to 400
+    assert graphed.linear(400) == pytest.approx(linear(400))
+    assert graphed.explain(so)["linear layers"] == pytest.approx(linear(400))
+    assert graphed.step_time(so) == pytest.approx(plain.step_time(so) + linear(400) - linear(323), rel=1e-9)
+    # the simulated engine's own sizes replace the profiled engine's; a profile without any stays unpadded
+    other = ProfiledCostModel({**prof, "mixed_graph_sizes": sizes}, mixed_graph_sizes=[16, 330, 1024])
+    assert other.explain(so)["linear layers"] == pytest.approx(linear(330))
+    assert ProfiledCostModel(prof, mixed_graph_sizes=[16, 330, 1024]).step_time(so) == plain.step_time(so)
+    # a measured point padded when it ran is read at its padded size: the profile's 17- and 20-token mixed steps
+    # (decode rows beside a 16-token chunk) ran in a 32-token graph of an engine without those two sizes
+    coarse = ProfiledCostModel({**prof, "mixed_graph_sizes": [16, 32, 64, 256, 1024]})
+    assert coarse.linear.xs[:3] == [16, 32, 64]
+
+
 def test_async_decode_is_the_longer_of_device_and_host():
     cm = ProfiledCostModel(fake_profile(), async_scheduling=True)
     so = F.step(decode_rows(8, 1024))

@@ -44,7 +44,8 @@ class EngineConfig:
 
     `cuda_graph_sizes` (vLLM's name): the token counts of the steps real mode captures as CUDA graphs on a
     GPU (decode batches up to max_num_seqs, mixed and prefill steps up to max_num_batched_tokens; None:
-    the defaults of testbed/worker/cuda_graphs.py). The simulator ignores it.
+    the defaults of engine/capture_sizes.py). The simulator prices a step with a prefill chunk at the mixed size
+    it is padded to (a profiled cost model's linear layers).
 
     LoRA (vLLM's flags): with `enable_lora`, requests may name an adapter; a step runs at most `max_loras`
     distinct adapters (each in a device slot sized for `max_lora_rank`), and the host keeps up to

@@ -238,6 +238,8 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
             bar.close()
     result["sweep_wall_s"] = time.perf_counter() - t0
     result["graph_sizes"] = graph_sizes
+    # the simulator prices a step with a prefill chunk at the mixed size it was padded to (sim/profiled.py)
+    result["mixed_graph_sizes"] = list(getattr(runner, "mixed_graph_sizes", []))
     result["attention_timing"] = {"device_sleep_cycles": SLEEP_CYCLES, "issue_overruns": m.attention.overruns}
     if not any(v for row in result["chunk"]["attention_s"] for v in row if v is not None):
         raise RuntimeError("the profile measured no time in attention (its forward hooks did not run); the "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from testbed import warn
+from testbed.engine.capture_sizes import split_sizes
 from testbed.engine.config import EngineConfig
 from testbed.profiling.profile_file import shipped_profile, shipped_profiles
 from testbed.runs.rundir import RunDirError, read_run
@@ -87,7 +88,7 @@ def _load_stage_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: En
     path = Path(spec)
     # a data-parallel replica pays the profile's dp_replica_host term per step (profiled.py); a single engine does not
     cm = ProfiledCostModel.from_file(path, config.async_scheduling, config.enable_prefix_caching,
-                                     config.data_parallel_size)
+                                     config.data_parallel_size, split_sizes(config)[1])
     if _preset_name(cm.model_name) != model.name or cm.tensor_parallel_size != tp:
         raise ValueError(f"--cost-model {spec}: profile is for {cm.model_name} TP={cm.tensor_parallel_size}, "
                          f"but the run uses {model.name} TP={tp}; use a matching profile")

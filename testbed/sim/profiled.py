@@ -6,8 +6,12 @@ A step's time is the real engine's cycle, schedule to next schedule, built from 
   decode    decode-only steps (the common case) are looked up whole in the decode table by batch size and
             mean context: host preparation, CUDA-graph forward (padding to the graph's batch included, since
             both edges of every graph bucket were measured), LM head + sampler, readback
-  eager     any step with a prefill chunk runs eager; its device time is
+  eager     any other step (one with a prefill chunk); its device time is
               linear(T tokens) + attention + LM head/sampler(sampled rows)
+            where T is the size of the mixed CUDA graph the step is padded to (engine/capture_sizes.py: the
+            simulated engine's capture sizes, by default those the profile records; above the largest, or for a
+            profile that records none, the step's own tokens; the padding tokens' attention, over one another
+            only, is left out)
             where attention = decode rows at their mean context (as an eager step runs them) + each chunk's
             attention at (new tokens, cached context) above the launch floor (from the attention modules'
             timings, or from the forward where those timed the host: attention_split.py); host preparation is linear in
@@ -36,6 +40,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from testbed.engine.capture_sizes import padded_tokens
 from testbed.engine.outputs import SchedulerOutput
 from testbed.profiling.profile_file import FORMAT, ProfileError, read_profile
 from testbed.sim import attention_split
@@ -124,7 +129,9 @@ class ProfiledCostModel:
     replica, which also pays the profile's dp_replica_host term per step (none at 1: a single engine)."""
 
     def __init__(self, profile: dict, async_scheduling: bool = False, enable_prefix_caching: bool = False,
-                 name: str = "", data_parallel_size: int = 1) -> None:
+                 name: str = "", data_parallel_size: int = 1, mixed_graph_sizes: list[int] | None = None) -> None:
+        """`mixed_graph_sizes`: the simulated engine's mixed CUDA-graph sizes (engine/capture_sizes.split_sizes),
+        which a step with a prefill chunk is padded to; None: those the profile records."""
         if profile.get("format") != FORMAT:
             raise ProfileError(f"{name or 'profile'}: not a testbed profile (format {profile.get('format')!r}); "
                                "make one with `testbed profile`")
@@ -156,7 +163,12 @@ class ProfiledCostModel:
         self.rows_attn = Table2D(dr["batch"], dr["context"], dr["attention_s"])
         self.row_chunk = int(dr["chunk"])
         self.attn_floor = self.chunk_attn(self.row_chunk, 0)
-        # linear part of an eager forward, by tokens: forward - attention over every eager measurement
+        # the mixed graphs the profiled engine padded a step with a prefill chunk to (a profile that records none:
+        # made with --enforce-eager, or before they were recorded, when such steps ran eager), and in this model
+        measured = sorted(profile.get("mixed_graph_sizes") or [])
+        self.mixed_sizes = [] if not measured else measured if mixed_graph_sizes is None else sorted(mixed_graph_sizes)
+        # linear part of an eager forward, by the tokens it computed (padded): forward - attention over every
+        # measurement with a chunk
         lin: dict[int, list[float]] = {}
         host_X, host_y, launch, eps = [], [], [], []
         for kind, tab in (("chunk", ch), ("rows", dr)):
@@ -171,7 +183,7 @@ class ProfiledCostModel:
                     else:
                         T, rows = a + self.row_chunk, a + 1
                         blocks = a * -(-(ctx + 1) // self.block_size) + -(-self.row_chunk // self.block_size)
-                    lin.setdefault(T, []).append(max(0.0, fwd - tab["attention_s"][i][j]))
+                    lin.setdefault(padded_tokens(measured, T), []).append(max(0.0, fwd - tab["attention_s"][i][j]))
                     host_X.append([1.0, rows, T, blocks])
                     host_y.append(tab["prepare_s"][i][j])
                     if T <= ISSUE_BOUND_TOKENS:
@@ -219,11 +231,11 @@ class ProfiledCostModel:
     # ---- loading -------------------------------------------------------------------------------
     @classmethod
     def from_file(cls, path: str | Path, async_scheduling: bool = False, enable_prefix_caching: bool = False,
-                  data_parallel_size: int = 1) -> "ProfiledCostModel":
+                  data_parallel_size: int = 1, mixed_graph_sizes: list[int] | None = None) -> "ProfiledCostModel":
         p = Path(path)
         data = read_profile(p)
         try:
-            return cls(data, async_scheduling, enable_prefix_caching, str(p), data_parallel_size)
+            return cls(data, async_scheduling, enable_prefix_caching, str(p), data_parallel_size, mixed_graph_sizes)
         except ProfileError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, statistics.StatisticsError) as e:
@@ -285,7 +297,8 @@ class ProfiledCostModel:
         sampled += rows
         a, per_row, per_token, per_block = self.prep_coef
         prep = a + per_row * B + per_token * T + per_block * (so.sum_context_tokens / self.block_size + 0.5 * B)
-        return self.linear(T), attn, self.sample(sampled) if sampled else 0.0, prep, sampled
+        return self.linear(padded_tokens(self.mixed_sizes, T)), attn, self.sample(sampled) if sampled else 0.0, prep, \
+            sampled
 
     def step_time(self, so: SchedulerOutput, engine: float | None = None) -> float:
         """The step's time; `engine` overrides the engine's host term (validation against executor-only times).

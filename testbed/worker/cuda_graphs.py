@@ -39,8 +39,9 @@ the graphs. The padding rows of `intermediate` hold whatever an earlier step lef
 values, which pass through the stage's layers as finite values, as the padding tokens' embeddings do on the
 first stage.
 
-Capture sizes are token counts (vLLM's `cuda_graph_sizes`): decode graphs for those <= max_num_seqs,
-mixed graphs for all <= max_num_batched_tokens. The graphs share one memory pool and are captured
+Capture sizes are token counts (vLLM's `cuda_graph_sizes`; the defaults and the split in engine/capture_sizes.py,
+where the simulator reads them too): decode graphs for those <= max_num_seqs, mixed graphs for all <=
+max_num_batched_tokens. The graphs share one memory pool and are captured
 largest first; each is warmed up before capture so no kernel compiles inside it.
 """
 from __future__ import annotations
@@ -51,39 +52,11 @@ from typing import Callable
 
 import torch
 
+from testbed.engine.capture_sizes import padded_tokens, split_sizes
 from testbed.engine.config import EngineConfig
 from testbed.worker.context import reset_context, set_context
 
 logger = logging.getLogger(__name__)
-
-MAX_DECODE_GRAPH = 512
-
-
-def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
-    """Token counts captured by default: decode batches 1, 2, 4, 8, then every 16 up to max_num_seqs (at
-    most 512); mixed steps every 32 tokens up to 512, then in steps of 1/8 of the power of two below
-    (64 to 1024, 128 to 2048, ...), up to max_num_batched_tokens. A padded step so does at most 1/8 more
-    linear-layer work than its own above 512 tokens, and small steps, whose time hardly depends on their
-    token count, pay at most 31 tokens (H100, Llama-3.2-1B: a 272-token step padded to 512 took 1.40x its
-    device time, to 288 about 1.1x)."""
-    decode_max = min(max_num_seqs, MAX_DECODE_GRAPH)
-    sizes = {b for b in (1, 2, 4, 8) if b <= decode_max} | set(range(16, decode_max + 1, 16)) | {decode_max}
-    t, step = 32, 32
-    while t <= max_num_batched_tokens:
-        sizes.add(t)
-        if t >= 512 and t & (t - 1) == 0:  # a power of two from 512 on: the step doubles
-            step = t // 8
-        t += step
-    sizes.add(max_num_batched_tokens)
-    return sorted(sizes)
-
-
-def split_sizes(config: EngineConfig) -> tuple[list[int], list[int]]:
-    """(decode batch sizes, mixed token sizes) to capture for this engine."""
-    sizes = config.cuda_graph_sizes or default_capture_sizes(config.max_num_seqs, config.max_num_batched_tokens)
-    decode = sorted({s for s in sizes if s <= min(config.max_num_seqs, MAX_DECODE_GRAPH)})
-    mixed = sorted({s for s in sizes if s <= config.max_num_batched_tokens})
-    return decode, mixed
 
 
 class StaticInputs:
@@ -226,7 +199,7 @@ class CudaGraphs:
         if x.seq_lens.numel() > self.max_num_seqs:
             return None
         if self.mixed_sizes and n <= self.mixed_sizes[-1]:
-            return False, next(s for s in self.mixed_sizes if s >= n)
+            return False, padded_tokens(self.mixed_sizes, n)
         return None
 
     def replay(self, x, intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):

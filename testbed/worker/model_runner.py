@@ -364,6 +364,12 @@ class ModelRunner:
         """The decode batch sizes captured (none without graphs)."""
         return self.graphs.decode_sizes if self.graphs is not None else []
 
+    @property
+    def mixed_graph_sizes(self) -> list[int]:
+        """The token counts of the mixed graphs captured, to which a step with a prefill chunk is padded (none
+        without graphs)."""
+        return self.graphs.mixed_sizes if self.graphs is not None else []
+
     def _eager(self, x: StepInputs, intermediate: tuple[torch.Tensor, torch.Tensor] | None):
         """The model (this pipeline stage's layers) run op by op under step x's attention context."""
         set_context(x.is_decode, x.slot_mapping, x.block_tables, x.seq_lens, x.cu_seqlens_q, lora_idx=x.lora_idx)
