@@ -9,8 +9,12 @@ digest of the content of steps.parquet and requests.parquet (and of the DP table
 
 Usage:  python benchmarks/sim_golden.py save DIR     (on the reference commit)
         python benchmarks/sim_golden.py check DIR    (exit 1 and name the cases that differ)
-The current reference is benchmarks/results/2026-11-27_fac4a06/golden.json: `check benchmarks/results/2026-11-27_fac4a06`
-compares the working tree with it. It was saved once request rows were kept in the order their requests ended
+The current reference is benchmarks/results/2026-11-28_bd7f55d/golden.json: `check benchmarks/results/2026-11-28_bd7f55d`
+compares the working tree with it. It was saved once the H200 profiles were re-made on the graphed engine, the
+roofline's constants re-fitted to the shipped profiles and a step with a prefill chunk priced at the CUDA graph it
+is padded to (3973e0d, 5e24bd9): against 2026-11-27_fac4a06, every recorded replay (124 cases) was identical and
+the 15 synthetic cases priced by a profile or the roofline differed, as they must; 31 recorded runs committed
+since fac4a06 are in it for the first time. The one before it (fac4a06) was saved once request rows were kept in the order their requests ended
 (fac4a06): against the one before it (2026-11-26_cd734f8), 13 cases' requests.parquet held the same rows in another
 order (a rejection inside a fast-forwarded stretch's last step now goes before that step's finishes, as stepping
 records it) and every other table and summary was identical, but for mooncake-dp4-kv_aware, whose tables had
