@@ -12,7 +12,6 @@ from testbed.profiling.profile_file import ProfileError
 from testbed.sim.profiled import ProfiledCostModel, fit_nonnegative, nnls
 from testbed.profiling.synthetic_steps import StepFactory, decode_rows
 from testbed.sim.environment import landing
-from testbed.sim.step_terms import Scales
 from testbed.sim.tables import RowPieces, Table1D, Table2D
 
 BS = 16
