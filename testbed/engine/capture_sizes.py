@@ -39,8 +39,9 @@ def split_sizes(config: EngineConfig) -> tuple[list[int], list[int]]:
     return decode, mixed
 
 
-def padded_tokens(mixed_sizes: list[int], tokens: int) -> int:
-    """The tokens a step with a prefill chunk computes: the smallest mixed size >= `tokens` (its graph's), or
-    `tokens` itself above the largest (an eager step). `mixed_sizes` sorted ascending."""
-    i = bisect.bisect_left(mixed_sizes, tokens)
-    return mixed_sizes[i] if i < len(mixed_sizes) else tokens
+def padded_tokens(sizes: list[int], tokens: int) -> int:
+    """The tokens a step computes: the smallest of `sizes` (sorted ascending) >= `tokens`, the graph it replays
+    (a decode graph's batch, or a mixed graph's tokens for a step with a prefill chunk), or `tokens` itself above
+    the largest (an eager step)."""
+    i = bisect.bisect_left(sizes, tokens)
+    return sizes[i] if i < len(sizes) else tokens

@@ -195,7 +195,7 @@ class CudaGraphs:
         tokens, or of more sequences than max_num_seqs, which no scheduler step has but a synthetic one may)."""
         n = x.input_ids.numel()
         if x.is_decode and self.decode_sizes and n <= self.decode_sizes[-1]:
-            return True, next(s for s in self.decode_sizes if s >= n)
+            return True, padded_tokens(self.decode_sizes, n)
         if x.seq_lens.numel() > self.max_num_seqs:
             return None
         if self.mixed_sizes and n <= self.mixed_sizes[-1]:
