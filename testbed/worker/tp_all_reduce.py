@@ -42,7 +42,8 @@ FUSED_ENV = "TESTBED_TP_FUSED_NORM"  # 1 (default): the all-reduce fused with th
 PREFETCH_ENV = "TESTBED_TP_PREFETCH"  # bulk | load | off: the next GEMM's weight into L2 during the fused call
 PREFETCH_MB_ENV = "TESTBED_TP_PREFETCH_MB"  # how much of it, MiB
 PREFETCH_JOIN_ENV = "TESTBED_TP_PREFETCH_JOIN"  # forward (default): the stream waits for it at the forward's end; call
-GEMM_PUSH_ENV = "TESTBED_TP_GEMM_PUSH"  # 1 (default): row-parallel GEMMs push their own tiles; 0: the fused call
+# 1 (default): row-parallel GEMMs push their own tiles; 0: cuBLAS, then the fused call pushes the rows
+GEMM_PUSH_ENV = "TESTBED_TP_GEMM_PUSH"
 GEMM_PUSH_MAX_ROWS = 64  # steps of more tokens take cuBLAS, then the fused call's push (benchmarks/tp_gemm_push.py)
 FUSED_MAX_ROWS = 256  # steps of more tokens reduce, then normalise (fused 20.9 against 23.8 us at 256 on 2 H200s)
 
