@@ -3,7 +3,8 @@
 For each folder of real runs of one machine (benchmarks/results/fidelity/<date>_<commit>_<gpu>_<model>/, made by
 `fidelity.py real`), four profiles:
   shipped           the shipped profile for the model and GPU, as it is
-  quick             the folder's quick_profile.json (`testbed profile --quick` on that machine)
+  quick             the folder's quick_profile.json (`testbed profile --quick` on that machine), its anchors fitted
+                    again under this code's cost model where they kept their rows (quick_rescale.refit_quick)
   calibrated        `testbed calibrate` of the shipped profile on the folder's azure-light run
   quick+calibrated  `testbed calibrate --cost-model quick_profile.json` on the same run
 each simulated (fidelity.py's sim_case) on every run of the folder but azure-light, the run the calibrations are
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import error_rows, sim_case, within_target  # noqa: E402
 
 from testbed.profiling.profile_file import write_profile  # noqa: E402
+from testbed.sim.quick_rescale import refit_quick  # noqa: E402
 from testbed.sim.rescale import calibrate  # noqa: E402
 
 FITTED_ON = "azure-light"
@@ -36,6 +38,10 @@ def profiles(folder: Path, tmp: Path) -> dict[str, str | None]:
     out: dict[str, str | None] = {"shipped": None}
     bases = {"calibrated": "auto"}
     if quick.is_file():
+        q = json.loads(quick.read_text())
+        if any("rows" in a for a in q["calibration"]["anchors"]):
+            write_profile(tmp / f"{folder.name}_quick.json", refit_quick(q, str(quick))[0])
+            quick = tmp / f"{folder.name}_quick.json"
         out["quick"] = str(quick)
         bases["quick+calibrated"] = str(quick)
     for way, base in bases.items():

@@ -62,6 +62,17 @@ def test_smoke_profile_on_cpu_loads_and_drives_simulate_and_quick_rescales_it(tm
     assert sse("predicted_after_s") <= sse("predicted_before_s")  # the fit starts from the base: never worse
     assert all(abs(a["moved"] - (a["measured_s"] / a["predicted_before_s"] - 1)) < 1e-12 for a in cal["anchors"])
     assert ProfiledCostModel.from_file(quick).scales.to_dict() == q["scales"]
+    # the anchors keep their rows: fitted again on a CPU under the same cost model, the same scales and errors
+    from testbed.sim.quick_rescale import refit_quick
+    again, _, after = refit_quick(q)
+    assert again["scales"] == q["scales"] and after == cal["error_after"]
+    assert [a["predicted_after_s"] for a in again["calibration"]["anchors"]] == \
+        [a["predicted_after_s"] for a in cal["anchors"]]
+    with pytest.raises(ValueError, match="no rows"):
+        refit_quick({**q, "calibration": {**cal, "anchors": [{k: v for k, v in a.items() if k not in
+                                                              ("rows", "batch", "admit_tokens")} for a in cal["anchors"]]}})
+    with pytest.raises(ValueError, match="not a `testbed profile --quick` result"):
+        refit_quick(prof)
     assert main(["simulate", str(SAMPLE), "--limit", "4", "--model", "SmolLM2-135M", "--gpu", "H200", *SMALL,
                  "--cost-model", str(quick), "--format", "json", "--no-progress", "-o", str(tmp_path / "run2")]) == 0
 

@@ -13,7 +13,9 @@ fits the host / GEMM / attention / decode scales to the pairs. The result is the
 and a `calibration` record listing every anchor: measured, predicted before and after, and how far it moved.
 
 Invariant: the base profile's tables are not touched; only `scales` changes, so a rescaled profile loads and
-predicts like any other, and rescaling it again starts from its scales.
+predicts like any other, and rescaling it again starts from its scales. Each anchor's record keeps its rows (or
+its batch / admitted tokens), so `refit_quick` fits the same measurements again on a CPU when the cost model's
+terms change, with no GPU.
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
                     warmup: int = WARMUP) -> tuple[list[StepSample], list[dict]]:
     """Time every anchor on `executor` and pair it with the `base` profile's terms of the same step: the
     samples to fit, and one record per measurement (name, mode, rows, measured seconds)."""
-    cms = {mode: ProfiledCostModel(base, async_scheduling=(mode == "async")) for mode in ("sync", "async")}
+    cms = _cost_models(base)
     capacity = executor.num_gpu_blocks * config.block_size
     max_model_len = executor.max_model_len
     f = StepFactory(executor.num_gpu_blocks, config.block_size, executor.vocab_size, config.seed)
@@ -87,9 +89,9 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
             if m.can_async and (cms["async"].dec_async is not None or any(not d for _, _, d in rows)):
                 timed["async"] = m.async_cycle(so)
             for mode, seconds in timed.items():
-                kind, terms = cms[mode].terms(so, engine=0.0)  # the executor alone: no EngineCore term
-                samples.append(StepSample(kind, terms, seconds))
-                records.append({"anchor": name, "mode": mode, **_rows_summary(rows), "measured_s": seconds})
+                samples.append(_step_sample(cms[mode], so, seconds))
+                records.append({"anchor": name, "mode": mode, **_rows_summary(rows), "measured_s": seconds,
+                                "rows": [[c, n, int(d)] for c, n, d in rows]})
     finally:
         executor.runner.record_timing = False
     # the EngineCore's own host work, the same scheduler a serving step runs, timed as the base profile timed it
@@ -100,13 +102,60 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
     host = engine_host_costs(config, max_model_len, batches, [admit], None if method == "isolated" else executor,
                              decode_steps=HOST_STEPS_PER_REP * reps, method=method)
     for b, seconds in zip(host["decode_batch"], host["decode_step_s"]):
-        samples.append(StepSample(DECODE_SYNC, (sync.engine_step(b), 0.0, 0.0, 0.0, 0.0), seconds))
         what = "cycle outside the runner" if method == "cycle" else "schedule+update"
-        records.append({"anchor": f"engine {what} b={b}", "mode": "host", "measured_s": seconds})
-    seconds = host["admit_step_s"]["plain"][0]
-    samples.append(StepSample(DECODE_SYNC, (sync._engine(1, admit), 0.0, 0.0, 0.0, 0.0), seconds))
-    records.append({"anchor": f"engine admission of {admit} tokens", "mode": "host", "measured_s": seconds})
+        records.append({"anchor": f"engine {what} b={b}", "mode": "host", "measured_s": seconds, "batch": b})
+        samples.append(_host_sample(sync, records[-1]))
+    records.append({"anchor": f"engine admission of {admit} tokens", "mode": "host",
+                    "measured_s": host["admit_step_s"]["plain"][0], "admit_tokens": admit})
+    samples.append(_host_sample(sync, records[-1]))
     return samples, records
+
+
+def _cost_models(base: dict) -> dict[str, ProfiledCostModel]:
+    """The base profile's cost model for sync steps and for async cycles (anchors are timed both ways)."""
+    return {mode: ProfiledCostModel(base, async_scheduling=(mode == "async")) for mode in ("sync", "async")}
+
+
+def _step_sample(cm: ProfiledCostModel, so, seconds: float) -> StepSample:
+    """An anchor step's measurement paired with `cm`'s terms of it (the executor alone ran it: no EngineCore term)."""
+    kind, terms = cm.terms(so, engine=0.0)
+    return StepSample(kind, terms, seconds)
+
+
+def _host_sample(sync: ProfiledCostModel, record: dict) -> StepSample:
+    """An EngineCore host anchor (a decode batch's cycle, or an admission) paired with the profile's engine term."""
+    eng = sync.engine_step(record["batch"]) if "batch" in record else sync._engine(1, record["admit_tokens"])
+    return StepSample(DECODE_SYNC, (eng, 0.0, 0.0, 0.0, 0.0), record["measured_s"])
+
+
+def refit_quick(quick: dict, name: str = "quick profile") -> tuple[dict, dict, dict]:
+    """A `profile --quick` result fitted again from its recorded anchors under this code's cost model (no GPU):
+    (profile, error before, error after), as rescale_to_machine gives them. The measurements and the machine
+    record are kept; only the terms they are paired with are computed again. ValueError for a profile that is not
+    a quick rescale, or whose anchors predate recorded rows."""
+    cal = quick.get("calibration") or {}
+    anchors = cal.get("anchors") or []
+    if cal.get("method") != "quick" or not anchors:
+        raise ValueError(f"{name}: not a `testbed profile --quick` result (no calibration record of method 'quick')")
+    if any("rows" not in a and "batch" not in a and "admit_tokens" not in a for a in anchors):
+        raise ValueError(f"{name}: its anchors record no rows (made before they were kept), so they cannot be fitted "
+                         "again; run `testbed profile --quick` on that machine once more")
+    base = {k: v for k, v in quick.items() if k != "calibration"}
+    base["scales"] = cal.get("base_scales") or {}
+    cms = _cost_models(base)
+    engine = base["engine"]
+    f = StepFactory(1 << 20, int(engine["block_size"]), int(quick["model"].get("vocab_size") or 32000))
+    keep = ("anchor", "mode", "decodes", "mean_context", "chunks", "measured_s", "rows", "batch", "admit_tokens")
+    samples, records = [], []
+    for a in anchors:
+        record = {k: a[k] for k in keep if k in a}
+        if "rows" in a:
+            samples.append(_step_sample(cms[a["mode"]], f.step([(c, n, bool(d)) for c, n, d in a["rows"]]),
+                                        a["measured_s"]))
+        else:
+            samples.append(_host_sample(cms["sync"], a))
+        records.append(record)
+    return rescale_to_machine(base, cal.get("base_profile", name), samples, records, cal.get("machine", {}))
 
 
 def rescale_to_machine(base: dict, base_name: str, samples: list[StepSample], records: list[dict],
