@@ -116,17 +116,47 @@ def real(args: argparse.Namespace) -> None:
     measurer = StepMeasurer(ex, reps=5, warmup=1)
     pick = sorted(random.Random(0).sample(range(len(sos)), min(args.isolated, len(sos))))
     isolated = {i: {k: round(v, 7) for k, v in measurer.sync(sos[i]).items() if k in PARTS} for i in pick}
+    parts = _attention_parts(measurer, factory, [window[i]["rows"] for i in pick], pick) if args.parts else None
     if smi is not None:
         smi.terminate()
     import torch
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"model": args.model, "gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "steps": steps, "window_start": lo, "sequential": sequential, "isolated": isolated}
+              "steps": steps, "window_start": lo, "sequential": sequential, "isolated": isolated,
+              **({"parts": parts} if parts is not None else {})}
     path = out / f"in_loop_{args.model}.json.gz"
     with gzip.open(path, "wt") as fh:
         json.dump(result, fh)
     print(f"[in_loop] {len(isolated)} isolated, 2 x {len(sos)} sequential in {time.perf_counter() - t0:.0f} s -> {path}")
     ex.shutdown()
+
+
+def _attention_parts(measurer, factory, rows_of: list, ids: list[int]) -> dict:
+    """For each step with a prefill chunk among `ids` (rows `rows_of`): the device time in attention of the whole
+    step and of the parts a profile adds up for it (its chunks alone; its decode rows beside a ROW_CHUNK-token chunk,
+    as the profile's decode_rows table measures them), and the step's eager forward; plus the ROW_CHUNK chunk alone
+    (the floor the profile takes off once)."""
+    from testbed.profiling.sweep import ROW_CHUNK
+    small = [(0, ROW_CHUNK, False)]
+    out: dict = {"row_chunk_attention_s": round(measurer.attention_s(factory.step(small)), 8)}
+    runner = measurer.runner
+    for i, rows in zip(ids, rows_of):
+        rows = [tuple(r) for r in rows]
+        chunks, decodes = [r for r in rows if not r[2]], [r for r in rows if r[2]]
+        if not chunks:
+            continue
+        so = factory.step(rows)
+        rec = {"attention_s": measurer.attention_s(so),
+               "chunks_attention_s": measurer.attention_s(factory.step(chunks))}
+        if decodes:
+            rec["rows_attention_s"] = measurer.attention_s(factory.step(decodes + small))
+        runner.eager_steps = True
+        try:
+            rec["eager_forward_s"] = measurer.sync(so)["forward_s"]
+        finally:
+            runner.eager_steps = False
+        out[i] = {k: round(v, 8) for k, v in rec.items()}
+    return out
 
 
 def _kind(rows) -> str:
@@ -204,6 +234,8 @@ def main() -> None:
     r.add_argument("--burst-limit", type=int, default=800, help="requests of the burst (it measures the saturation rate)")
     r.add_argument("--window", type=int, default=400, help="half the azure-80 steps re-run as synthetic steps")
     r.add_argument("--isolated", type=int, default=240, help="of those, how many are timed alone")
+    r.add_argument("--parts", action="store_true", help="also time the attention of each isolated step with a chunk, "
+                   "of its chunks alone and of its decode rows beside a small chunk (what a profile adds up)")
     a = sub.add_parser("analyze", help="the tables, from real's JSON")
     a.add_argument("file")
     a.add_argument("--profile", default="auto", help="cost model whose prediction is compared (default: shipped)")
