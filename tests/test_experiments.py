@@ -47,12 +47,17 @@ def outputs(nb) -> list[list[str]]:
     return kinds
 
 
-# The rerun check's parameters where the defaults make a long run and a smaller one goes through the same cells:
-# the run it compares and the rerun both use them. Every other notebook is rerun with its defaults, against the
-# run above.
+# The rerun check's parameters where a smaller run goes through the same cells for less than half of what one run
+# with the defaults costs: the run it compares and the rerun both use them. jobs=1 runs each sweep in the kernel
+# (sweep keeps the order either way), without starting worker processes for a few small simulations. Every other
+# notebook is rerun with its defaults, against the run above: its sizes are fixed in its cells, or two smaller
+# runs would cost more than that one.
 RERUN_PARAMETERS = {
-    "01_sim_vs_real": {"results": "benchmarks/results/fidelity/2026-11-24_643d33b_h200_llama-3.1-8b/azure-80"},
-    "08_multi_lora": {"adapters": [1, 4], "max_loras": [1, 2], "limit": 100},
+    "01_sim_vs_real": {"results": "benchmarks/results/fidelity/2026-11-24_643d33b_h200_llama-3.1-8b/azure-80",
+                       "jobs": 1},
+    "03_dp_routing": {"replicas": [4], "jobs": 1},
+    "05_tensor_parallelism": {"gpus": ["H200"], "tp_sizes": [1, 2], "jobs": 1},
+    "08_multi_lora": {"adapters": [1, 4], "max_loras": [1, 2], "limit": 100, "jobs": 1},
 }
 
 
