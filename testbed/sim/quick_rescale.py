@@ -145,10 +145,9 @@ def refit_quick(quick: dict, name: str = "quick profile") -> tuple[dict, dict, d
     cms = _cost_models(base)
     engine = base["engine"]
     f = StepFactory(1 << 20, int(engine["block_size"]), int(quick["model"].get("vocab_size") or 32000))
-    keep = ("anchor", "mode", "decodes", "mean_context", "chunks", "measured_s", "rows", "batch", "admit_tokens")
     samples, records = [], []
     for a in anchors:
-        record = {k: a[k] for k in keep if k in a}
+        record = {k: v for k, v in a.items() if k not in FIT_FIELDS}  # what was measured; the fit's fields again below
         if "rows" in a:
             samples.append(_step_sample(cms[a["mode"]], f.step([(c, n, bool(d)) for c, n, d in a["rows"]]),
                                         a["measured_s"]))
@@ -156,6 +155,9 @@ def refit_quick(quick: dict, name: str = "quick profile") -> tuple[dict, dict, d
             samples.append(_host_sample(cms["sync"], a))
         records.append(record)
     return rescale_to_machine(base, cal.get("base_profile", name), samples, records, cal.get("machine", {}))
+
+
+FIT_FIELDS = ("predicted_before_s", "predicted_after_s", "moved")  # what rescale_to_machine adds to each anchor
 
 
 def rescale_to_machine(base: dict, base_name: str, samples: list[StepSample], records: list[dict],
@@ -168,7 +170,7 @@ def rescale_to_machine(base: dict, base_name: str, samples: list[StepSample], re
     anchors = []
     for s, r in zip(samples, records):
         pred, now = combine(s.kind, s.terms, before_scales), combine(s.kind, s.terms, scales)
-        anchors.append({**r, "predicted_before_s": pred, "predicted_after_s": now, "moved": s.seconds / pred - 1})
+        anchors.append({**r, **dict(zip(FIT_FIELDS, (pred, now, s.seconds / pred - 1)))})
     record = {"method": "quick", "fitted_on": f"{len(samples)} anchor steps measured on {machine.get('device_name')}",
               "base_profile": base_name, "machine": machine, "anchors": anchors}
     return rescaled_profile(base, scales, record, before, after), before, after
