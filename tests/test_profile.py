@@ -58,6 +58,10 @@ def test_smoke_profile_on_cpu_loads_and_drives_simulate_and_quick_rescales_it(tm
     assert q["decode"] == prof["decode"] and q["chunk"] == prof["chunk"]  # only the scales change
     kinds = {a["anchor"].split()[0] for a in cal["anchors"]}
     assert kinds >= {"decode", "chunk", "mixed", "engine"} and all(a["measured_s"] > 0 for a in cal["anchors"])
+    for a in cal["anchors"]:  # a sync anchor keeps its StepTiming medians: which part moved on this machine
+        assert ("timing" in a) == (a["mode"] == "sync")
+        if a["mode"] == "sync":
+            assert a["timing"]["wall_s"] == pytest.approx(a["measured_s"], abs=1e-8) and a["timing"]["prepare_s"] > 0
     sse = lambda key: sum((a[key] - a["measured_s"]) ** 2 for a in cal["anchors"])  # noqa: E731
     assert sse("predicted_after_s") <= sse("predicted_before_s")  # the fit starts from the base: never worse
     assert all(abs(a["moved"] - (a["measured_s"] / a["predicted_before_s"] - 1)) < 1e-12 for a in cal["anchors"])

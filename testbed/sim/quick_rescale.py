@@ -74,7 +74,8 @@ def _rows_summary(rows: list[Row]) -> dict:
 def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS,
                     warmup: int = WARMUP) -> tuple[list[StepSample], list[dict]]:
     """Time every anchor on `executor` and pair it with the `base` profile's terms of the same step: the
-    samples to fit, and one record per measurement (name, mode, rows, measured seconds)."""
+    samples to fit, and one record per measurement (name, mode, rows, measured seconds; a sync one also its
+    StepTiming medians, `timing`: which part of the step, host or device, moved on this machine)."""
     cms = _cost_models(base)
     capacity = executor.num_gpu_blocks * config.block_size
     max_model_len = executor.max_model_len
@@ -85,13 +86,15 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
     try:
         for name, rows in anchor_steps(config, max_model_len, capacity, cms["sync"].graph_max):
             so = f.step(rows)
-            timed = {"sync": m.sync(so)["wall_s"]}
+            parts = m.sync(so)
+            timed = {"sync": parts["wall_s"]}
             if m.can_async and (cms["async"].dec_async is not None or any(not d for _, _, d in rows)):
                 timed["async"] = m.async_cycle(so)
             for mode, seconds in timed.items():
                 samples.append(_step_sample(cms[mode], so, seconds))
                 records.append({"anchor": name, "mode": mode, **_rows_summary(rows), "measured_s": seconds,
-                                "rows": [[c, n, int(d)] for c, n, d in rows]})
+                                "rows": [[c, n, int(d)] for c, n, d in rows],
+                                **({"timing": {k: round(v, 9) for k, v in parts.items()}} if mode == "sync" else {})})
     finally:
         executor.runner.record_timing = False
     # the EngineCore's own host work, the same scheduler a serving step runs, timed as the base profile timed it
