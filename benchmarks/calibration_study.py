@@ -7,6 +7,8 @@ For each folder of real runs of one machine (benchmarks/results/fidelity/<date>_
                     again under this code's cost model where they kept their rows (quick_rescale.refit_quick)
   calibrated        `testbed calibrate` of the shipped profile on the folder's azure-light run
   quick+calibrated  `testbed calibrate --cost-model quick_profile.json` on the same run
+  quick, GPU only   the quick profile with its host scale put back to its base's: how much of what `--quick` gains
+                    or loses comes from its host anchors (the noisiest: the host's state moves them between rounds)
 each simulated (fidelity.py's sim_case) on every run of the folder but azure-light, the run the calibrations are
 fitted on; a bounded metric (throughput 2%; TTFT, TPOT, E2E mean and p50 5%, p99 10%) is within target as
 `fidelity.py cross` counts it. Prints one row per folder and the totals. CPU only; a folder takes minutes.
@@ -29,7 +31,7 @@ from testbed.sim.quick_rescale import refit_quick  # noqa: E402
 from testbed.sim.rescale import calibrate  # noqa: E402
 
 FITTED_ON = "azure-light"
-WAYS = ("shipped", "quick", "calibrated", "quick+calibrated")
+WAYS = ("shipped", "quick", "calibrated", "quick+calibrated", "quick, GPU only")
 
 
 def profiles(folder: Path, tmp: Path) -> dict[str, str | None]:
@@ -40,10 +42,14 @@ def profiles(folder: Path, tmp: Path) -> dict[str, str | None]:
     if quick.is_file():
         q = json.loads(quick.read_text())
         if any("rows" in a for a in q["calibration"]["anchors"]):
-            write_profile(tmp / f"{folder.name}_quick.json", refit_quick(q, str(quick))[0])
+            q = refit_quick(q, str(quick))[0]
             quick = tmp / f"{folder.name}_quick.json"
+            write_profile(quick, q)
         out["quick"] = str(quick)
         bases["quick+calibrated"] = str(quick)
+        host = (q["calibration"].get("base_scales") or {}).get("host", 1.0)
+        write_profile(tmp / f"{folder.name}_quick_gpu.json", {**q, "scales": {**q["scales"], "host": host}})
+        out["quick, GPU only"] = str(tmp / f"{folder.name}_quick_gpu.json")
     for way, base in bases.items():
         profile, _, _ = calibrate(folder / FITTED_ON, base)
         path = tmp / f"{folder.name}_{way}.json"
