@@ -5,7 +5,8 @@ times it (alone, repeated), on one GPU: which side of a step a profile misses in
   # recorded, then re-run a window of azure-80's steps as synthetic steps on the same executor
   python benchmarks/in_loop.py real --model Llama-3.2-1B --out DIR [--limit 2000] [--window 400] [--isolated 240]
   # anywhere: the table, and a profile's prediction of each part (the shipped one by default)
-  python benchmarks/in_loop.py analyze DIR/in_loop_MODEL.json.gz [--profile PROFILE]
+  python benchmarks/in_loop.py analyze DIR/in_loop_MODEL.json.gz [--profile PROFILE]  (default: the shipped one for
+                                                                                   the GPU the replays ran on)
 
 For each step of the two replays the runner's StepTiming (worker/timing.py: host prepare, launch, output; device
 forward and LM head + sampler from CUDA events) and the step's cycle (its start to the next step's start, as
@@ -165,6 +166,7 @@ def _kind(rows) -> str:
 
 def analyze(args: argparse.Namespace) -> None:
     from testbed.engine.config import EngineConfig
+    from testbed.profiling.sweep import gpu_preset_name
     from testbed.profiling.synthetic_steps import StepFactory
     from testbed.sim.factory import load_cost_model
     from testbed.specs.hardware import get_gpu_spec
@@ -185,7 +187,8 @@ def analyze(args: argparse.Namespace) -> None:
             ratio = np.median(a[:, :3] / a[:, 3:], axis=0)
             print(f"| {kind} | {part} | {len(a)} | {ratio[0]:.3f} | {ratio[1]:.3f}, {ratio[2]:.3f} | "
                   f"{1e3 * np.median(a[:, 0]):.3f}, {1e3 * np.median(a[:, 3]):.3f} |")
-    cm, desc = load_cost_model(args.profile, get_model_spec(d["model"]), get_gpu_spec("H100-SXM"), EngineConfig())
+    gpu = get_gpu_spec(gpu_preset_name(d["gpu"]))  # 'auto': the profile shipped for the GPU the replays ran on
+    cm, desc = load_cost_model(args.profile, get_model_spec(d["model"]), gpu, EngineConfig())
     if not hasattr(cm, "terms"):
         print(f"\n{desc}: not a profile (no terms to compare)")
         return
