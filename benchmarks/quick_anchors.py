@@ -1,19 +1,21 @@
 """`testbed profile --quick`'s anchors measured several times on one executor: whether what they move is the machine
-or the moment they are measured in.
+or the way and the moment they are measured.
 
   # on a GPU (dummy weights): writes OUT/quick_anchors_MODEL.json and one rescaled profile per round
-  python benchmarks/quick_anchors.py real --model Llama-3.2-1B --out DIR [--busy-s 5] [--idle-s 10]
+  python benchmarks/quick_anchors.py real --model Llama-3.2-1B --out DIR [--rounds 2]
   # anywhere: per round the fitted scales, and per sync decode anchor each StepTiming part beside the base profile's
   python benchmarks/quick_anchors.py analyze DIR/quick_anchors_MODEL.json
 
 `profile --quick` measures its anchors right after the engine is built, as a user runs it. On the committed quick
 rescales of four H100s and an H200 the sync decode anchors came out 0.1-0.5 ms slower than the base profile predicts
 while the same steps timed async matched within 0.05 ms, and the fit read that as a host 1.2-1.6x slower; on the
-same machines the real runs' decode steps did not show it. Here the anchors are measured four times: at start-up
-(as `--quick` does), at once again, after --busy-s seconds of back-to-back decode steps, and after --idle-s seconds
-of idling, with the GPU's clocks logged (nvidia-smi every 100 ms) and every sync anchor's StepTiming parts kept
-(host: prepare, launch, output; device: forward, LM head + sampler). `analyze` puts each part beside the base
-profile's decode table at the same batch and context, so a move shows as host or device.
+same machines the real runs' decode steps did not show it. Here the anchors are measured --rounds times each way,
+alternating: each sync anchor repeated alone (as the profile's sweep times its points; `--quick` until 2026-11-28)
+and all of them in turn (StepMeasurer.sync_each, `--quick` since), with the GPU's clocks logged (nvidia-smi every
+100 ms) and every sync anchor's StepTiming parts kept (host: prepare, launch, output; device: forward, LM head +
+sampler). `analyze` puts each part beside the base profile's decode table at the same batch and context, so a move
+shows as host or device. (The rounds of 2026-11-28_235d08e were this script's first version: four rounds of the
+anchors alone, at start-up, again, after 5 s of back-to-back decode steps and after 10 s idle.)
 """
 from __future__ import annotations
 
@@ -33,9 +35,7 @@ def real(args: argparse.Namespace) -> None:
 
     from testbed.engine.config import EngineConfig
     from testbed.profiling.profile_file import base_profile
-    from testbed.profiling.step_measure import StepMeasurer
     from testbed.profiling.sweep import profile_gpu
-    from testbed.profiling.synthetic_steps import StepFactory, decode_rows
     from testbed.sim.quick_rescale import check_base, measure_anchors, rescale_to_machine
     from testbed.worker.executor import create_executor
 
@@ -53,38 +53,25 @@ def real(args: argparse.Namespace) -> None:
     base, base_name = base_profile("auto", args.model, gpu, 1)
     check_base(base, base_name, config)
     print(f"[quick_anchors] executor ready in {time.perf_counter() - t0:.0f} s; base {base_name}", flush=True)
-    f = StepFactory(ex.num_gpu_blocks, config.block_size, ex.vocab_size, config.seed)
-    busy = f.step(decode_rows(64, 512))
     rounds = []
-    for label in ("start", "again", "after_busy", "after_idle"):
-        if label == "after_busy":  # back-to-back decode steps, one in flight, as a loaded async server runs them
-            end, n = time.perf_counter() + args.busy_s, 0
-            pending = ex.execute_async(busy)
-            while time.perf_counter() < end:
-                nxt = ex.execute_async(busy)
-                pending()
-                pending, n = nxt, n + 1
-            pending()
-            print(f"[quick_anchors] busy: {n} steps in {args.busy_s} s", flush=True)
-        elif label == "after_idle":
-            time.sleep(args.idle_s)
-        start = time.time()
-        samples, records = measure_anchors(ex, config, base)
-        prof, before, after = rescale_to_machine(base, base_name, samples, records,
-                                                 {"device_name": torch.cuda.get_device_name(), "gpu": gpu})
-        (out / f"quick_{args.model}_{label}.json").write_text(json.dumps(prof))
-        rounds.append({"label": label, "start": start, "end": time.time(), "scales": prof["scales"],
-                       "anchors": prof["calibration"]["anchors"], "mape_before": before, "mape_after": after})
-        print(f"[quick_anchors] {label}: {time.time() - start:.1f} s, scales "
-              f"{ {k: round(v, 3) for k, v in prof['scales'].items()} }", flush=True)
-    # the base profile's own way: the same anchors with StepMeasurer alone, nothing else between them
-    m = StepMeasurer(ex, 5, 2)
-    alone = {f"{b}x{c}": m.sync(f.step(decode_rows(b, c))) for b in (1, 16, 64) for c in (512,)}
+    for k in range(args.rounds):
+        for label, interleaved in (("alone", False), ("interleaved", True)):
+            label = f"{label}_{k + 1}"
+            start = time.time()
+            samples, records = measure_anchors(ex, config, base, interleaved=interleaved)
+            prof, before, after = rescale_to_machine(base, base_name, samples, records,
+                                                     {"device_name": torch.cuda.get_device_name(), "gpu": gpu,
+                                                      "sync_anchors": "interleaved" if interleaved else "alone"})
+            (out / f"quick_{args.model}_{label}.json").write_text(json.dumps(prof))
+            rounds.append({"label": label, "start": start, "end": time.time(), "scales": prof["scales"],
+                           "anchors": prof["calibration"]["anchors"], "mape_before": before, "mape_after": after})
+            print(f"[quick_anchors] {label}: {time.time() - start:.1f} s, scales "
+                  f"{ {c: round(v, 3) for c, v in prof['scales'].items()} }", flush=True)
     ex.runner.record_timing = False
     if smi is not None:
         smi.terminate()
     result = {"model": args.model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "base_profile": base_name, "rounds": rounds, "alone": alone}
+              "date": time.strftime("%Y-%m-%d"), "base_profile": base_name, "rounds": rounds}
     path = out / f"quick_anchors_{args.model}.json"
     path.write_text(json.dumps(result))
     print(f"[quick_anchors] -> {path}")
@@ -126,8 +113,7 @@ def main() -> None:
     r = sub.add_parser("real")
     r.add_argument("--model", required=True)
     r.add_argument("--out", required=True)
-    r.add_argument("--busy-s", type=float, default=5.0)
-    r.add_argument("--idle-s", type=float, default=10.0)
+    r.add_argument("--rounds", type=int, default=2, help="rounds of each way, alternating")
     a = sub.add_parser("analyze")
     a.add_argument("file")
     args = p.parse_args()

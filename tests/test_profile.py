@@ -55,6 +55,7 @@ def test_smoke_profile_on_cpu_loads_and_drives_simulate_and_quick_rescales_it(tm
     q = json.loads(quick.read_text())
     cal = q["calibration"]
     assert cal["method"] == "quick" and cal["base_profile"] == str(out) and cal["machine"]["device_name"]
+    assert cal["machine"]["sync_anchors"] == "interleaved"
     assert q["decode"] == prof["decode"] and q["chunk"] == prof["chunk"]  # only the scales change
     kinds = {a["anchor"].split()[0] for a in cal["anchors"]}
     assert kinds >= {"decode", "chunk", "mixed", "engine"} and all(a["measured_s"] > 0 for a in cal["anchors"])
@@ -180,3 +181,36 @@ def test_engine_host_costs_in_a_real_loop_and_their_bound_on_the_kv_cache(tmp_pa
     assert len(out.sampled_token_ids) == 2
     with pytest.raises(ValueError, match="needs .* KV blocks, the executor has 64"):
         engine_host_costs(cfg, 128, [16], [16], ex)
+
+
+def test_sync_each_times_the_steps_in_turn_after_each_ones_warm_up(tmp_path):
+    """StepMeasurer.sync_each (how `--quick` times its sync anchors): every step's warm-up first, then rounds of one
+    run of each step in order; each step's medians are those of its own timed runs."""
+    import statistics
+
+    from llm_helpers import save_tiny_llama
+    from testbed.profiling.step_measure import TIMING_FIELDS, StepMeasurer
+    from testbed.profiling.synthetic_steps import StepFactory, decode_rows
+    from testbed.worker.executor import create_executor
+    save_tiny_llama(tmp_path, 4, 2, seed=5)
+    ex = create_executor(str(tmp_path), EngineConfig(num_gpu_blocks=64, max_model_len=128), dtype="float32")
+    f = StepFactory(64, 16, ex.vocab_size)
+    steps = [f.step(decode_rows(1, 20)), f.step([(0, 24, False)]), f.step(decode_rows(3, 40))]
+    seen: list[tuple[str, dict]] = []
+    execute = ex.execute
+
+    def observed(so):  # the real step, its order and timing noted
+        out = execute(so)
+        seen.append((so.requests[0].request_id, out.timing.to_dict()))
+        return out
+    ex.execute = observed
+    m = StepMeasurer(ex, reps=3, warmup=2)
+    medians = m.sync_each(steps)
+    ex.runner.record_timing = False
+    first = [so.requests[0].request_id for so in steps]
+    assert [rid for rid, _ in seen] == [first[0]] * 2 + [first[1]] * 2 + [first[2]] * 2 + first * 3
+    timed = seen[6:]
+    for i, med in enumerate(medians):
+        assert set(med) == set(TIMING_FIELDS) and med["wall_s"] > 0
+        own = [t for rid, t in timed if rid == first[i]]
+        assert med == {k: statistics.median(t[k] for t in own) for k in TIMING_FIELDS}

@@ -92,6 +92,20 @@ class StepMeasurer:
             self.executor.execute(so)
         return _median_timing([self.executor.execute(so).timing for _ in range(self.reps)])
 
+    def sync_each(self, sos: list) -> list[dict[str, float]]:
+        """`sync` of several steps measured interleaved: each step's warm-up runs, then `reps` rounds of one run of
+        every step in turn; each step's medians. Steps timed back to back keep the host as busy and its caches as
+        mixed as a serving loop keeps them, where a step repeated alone reads a host state of its own (the runner's
+        host parts of one H200 ran 1.3-1.5x slower repeated alone than in a loaded replay, another's 0.9x)."""
+        for so in sos:
+            for _ in range(self.warmup):
+                self.executor.execute(so)
+        runs: list[list] = [[] for _ in sos]
+        for _ in range(self.reps):
+            for i, so in enumerate(sos):
+                runs[i].append(self.executor.execute(so).timing)
+        return [_median_timing(t) for t in runs]
+
     def attention_s(self, so) -> float:
         """Median device time inside the attention modules over `reps` runs of the step forced eager (a graph
         replay runs no hooks; the attention kernels are the same ones the graph replays)."""
