@@ -55,7 +55,7 @@ def test_smoke_profile_on_cpu_loads_and_drives_simulate_and_quick_rescales_it(tm
     q = json.loads(quick.read_text())
     cal = q["calibration"]
     assert cal["method"] == "quick" and cal["base_profile"] == str(out) and cal["machine"]["device_name"]
-    assert cal["machine"]["sync_anchors"] == "interleaved"
+    assert cal["machine"]["sync_anchors"] == "alone"
     assert q["decode"] == prof["decode"] and q["chunk"] == prof["chunk"]  # only the scales change
     kinds = {a["anchor"].split()[0] for a in cal["anchors"]}
     assert kinds >= {"decode", "chunk", "mixed", "engine"} and all(a["measured_s"] > 0 for a in cal["anchors"])
@@ -184,8 +184,8 @@ def test_engine_host_costs_in_a_real_loop_and_their_bound_on_the_kv_cache(tmp_pa
 
 
 def test_sync_each_times_the_steps_in_turn_after_each_ones_warm_up(tmp_path):
-    """StepMeasurer.sync_each (how `--quick` times its sync anchors): every step's warm-up first, then rounds of one
-    run of each step in order; each step's medians are those of its own timed runs."""
+    """StepMeasurer.sync_each (quick_anchors.py's interleaved way of timing `--quick`'s sync anchors): every step's
+    warm-up first, then rounds of one run of each step in order; each step's medians are those of its own timed runs."""
     import statistics
 
     from llm_helpers import save_tiny_llama

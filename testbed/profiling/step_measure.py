@@ -94,9 +94,8 @@ class StepMeasurer:
 
     def sync_each(self, sos: list) -> list[dict[str, float]]:
         """`sync` of several steps measured interleaved: each step's warm-up runs, then `reps` rounds of one run of
-        every step in turn; each step's medians. Steps timed back to back keep the host as busy and its caches as
-        mixed as a serving loop keeps them, where a step repeated alone reads a host state of its own (the runner's
-        host parts of one H200 ran 1.3-1.5x slower repeated alone than in a loaded replay, another's 0.9x)."""
+        every step in turn; each step's medians. The other way to time steps a serving loop runs back to back
+        (benchmarks/quick_anchors.py compares the two)."""
         for so in sos:
             for _ in range(self.warmup):
                 self.executor.execute(so)

@@ -7,8 +7,8 @@ Machines of one kind differ on the GPU side and on the host side, so a shipped p
   long cached context (GEMM- and attention-bound);
 - mixed steps drawn as a loaded server forms them (the profiler's own `random_step`);
 - the EngineCore's schedule + update at two batch sizes and one admission (the host, without a model).
-Each anchor is timed sync (the sync anchors in turn, as a serving loop runs different steps back to back:
-StepMeasurer.sync_each) and, where the executor pipelines steps, as the async cycle. The base profile
+Each anchor is timed sync (repeated alone, as the profile's sweep times its points) and, where the executor
+pipelines steps, as the async cycle. The base profile
 predicts the same steps with the engine's term left out (the executor alone ran them), and rescale.fit_scales
 fits the host / GEMM / attention / decode scales to the pairs. The result is the base profile with `scales`
 and a `calibration` record listing every anchor: measured, predicted before and after, and how far it moved.
@@ -73,12 +73,14 @@ def _rows_summary(rows: list[Row]) -> dict:
 
 
 def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS, warmup: int = WARMUP,
-                    interleaved: bool = True) -> tuple[list[StepSample], list[dict]]:
+                    interleaved: bool = False) -> tuple[list[StepSample], list[dict]]:
     """Time every anchor on `executor` and pair it with the `base` profile's terms of the same step: the
     samples to fit, and one record per measurement (name, mode, rows, measured seconds; a sync one also its
     StepTiming medians, `timing`: which part of the step, host or device, moved on this machine).
-    `interleaved`: the sync anchors timed in turn (StepMeasurer.sync_each), as a serving loop runs different steps
-    back to back; else each repeated alone, as the profile's sweep times its points."""
+    `interleaved`: the sync anchors timed in turn (StepMeasurer.sync_each) instead of each repeated alone, as the
+    profile's sweep times its points. Alone is what `--quick` runs: timed in turn on one H200 they moved as much
+    between rounds (host 1.09 / 1.21 against 1.09 / 1.10 alone) and a step after a different one took up to 0.2 ms
+    more on the device (benchmarks/quick_anchors.py, RESULTS)."""
     cms = _cost_models(base)
     capacity = executor.num_gpu_blocks * config.block_size
     max_model_len = executor.max_model_len
@@ -209,7 +211,7 @@ def rescale_on(executor, config: EngineConfig, base: dict, base_name: str, reps:
     env = environment_info()
     machine = {"device_name": device_name(executor.runner.device), "gpu": profile_gpu(executor.runner.device),
                "host": env.get("host"), "git_sha": env.get("git_sha"), "setup_s": round(setup_s, 2),
-               "measure_s": round(time.perf_counter() - t0, 2), "sync_anchors": "interleaved"}
+               "measure_s": round(time.perf_counter() - t0, 2), "sync_anchors": "alone"}
     return rescale_to_machine(base, base_name, samples, records, machine)
 
 
