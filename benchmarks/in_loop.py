@@ -26,8 +26,6 @@ import gzip
 import json
 import math
 import random
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import TRACES  # noqa: E402
+from gpu_clocks import log_gpu_clocks  # noqa: E402
 
 PARTS = ("prepare_s", "launch_s", "output_s", "forward_s", "sample_s", "wall_s")
 
@@ -65,11 +64,7 @@ def real(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    smi = None  # the GPU's clocks, power and temperature every 200 ms beside the runs
-    if shutil.which("nvidia-smi") is not None:
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,"
-                                "utilization.gpu", "--format=csv", "-lms", "200"],
-                               stdout=open(out / f"smi_{args.model}.csv", "w"))
+    smi = log_gpu_clocks(out / f"smi_{args.model}.csv", 200)  # clocks, power, temperature beside the runs
     base = EngineConfig()
     t0 = time.perf_counter()
     ex = create_executor(args.model, base, "dummy")

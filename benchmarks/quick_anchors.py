@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_clocks import log_gpu_clocks  # noqa: E402
 
 PARTS = ("prepare_s", "launch_s", "wait_s", "output_s", "forward_s", "sample_s", "wall_s")
 
@@ -41,11 +42,7 @@ def real(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    smi = None
-    if shutil.which("nvidia-smi") is not None:
-        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,"
-                                "utilization.gpu", "--format=csv", "-lms", "100"],
-                               stdout=open(out / f"smi_{args.model}.csv", "w"))
+    smi = log_gpu_clocks(out / f"smi_{args.model}.csv", 100)  # clocks, power, temperature beside the runs
     config = EngineConfig()
     t0 = time.perf_counter()
     ex = create_executor(args.model, config, "dummy")
