@@ -9,7 +9,7 @@ or the way and the moment they are measured.
 `profile --quick` measures its anchors right after the engine is built, as a user runs it. On the committed quick
 rescales of four H100s and an H200 the sync decode anchors came out 0.1-0.5 ms slower than the base profile predicts
 while the same steps timed async matched within 0.05 ms, and the fit read that as a host 1.2-1.6x slower; on the
-same machines the real runs' decode steps did not show it. Here the anchors are measured --rounds times each way,
+same machines the light real runs' decode steps did not show it. Here the anchors are measured --rounds times each way,
 alternating: each sync anchor repeated alone (as the profile's sweep times its points, and `--quick`) and all of
 them in turn (StepMeasurer.sync_each), with the GPU's clocks logged (nvidia-smi every
 100 ms) and every sync anchor's StepTiming parts kept (host: prepare, launch, output; device: forward, LM head +
