@@ -48,8 +48,9 @@ def profiles(folder: Path, tmp: Path) -> dict[str, str | None]:
         out["quick"] = str(quick)
         bases["quick+calibrated"] = str(quick)
         host = (q["calibration"].get("base_scales") or {}).get("host", 1.0)
-        write_profile(tmp / f"{folder.name}_quick_gpu.json", {**q, "scales": {**q["scales"], "host": host}})
-        out["quick, GPU only"] = str(tmp / f"{folder.name}_quick_gpu.json")
+        gpu_only = tmp / f"{folder.name}_quick_gpu.json"
+        write_profile(gpu_only, {**q, "scales": {**q["scales"], "host": host}})
+        out["quick, GPU only"] = str(gpu_only)
     for way, base in bases.items():
         profile, _, _ = calibrate(folder / FITTED_ON, base)
         path = tmp / f"{folder.name}_{way}.json"

@@ -88,9 +88,8 @@ class StepMeasurer:
         self.can_async = hasattr(executor, "execute_async")
 
     def sync(self, so) -> dict[str, float]:
-        for _ in range(self.warmup):
-            self.executor.execute(so)
-        return _median_timing([self.executor.execute(so).timing for _ in range(self.reps)])
+        """The step's StepTiming medians: `warmup` untimed runs, then `reps` timed ones, the step alone."""
+        return self.sync_each([so])[0]
 
     def sync_each(self, sos: list) -> list[dict[str, float]]:
         """`sync` of several steps measured interleaved: each step's warm-up runs, then `reps` rounds of one run of

@@ -92,8 +92,8 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
         anchors = [(name, rows, f.step(rows)) for name, rows in anchor_steps(config, max_model_len, capacity,
                                                                              cms["sync"].graph_max)]
         timings = m.sync_each([so for _, _, so in anchors]) if interleaved else None
-        for k, (name, rows, so) in enumerate(anchors):
-            parts = timings[k] if timings is not None else m.sync(so)  # alone: each anchor's sync, then its async
+        for i, (name, rows, so) in enumerate(anchors):
+            parts = timings[i] if timings is not None else m.sync(so)  # alone: each anchor's sync, then its async
             timed = {"sync": parts["wall_s"]}
             if m.can_async and (cms["async"].dec_async is not None or any(not d for _, _, d in rows)):
                 timed["async"] = m.async_cycle(so)
