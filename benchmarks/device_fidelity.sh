@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Simulator fidelity on one GPU, one model per call: profile it, then replay the fidelity cases on the same
 # loaded model. Everything lands under $OUT (the profile, a tarball of the run directories, the log).
-#   [LIMIT=N] [REPS=N] [QUICK=1] bash benchmarks/device_fidelity.sh MODEL [CASES|all|none] [BUDGET_S] [PROFILE|noprofile]
+#   [LIMIT=N] [REPS=N] [ROUNDS=N] [QUICK=1] bash benchmarks/device_fidelity.sh MODEL [CASES|all|none] [BUDGET_S] [PROFILE|noprofile]
 # QUICK=1 (or QUICK=PROFILE.json) also rescales the shipped profile of MODEL (or that one) to this machine first (`testbed profile --quick`), for the
 # cross-machine table (fidelity.py cross: shipped, quick-rescaled and calibrated profiles on the same runs).
 # The simulator side runs anywhere afterwards: python benchmarks/fidelity.py sim RUNS --profile PROFILE
@@ -20,6 +20,7 @@ args=(--model "$model" --out "/tmp/runs_${model}_${gpu}" --tar "$OUT/runs_${mode
 [ "$cases" != all ] && args+=(--cases "$cases")
 [ -n "$LIMIT" ] && args+=(--limit "$LIMIT")
 [ -n "$REPS" ] && args+=(--reps "$REPS")
+[ -n "$ROUNDS" ] && args+=(--rounds "$ROUNDS")  # the loaded cases again, round after round (the real runs' spread)
 quick_base=$QUICK; [ "$QUICK" = 1 ] && quick_base=testbed/profiling/profiles/${model}_${gpu}_tp1.json
 [ -n "$QUICK" ] && args+=(--quick-base "$quick_base" --quick-out "$OUT/quick_${model}_${gpu}_tp1.json")
 python3 benchmarks/fidelity.py real "${args[@]}" 2>&1 | tee "$OUT/log_${model}_${gpu}.txt"

@@ -76,39 +76,44 @@ def real(args: argparse.Namespace) -> None:
     if args.quick_base:
         quick_rescale_here(executor, base, args.quick_base, args.quick_out or str(out / "quick_profile.json"))
     names = [c.name for c in CASES] if args.cases in (None, "all") else [] if args.cases == "none" else args.cases.split(",")
+    chosen = [c for c in CASES if c.name in names]
+    # --rounds N: the loaded cases again, round after round in the same order (A B C A B C), each run its own folder
+    # (`azure-80-r2`, ...): how far the real system lies from itself, the floor under any simulator's error
+    runs = [(c, c.name) for c in chosen] + [(c, f"{c.name}-r{k}") for k in range(2, args.rounds + 1)
+                                           for c in chosen if c.load is not None]
     sat: dict[str, float] = {}
-    for case in (c for c in CASES if c.name in names):
+    for case, folder in runs:
         if time.perf_counter() - t0 > args.budget_s:
-            print(f"[fidelity] budget of {args.budget_s:.0f} s spent: skipping {case.name}", flush=True)
+            print(f"[fidelity] budget of {args.budget_s:.0f} s spent: skipping {folder}", flush=True)
             continue
         if case.load is not None and case.family not in sat:
-            print(f"[fidelity] {case.name}: no saturation rate for {case.family} (run its burst case): skipped")
+            print(f"[fidelity] {folder}: no saturation rate for {case.family} (run its burst case): skipped")
             continue
         rate = math.inf if case.load is None else case.load * sat[case.family]
         cfg = EngineConfig(**{**base.to_dict(), **case.flags})
         t = time.perf_counter()
         _, s = run_replay(str(TRACES / case.trace), cfg, model=args.model, load_format="dummy", request_rate=rate,
-                          limit=min(case.limit, args.limit or case.limit), output=out / case.name, executor=executor)
+                          limit=min(case.limit, args.limit or case.limit), output=out / folder, executor=executor)
         if case.load is None:
             sat[case.family] = s["request_throughput"]
-        print(f"[fidelity] {case.name}: rate {rate:.2f}/s, {s['num_finished']} done ({s['num_rejected']} rejected) in "
+        print(f"[fidelity] {folder}: rate {rate:.2f}/s, {s['num_finished']} done ({s['num_rejected']} rejected) in "
               f"{time.perf_counter() - t:.0f} s, {s['request_throughput']:.2f} req/s, TTFT p50 {s['ttft_s']['p50']} s, "
               f"TPOT p50 {s['tpot_s']['p50']} s, batch {s['mean_batch_size']:.1f}", flush=True)
-        if case.name in (args.eager_cases or "").split(","):  # the same arrivals with every step eager: before/after
+        if folder in (args.eager_cases or "").split(","):  # the same arrivals with every step eager: before/after
             executor.runner.eager_steps = True
             try:
                 t = time.perf_counter()
                 _, e = run_replay(str(TRACES / case.trace), cfg, model=args.model, load_format="dummy",
                                   request_rate=rate, limit=min(case.limit, args.limit or case.limit),
-                                  output=out / f"{case.name}-eager", executor=executor)
+                                  output=out / f"{folder}-eager", executor=executor)
             finally:
                 executor.runner.eager_steps = False
-            manifest = out / f"{case.name}-eager" / "manifest.json"
+            manifest = out / f"{folder}-eager" / "manifest.json"
             m = json.loads(manifest.read_text())
             m["execution"] = {"cuda_graphs": False, "why": "every step eager (the runner's eager_steps), to compare "
-                              f"with {case.name} on the same executor"}
+                              f"with {folder} on the same executor"}
             manifest.write_text(json.dumps(m, indent=1) + "\n")
-            print(f"[fidelity] {case.name}-eager: {e['num_finished']} done in {time.perf_counter() - t:.0f} s, "
+            print(f"[fidelity] {folder}-eager: {e['num_finished']} done in {time.perf_counter() - t:.0f} s, "
                   f"{e['request_throughput']:.2f} req/s, TTFT p50 {e['ttft_s']['p50']} s, TPOT p50 "
                   f"{e['tpot_s']['p50']} s", flush=True)
         with tarfile.open(tarball, "w:gz") as tar:  # after every case: a timeout keeps them
@@ -367,6 +372,8 @@ def main() -> None:
     p.add_argument("--quick-base", default=None, help="rescale this profile to the machine first (profile --quick)")
     p.add_argument("--quick-out", default=None, help="where the rescaled profile goes (default: OUT/quick_profile.json)")
     p.add_argument("--eager-cases", default=None, help="comma-separated cases to replay again with every step eager")
+    p.add_argument("--rounds", type=int, default=1, help="replay the loaded cases this many times, round after round "
+                                                         "(folders CASE-r2, ...): the real runs' spread")
     p.set_defaults(func=real)
     p = sub.add_parser("sim")
     p.add_argument("dirs", nargs="+", help="folders holding the real run directories")
