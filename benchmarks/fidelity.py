@@ -6,6 +6,8 @@ flags, arrivals (same seed) and KV-cache size.
   # anywhere (CPU): simulate each real run with each cost model and print the error table
   python benchmarks/fidelity.py sim DIR [DIR ...] [--profile PROFILE] [--json OUT] [--markdown OUT]
   python benchmarks/fidelity.py --sim-only          # the same over the committed runs (benchmarks/results/fidelity)
+  # runs made with `real --rounds N` (each loaded case N times, round after round): the real runs against each other
+  python benchmarks/fidelity.py spread SIM_JSON [--label profile]
 
 Cases: for each trace a burst (every request at once) measures the real saturation rate; the loaded cases
 then replay Poisson arrivals at a fraction of it (light 0.3, near saturation 0.8, overload 1.3). Errors
@@ -339,6 +341,57 @@ def cross(args: argparse.Namespace) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 
 
+def base_case(name: str) -> str:
+    """The case a run folder replays: `azure-80-r2` -> `azure-80` (fidelity.py real --rounds)."""
+    head, _, k = name.rpartition("-r")
+    return head if head and k.isdigit() else name
+
+
+def spread_rows(results: list[dict], label: str) -> list[dict]:
+    """Per (model, case) replayed in several rounds on one machine (a `sim --json` output over them): the real runs
+    against each other (every later round's errors against the first, as if it were a simulation of it) and the
+    cost model `label` against every round, each as bounded metrics within their target; and, per metric, whether
+    the simulated value lies inside the rounds' range."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for res in results:
+        groups.setdefault((res["model"], base_case(res["case"])), []).append(res)
+    rows = []
+    for (model, case), runs in sorted(groups.items()):
+        if len(runs) < 2:
+            continue
+        runs.sort(key=lambda r: (r["case"] != case, r["case"]))  # the first round first
+        first = runs[0]
+        real_pairs = [within_target({r["metric"]: r["round"] for r in error_rows(
+            {"real": first["real"], "sim": {"round": other["real"]}})}) for other in runs[1:]]
+        sim_held = [within_target({r["metric"]: r[label] for r in error_rows(res)}) for res in runs]
+        inside = total = 0
+        for key, q in METRICS:
+            if TARGETS.get(q or key) is None:
+                continue
+            reals = [_value(res["real"], key, q) for res in runs]
+            simulated = _value(runs[0]["sim"][label], key, q)
+            if None in reals or simulated is None:
+                continue
+            total += 1
+            inside += min(reals) <= simulated <= max(reals)
+        rows.append({"model": model, "case": case, "rounds": len(runs),
+                     "real vs first round": ", ".join("{}/{}".format(*p) for p in real_pairs),
+                     f"{label} vs each round": ", ".join("{}/{}".format(*h) for h in sim_held),
+                     f"{label} inside the rounds' range": f"{inside}/{total}"})
+    return rows
+
+
+def spread(args: argparse.Namespace) -> None:
+    """How far the real system lies from itself (fidelity.py real --rounds), beside a cost model's error."""
+    rows = spread_rows(json.loads(Path(args.sim_json).read_text()), args.label)
+    cols = list(rows[0]) if rows else []
+    text = "\n".join(["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+                     + ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]) + "\n"
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+
+
 def bands(args: argparse.Namespace) -> None:
     """The error bands of every cost model the sim JSON covers, into the bands file the simulator reads."""
     from testbed.sim.error_bands import BANDS_FILE, bands_from_fidelity
@@ -390,6 +443,11 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.set_defaults(func=cross)
+    p = sub.add_parser("spread", help="the real runs of several rounds against each other, beside a cost model")
+    p.add_argument("sim_json", help="the JSON `fidelity.py sim --json` wrote over runs made with `real --rounds`")
+    p.add_argument("--label", default="profile", help="the cost model to judge beside them (profile, roofline)")
+    p.add_argument("--markdown", default=None)
+    p.set_defaults(func=spread)
     p = sub.add_parser("bands", help="write the error bands `testbed simulate` states from a `sim --json` output")
     p.add_argument("sim_json", help="the JSON `fidelity.py sim --json` wrote")
     p.add_argument("--source", required=True, help="what the real runs were, e.g. 'benchmarks/fidelity.py, real "

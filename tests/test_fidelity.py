@@ -85,3 +85,23 @@ def test_step_errors_cover_every_back_to_back_step_once_and_refuse_an_async_run(
     async_run = ROOT / "benchmarks/results/fidelity/2026-11-24_795c0af_h200_llama-3.2-1b/azure-80-async"
     with pytest.raises(SystemExit, match="async-scheduling"):
         step_errors(async_run)
+
+
+def test_spread_judges_the_rounds_against_the_first_and_the_simulation_against_every_round():
+    from fidelity import base_case, spread_rows
+
+    def summary(x: float) -> dict:  # every bounded metric of a run summary at x
+        return {"output_throughput": x, "request_throughput": x, "mean_batch_size": x,
+                **{m: {"mean": x, "p50": x, "p99": x} for m in ("ttft_s", "tpot_s", "e2e_s")}}
+
+    def run(case: str, real: float, sim: float) -> dict:
+        return {"model": "M", "case": case, "real": summary(real), "sim": {"profile": summary(sim)}}
+
+    assert [base_case(c) for c in ("azure-80-r2", "azure-80", "azure-80-async", "x-r")] == \
+        ["azure-80", "azure-80", "azure-80-async", "x-r"]
+    # rounds at 1.00, 1.01 and 1.20; the simulation at 1.015: inside the rounds' range, within every target of the
+    # first two rounds and of none of the third (its p99 too: 1.015 against 1.20 is -15%)
+    rows = spread_rows([run("azure-80-r3", 1.20, 1.015), run("azure-80", 1.00, 1.015), run("azure-80-r2", 1.01, 1.015),
+                        run("azure-light", 1.0, 1.0)], "profile")  # one round: not judged
+    assert rows == [{"model": "M", "case": "azure-80", "rounds": 3, "real vs first round": "11/11, 0/11",
+                     "profile vs each round": "11/11, 11/11, 0/11", "profile inside the rounds' range": "11/11"}]
