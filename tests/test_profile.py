@@ -3,6 +3,7 @@ that profile from anchor steps measured here), and `testbed simulate` choosing i
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,44 @@ def test_sync_each_times_the_steps_in_turn_after_each_ones_warm_up(tmp_path):
         assert set(med) == set(TIMING_FIELDS) and med["wall_s"] > 0
         own = [t for rid, t in timed if rid == first[i]]
         assert med == {k: statistics.median(t[k] for t in own) for k in TIMING_FIELDS}
+
+
+def test_async_cycle_is_the_median_interval_between_completions_once_the_pipeline_is_full(tmp_path):
+    """StepMeasurer.async_cycle: ASYNC_FILL completions untimed, then n + 1 completion times (one launch always in
+    flight, the last one drained after them); the cycle is the median of their n intervals, so one slow step in the
+    burst does not move it."""
+    import statistics
+
+    from llm_helpers import save_tiny_llama
+    from testbed.profiling.step_measure import ASYNC_FILL, StepMeasurer
+    from testbed.profiling.synthetic_steps import StepFactory, decode_rows
+    from testbed.worker.executor import create_executor
+    save_tiny_llama(tmp_path, 4, 2, seed=5)
+    ex = create_executor(str(tmp_path), EngineConfig(num_gpu_blocks=64, max_model_len=128), dtype="float32")
+    so = StepFactory(64, 16, ex.vocab_size).step(decode_rows(2, 20))
+    launched, waited = [], []
+    execute_async = ex.execute_async
+
+    def observed(step):  # the real launch; its wait noted in order (the 9th waited for is slow)
+        launched.append(len(waited))
+        wait = execute_async(step)
+
+        def done():
+            wait()
+            if len(waited) == ASYNC_FILL + 5:
+                time.sleep(0.5)
+            waited.append(len(launched))
+        return done
+    ex.execute_async = observed
+    m = StepMeasurer(ex, reps=1, warmup=1)
+    done = m.async_completions(so, n=8)
+    assert len(done) == 9 and done == sorted(done)
+    assert len(launched) == ASYNC_FILL + 8 + 2 and len(waited) == len(launched)  # every launch waited for
+    assert waited[:-1] == list(range(2, len(launched) + 1))  # each wait after the next launch: one in flight
+    assert m.runner.record_timing  # back on for the sync timings
+    launched.clear()
+    waited.clear()
+    cycle = m.async_cycle(so)
+    assert len(launched) == ASYNC_FILL + 20 + 2  # max(20, 4 * reps) intervals
+    typical = statistics.median(b - a for a, b in zip(done, done[1:]))  # the first burst's, the slow one in it
+    assert typical < 0.5 / 20 / 2 and cycle < 2 * typical  # the mean of the 20 would be over 0.5 / 20

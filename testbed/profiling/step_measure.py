@@ -13,6 +13,7 @@ from testbed.worker.timing import StepTiming
 
 TIMING_FIELDS = tuple(StepTiming.__dataclass_fields__)
 CYCLES_PER_S = 1.98e9  # H100/H200 SM boost clock: converts the device sleep to seconds (roughly; it only sizes it)
+ASYNC_FILL = 3  # async completions not timed while the pipeline fills (StepMeasurer.async_completions)
 SLEEP_CYCLES = 2_000_000  # about 1 ms, over the 0.1-0.5 ms the host takes to issue one eager attention module
 # (the untimed run before the timed ones takes the kernels' first-call compiles out of the measurement)
 
@@ -122,21 +123,31 @@ class StepMeasurer:
         return statistics.median(times)
 
     def async_cycle(self, so) -> float | None:
-        """Seconds per step when the same step is launched back to back with one in flight (async scheduling)."""
+        """Seconds per step when the same step is launched back to back with one in flight (async scheduling), in
+        steady state: the median interval between successive completions (async_completions), as the sync timings
+        are medians."""
+        done = self.async_completions(so)
+        return None if done is None else statistics.median(b - a for a, b in zip(done, done[1:]))
+
+    def async_completions(self, so, n: int | None = None) -> list[float] | None:
+        """perf_counter() as each of n + 1 (default max(20, 4 * reps) + 1) launches of `so` back to back, one always
+        in flight, is waited for, once the pipeline is full: ASYNC_FILL completions before them are left out (the
+        first launch's preparation overlaps nothing), and the last launch's drain is after them. None without an
+        async executor."""
         if not self.can_async:
             return None
         ex = self.executor
+        n = max(20, 4 * self.reps) if n is None else n
         self.runner.record_timing = False
         try:
-            n = max(4, 2 * self.reps)
-            ex.execute_async(so)()
-            t0 = time.perf_counter()
+            done = []
             pending = ex.execute_async(so)
-            for _ in range(n - 1):
+            for _ in range(ASYNC_FILL + n + 1):
                 nxt = ex.execute_async(so)
                 pending()
+                done.append(time.perf_counter())
                 pending = nxt
             pending()
-            return (time.perf_counter() - t0) / n
+            return done[ASYNC_FILL:]
         finally:
             self.runner.record_timing = True
