@@ -67,6 +67,7 @@ def real(args: argparse.Namespace) -> None:
     m = StepMeasurer(ex, reps=5, warmup=1)
     f = StepFactory(ex.num_gpu_blocks, config.block_size, ex.vocab_size, config.seed)
     bs = config.block_size
+    path = out / f"async_cycles_{args.model}.json"
     result = {"model": args.model, "gpu": device_name(ex.runner.device), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "base_profile": base_name, "tables": {}}
     for name, (col, rows) in TABLES.items():
@@ -88,10 +89,9 @@ def real(args: argparse.Namespace) -> None:
                 cells["steady_mean"][i][j].append(statistics.fmean(gaps))
             print(f"[async_cycles] {name} round {k + 1}: {len(points)} points in {time.perf_counter() - start:.0f} s",
                   flush=True)
-        result["tables"][name] = {"batch": t["batch"], col: t[col], **({"base": t["base"]} if "base" in t else {}),
-                                  **{way: cells[way] for way in WAYS}}
-    path = out / f"async_cycles_{args.model}.json"
-    path.write_text(json.dumps(result))
+            result["tables"][name] = {"batch": t["batch"], col: t[col], **({"base": t["base"]} if "base" in t else {}),
+                                      **{way: cells[way] for way in WAYS}}
+            path.write_text(json.dumps(result))  # after every round: a timeout keeps what ran
     print(f"[async_cycles] -> {path}")
     ex.shutdown()
 
