@@ -27,26 +27,6 @@ TABLES = {"decode": ("context", lambda t, b, c: [(c, 1, True)] * b),
           "decode_tail": ("delta", lambda t, b, d: [(t["base"], 1, True)] * (b - 1) + [(t["base"] + d, 1, True)])}
 
 
-def burst_cycle(m, so) -> float:
-    """The way profiles timed an async cycle up to 9c61b65: one warm launch, then the mean over n = max(4, 2 * reps)
-    launches back to back, the first one's preparation and the last one's drain inside the time."""
-    ex = m.executor
-    m.runner.record_timing = False
-    try:
-        n = max(4, 2 * m.reps)
-        ex.execute_async(so)()
-        t0 = time.perf_counter()
-        pending = ex.execute_async(so)
-        for _ in range(n - 1):
-            nxt = ex.execute_async(so)
-            pending()
-            pending = nxt
-        pending()
-        return (time.perf_counter() - t0) / n
-    finally:
-        m.runner.record_timing = True
-
-
 def real(args: argparse.Namespace) -> None:
     import torch
 
@@ -82,7 +62,7 @@ def real(args: argparse.Namespace) -> None:
                     continue
                 so = f.step(step_rows)
                 ex.execute(so)  # warm
-                cells["burst"][i][j].append(burst_cycle(m, so))
+                cells["burst"][i][j].append(m.async_cycle(so, "burst"))
                 done = m.async_completions(so)
                 gaps = [b - a for a, b in zip(done, done[1:])]
                 cells["steady_median"][i][j].append(statistics.median(gaps))

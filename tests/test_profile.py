@@ -34,6 +34,7 @@ def test_smoke_profile_on_cpu_loads_and_drives_simulate_and_quick_rescales_it(tm
     assert all(v is not None and v > 0 for row in d["wall_s"] for v in row)  # 4 x 65 tokens fit 96 blocks
     assert all(t > 0 for t in prof["engine_host"]["decode_step_s"]) and len(prof["validation"]) == 2
     assert prof["engine_host"]["method"] == "cycle"  # timed in a real stepper loop on the executor
+    assert prof["async_timing"] == "steady"  # its async cycles timed in steady state (`--quick` times its anchors so)
     cm = ProfiledCostModel.from_file(out)
     assert set(cm.validate()) >= {"sync_mape", "sync_worst", "sync_steps"}
     hd = prof["host_device"]  # swap traffic: measured on this machine, and what the cost model prices it at
@@ -256,3 +257,7 @@ def test_async_cycle_is_the_median_interval_between_completions_once_the_pipelin
     assert len(launched) == ASYNC_FILL + 20 + 2  # max(20, 4 * reps) intervals
     typical = statistics.median(b - a for a, b in zip(done, done[1:]))  # the first burst's, the slow one in it
     assert typical < 0.5 / 20 / 2 and cycle < 2 * typical  # the mean of the 20 would be over 0.5 / 20
+    launched.clear()
+    assert m.async_cycle(so, "burst") > 0 and len(launched) == 1 + 4  # profiles before: one warm, max(4, 2 * reps)
+    with pytest.raises(ValueError, match="unknown async cycle timing 'mean'"):
+        m.async_cycle(so, "mean")

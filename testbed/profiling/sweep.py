@@ -34,7 +34,7 @@ from testbed.engine.config import EngineConfig
 from testbed.profiling.host_costs import engine_host_costs
 from testbed.profiling.lora_measure import measure_lora
 from testbed.profiling.profile_file import FORMAT, VERSION
-from testbed.profiling.step_measure import SLEEP_CYCLES, TIMING_FIELDS, StepMeasurer
+from testbed.profiling.step_measure import ASYNC_TIMING, SLEEP_CYCLES, TIMING_FIELDS, StepMeasurer
 from testbed.profiling.synthetic_steps import Row, StepFactory, decode_rows
 
 CONTEXTS = (16, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -237,6 +237,7 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
         if bar is not None:
             bar.close()
     result["sweep_wall_s"] = time.perf_counter() - t0
+    result["async_timing"] = ASYNC_TIMING  # how its async cycles were timed (`--quick` times its anchors the same way)
     result["graph_sizes"] = graph_sizes
     # the simulator prices a step with a prefill chunk at the mixed size it was padded to (sim/profiled.py)
     result["mixed_graph_sizes"] = list(getattr(runner, "mixed_graph_sizes", []))

@@ -96,7 +96,7 @@ def measure_anchors(executor, config: EngineConfig, base: dict, reps: int = REPS
             parts = timings[i] if timings is not None else m.sync(so)  # alone: each anchor's sync, then its async
             timed = {"sync": parts["wall_s"]}
             if m.can_async and (cms["async"].dec_async is not None or any(not d for _, _, d in rows)):
-                timed["async"] = m.async_cycle(so)
+                timed["async"] = m.async_cycle(so, base.get("async_timing", "burst"))  # as its base timed them
             for mode, seconds in timed.items():
                 samples.append(_step_sample(cms[mode], so, seconds))
                 records.append({"anchor": name, "mode": mode, **_rows_summary(rows), "measured_s": seconds,
