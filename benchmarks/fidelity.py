@@ -197,7 +197,8 @@ def paired_steps(run_dir: Path, cfg, trace: list, model: str, gpu: str, spec: st
     return paired
 
 
-def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None) -> dict:
+def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None,
+             cost_models: tuple[str, ...] = ("roofline", "profile")) -> dict:
     import numpy as np
 
     from testbed.sim.run import run_simulation
@@ -206,7 +207,7 @@ def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None) -> dict
     model, gpu = m["model"]["name"], gpu or m["hardware"]["name"]
     kw = dict(model=model, gpu=gpu, request_rate=tr["request_rate"], burstiness=tr["burstiness"], limit=tr["limit"],
               trace_format=tr["format"], progress=False)
-    models = {"roofline": "roofline", "profile": profile or "auto"}
+    models = {k: v for k, v in (("roofline", "roofline"), ("profile", profile or "auto")) if k in cost_models}
     result = {"case": run_dir.name, "real": run.summary, "sim": {}, "step_mape": {}, "config": m["config"],
               "hardware": m["hardware"]["name"], "model": model}
     for name, spec in models.items():
@@ -267,7 +268,7 @@ def sim(args: argparse.Namespace) -> None:
     results = []
     for r in runs:
         t = time.perf_counter()
-        results.append(sim_case(r, args.profile, args.gpu))
+        results.append(sim_case(r, args.profile, args.gpu, tuple(args.cost_models.split(","))))
         print(f"[fidelity] simulated {r.name} in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     text = markdown(results)
     print(text)
@@ -432,6 +433,8 @@ def main() -> None:
     p.add_argument("dirs", nargs="+", help="folders holding the real run directories")
     p.add_argument("--profile", default=None, help="profile JSON (default: the shipped one for the run's model/GPU)")
     p.add_argument("--gpu", default=None, help="GPU preset (default: the real run's device)")
+    p.add_argument("--cost-models", default="roofline,profile", help="which to simulate each run with: roofline, "
+                                                                      "profile or both (the default)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None)
     p.set_defaults(func=sim)

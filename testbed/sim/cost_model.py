@@ -92,9 +92,10 @@ class RooflineConstants:
 
 PHYSICAL = RooflineConstants(0.0, 0.0, 1.0, 1.0)  # the bounds alone: no overhead, every byte and FLOP at the preset
 # Medians over the profiles shipped in testbed/profiling/profiles (3 models x H100 of 2026-11-26 and x H200 of
-# 2026-11-28, every step graphed); a test checks that calibrate.roofline_constants() over those files still gives these.
-CALIBRATED = RooflineConstants(step_overhead_s=1.4636e-3, eager_overhead_per_layer_s=0.02347e-3,
-                               bandwidth_efficiency=0.9480, matmul_efficiency=0.7835)
+# 2026-11-28, every step graphed; the H200 Llama-3.2-1B and Qwen3-0.6B ones re-made at a6f1e0d); a test checks that
+# calibrate.roofline_constants() over those files still gives these.
+CALIBRATED = RooflineConstants(step_overhead_s=1.4505e-3, eager_overhead_per_layer_s=0.026195e-3,
+                               bandwidth_efficiency=0.93176, matmul_efficiency=0.79814)
 
 
 # Host time a row sampled under a grammar adds to a step (xgrammar's matcher advance and bitmask fill; the
