@@ -25,20 +25,27 @@ def test_the_shipped_bands_are_the_fidelity_benchmarks_largest_errors():
     TP=2 ones from three runs on another pair of H100s (2026-11-27, c97fbda), simulated at 5e24bd9; the H200 TP=1 ones
     from the runs on another H200 (2026-11-28, 9c79b4d: sync, async and prefix-caching cases; the 1B and Qwen3-0.6B ones
     with their profiles re-made at a6f1e0d, async cycles timed in steady state); the H200 TP=2 ones from
-    the runs made beside that profile (2026-11-28, 15d107a: no other pair of H200s has run this engine yet). Each band
+    the runs made beside that profile (2026-11-28, 15d107a: no other pair of H200s has run this engine yet). The
+    roofline's bands come from the same runs simulated again once its constants were re-fitted (edd2194). Each band
     names its runs (fidelity.py bands, then bands --merge)."""
     shipped = load_bands()
-    parts = {"H100-SXM_tp1": ("sim_2026-11-28_h100_5e24bd9.json", "2026-11-27_7a8dc98"),
-             "H100-SXM_tp2": ("sim_2026-11-28_h100_tp2_5e24bd9.json", "2026-11-27_c97fbda"),
-             "H200_tp2": ("sim_2026-11-28_h200_5e24bd9_same_machine.json", "2026-11-28_15d107a"),
-             "H200_tp1": ("sim_2026-11-28_h200b_9c79b4d_shipped_a6f1e0d.json", "2026-11-28, 9c79b4d")}
+    parts = {  # (the profiles' simulations, the roofline's, the runs)
+        "H100-SXM_tp1": ("sim_2026-11-28_h100_5e24bd9.json", "sim_2026-11-28_h100_roofline_edd2194.json",
+                         "2026-11-27_7a8dc98"),
+        "H100-SXM_tp2": ("sim_2026-11-28_h100_tp2_5e24bd9.json", "sim_2026-11-28_h100_tp2_roofline_edd2194.json",
+                         "2026-11-27_c97fbda"),
+        "H200_tp2": ("sim_2026-11-28_h200_5e24bd9_same_machine.json",
+                     "sim_2026-11-28_h200_same_machine_roofline_edd2194.json", "2026-11-28_15d107a"),
+        "H200_tp1": ("sim_2026-11-28_h200b_9c79b4d_shipped_a6f1e0d.json", "sim_2026-11-28_h200b_roofline_edd2194.json",
+                     "2026-11-28, 9c79b4d")}
     expected = {}
-    for suffix, (name, runs) in parts.items():
-        bands = {k: b for k, b in bands_from_fidelity(json.loads((FIDELITY / name).read_text()), "")["bands"].items()
-                 if k.endswith(suffix)}
-        assert bands, name
-        assert all(runs in shipped["bands"][k]["source"] for k in bands), name
-        expected.update(bands)
+    for suffix, (name, roofline, runs) in parts.items():
+        for json_name, of_roofline in ((name, False), (roofline, True)):
+            bands = {k: b for k, b in bands_from_fidelity(json.loads((FIDELITY / json_name).read_text()), "")[
+                "bands"].items() if k.endswith(suffix) and k.startswith("roofline_") == of_roofline}
+            assert bands, json_name
+            assert all(runs in shipped["bands"][k]["source"] for k in bands), json_name
+            expected.update(bands)
     strip = lambda bands: {k: {f: v for f, v in b.items() if f != "source"} for k, b in bands.items()}  # noqa: E731
     assert strip(shipped["bands"]) == strip(expected)
     one = shipped["bands"]["Llama-3.2-1B_H200_tp1"]
