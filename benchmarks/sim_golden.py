@@ -9,8 +9,11 @@ digest of the content of steps.parquet and requests.parquet (and of the DP table
 
 Usage:  python benchmarks/sim_golden.py save DIR     (on the reference commit)
         python benchmarks/sim_golden.py check DIR    (exit 1 and name the cases that differ)
-The current reference is benchmarks/results/2026-11-28_bd7f55d/golden.json: `check benchmarks/results/2026-11-28_bd7f55d`
-compares the working tree with it. It was saved once the H200 profiles were re-made on the graphed engine, the
+The current reference is benchmarks/results/2026-11-28_d008799/golden.json: `check benchmarks/results/2026-11-28_d008799`
+compares the working tree with it. It was saved once the roofline's constants were re-fitted to the shipped profiles
+after two H200 ones were re-made (edd2194): against 2026-11-28_bd7f55d every case was identical but azure10-roofline,
+as it must be, and 38 recorded runs committed since bd7f55d are in it for the first time. The one before it (bd7f55d)
+was saved once the H200 profiles were re-made on the graphed engine, the
 roofline's constants re-fitted to the shipped profiles and a step with a prefill chunk priced at the CUDA graph it
 is padded to (3973e0d, 5e24bd9): against 2026-11-27_fac4a06, every recorded replay (124 cases) was identical and
 the 15 synthetic cases priced by a profile or the roofline differed, as they must; 31 recorded runs committed
