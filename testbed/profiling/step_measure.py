@@ -125,9 +125,9 @@ class StepMeasurer:
 
     def async_cycle(self, so, timing: str = ASYNC_TIMING) -> float | None:
         """Seconds per step when the same step is launched back to back with one in flight (async scheduling).
-        `timing` "steady" (what profiles record since 680360e): in steady state, the median interval between
-        successive completions (async_completions), as the sync timings are medians. "burst" (profiles before it,
-        which record no `async_timing`; `--quick` times its anchors the way its base profile was timed): the mean
+        `timing` "steady" (profiles' way since 680360e, which they record as `async_timing`): in steady state, the
+        median interval between successive completions (async_completions), as the sync timings are medians.
+        "burst" (profiles before it, which record none; `--quick` times its anchors the way its base was): the mean
         over one short burst of max(4, 2 * reps) launches, its pipeline's fill and drain inside it, 1.5-4.5% above
         the steady way on an H200 (benchmarks/async_cycles.py)."""
         if timing == "burst":
