@@ -105,3 +105,24 @@ def test_spread_judges_the_rounds_against_the_first_and_the_simulation_against_e
                         run("azure-light", 1.0, 1.0)], "profile")  # one round: not judged
     assert rows == [{"model": "M", "case": "azure-80", "rounds": 3, "real vs first round": "11/11, 0/11",
                      "profile vs each round": "11/11, 11/11, 0/11", "profile inside the rounds' range": "11/11"}]
+
+
+def test_an_async_runs_decode_steps_are_rebuilt_from_its_requests_and_priced_at_their_shape():
+    """An async run replays no recorded timeline, so its decode-only steps are rebuilt from requests.parquet (every
+    request decodes in each step after its first token up to its finish): the rebuilt rows and context equal every
+    decode-only step's record; priced by the shipped profile (async cycles timed in steady state) they lie within 4%
+    of the recorded cycles on another H200's run (the burst-timed profile before it: 5.2%)."""
+    import numpy as np
+    import pandas as pd
+    from fidelity import async_decode_errors, decode_batches
+    run = ROOT / "benchmarks/results/fidelity/2026-11-28_6a34ebf_h200e_llama-3.2-1b/azure-80-async"
+    steps = pd.read_parquet(run / "steps.parquet")
+    rows, total, longest = decode_batches(steps, pd.read_parquet(run / "requests.parquet"))
+    decode = (steps["num_prefill_tokens"] == 0).to_numpy()
+    assert decode.sum() > 4000
+    assert (rows[decode] == steps["num_decode_tokens"].to_numpy()[decode]).all()
+    assert (total[decode] == steps["sum_context_tokens"].to_numpy()[decode]).all()
+    assert (longest[decode] * rows[decode] >= total[decode]).all()
+    cm = ProfiledCostModel.from_file(PROFILES_DIR / "Llama-3.2-1B_H200_tp1.json", async_scheduling=True)
+    errors = async_decode_errors(run, cm)
+    assert errors["steps"] > 4000 and errors["all"] < 0.04 and np.isfinite(errors["time_weighted"])
