@@ -1,4 +1,4 @@
-"""How a profile times an async decode cycle: the way profiles were measured up to 9c61b65 (the mean over one short
+"""How a profile times an async decode cycle: the way profiles were measured before 680360e (the mean over one short
 burst of back-to-back launches, its pipeline's fill and drain inside it) against the steady-state way
 (StepMeasurer.async_cycle: completions timed once the pipeline is full, the median interval; the mean of the same
 intervals kept beside it), alternating point by point on one executor.
