@@ -234,15 +234,17 @@ def async_decode_errors(run_dir: Path, cost_model) -> dict | None:
             & (steps["sum_context_tokens"] == total) & (rows > 0) & (gap.fillna(np.inf) <= IDLE_GAP_S)).to_numpy()
     if not keep.any():
         return None
-    real, pred = steps["duration"].to_numpy()[keep], []
-    for b, ctx, top in zip(rows[keep], total[keep], longest[keep]):
-        so = SchedulerOutput(requests=[None] * int(b), num_decode_tokens=int(b), total_num_scheduled_tokens=int(b))
-        so.sum_context_tokens = so.sum_attn_pairs = int(ctx)  # a step prices its rows by shape, not by request
-        so.max_context_tokens = int(top)
-        pred.append(cost_model.step_time(so))
-    err = np.abs(np.array(pred) - real) / real
+    def priced(b: int, ctx: int, top: int) -> float:
+        so = SchedulerOutput(requests=[None] * b, num_decode_tokens=b, total_num_scheduled_tokens=b)
+        so.sum_context_tokens = so.sum_attn_pairs = ctx  # a step prices its rows by shape, not by request
+        so.max_context_tokens = top
+        return cost_model.step_time(so)
+    real = steps["duration"].to_numpy()[keep]
+    miss = np.abs(np.array([priced(int(b), int(c), int(t)) for b, c, t in zip(rows[keep], total[keep], longest[keep])])
+                  - real)
+    err = miss / real
     return {"all": float(err.mean()), "decode": float(err.mean()), "eager": None, "steps": int(keep.sum()),
-            "idle_followed": None, "time_weighted": float(np.abs(np.array(pred) - real).sum() / real.sum()),
+            "idle_followed": None, "time_weighted": float(miss.sum() / real.sum()),
             "basis": "decode-only steps, batches rebuilt from the requests table (an async run replays no timeline)"}
 
 
