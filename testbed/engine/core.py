@@ -19,7 +19,7 @@ from typing import Protocol
 from testbed.engine.beam_search import Beam, best_beams, step_beams
 from testbed.engine.block_manager import BlockManager
 from testbed.engine.config import EngineConfig
-from testbed.engine.metrics import PIPELINE_STEP_COLUMNS, Recorder
+from testbed.engine.metrics import ASYNC_STEP_COLUMNS, PIPELINE_STEP_COLUMNS, Recorder
 from testbed.engine.outputs import ModelRunnerOutput, EngineCoreOutput, SchedulerOutput, check_stop
 from testbed.engine.request import Request, RequestStatus
 from testbed.engine.scheduler import Scheduler
@@ -103,6 +103,10 @@ class EngineCore:
         self._unrecorded_preemptions: list[str] = []  # preempted by a schedule that ran nothing (see schedule)
         if self.pipelined:
             self.records.step_extra = PIPELINE_STEP_COLUMNS
+        # async scheduling: each step's record also says when it was scheduled (its start is when it began)
+        self.record_scheduled = config.async_scheduling and not self.pipelined
+        if self.record_scheduled:
+            self.records.step_extra = ASYNC_STEP_COLUMNS
         self.compile_grammars = False  # the driver compiles grammars off the step loop (see the module docstring)
         self._new_grammars: list[Request] = []
 
@@ -330,14 +334,14 @@ class EngineCore:
         if self.pipelined:  # a batch's record spans its whole way through the pipeline, from its scheduling
             self._update_pipelined(so, now)
             return outputs
-        start, used, waiting, running_n, swapped = so.step_state
-        start = max(start, self._last_update)  # overlapped steps: this one ran after the previous one ended
+        scheduled, used, waiting, running_n, swapped = so.step_state
+        start = max(scheduled, self._last_update)  # overlapped steps: this one ran after the previous one ended
         self._last_update = now
-        self.records.steps.append((
-            self.replica, start, now - start, len(so.requests), so.num_prefill_tokens, so.num_decode_tokens,
-            so.sum_context_tokens, so.sum_attn_pairs, used, self.block_manager.num_blocks, waiting, running_n,
-            len(so.preempted_req_ids), swapped, so.num_swapped_out, len(so.blocks_to_swap_out),
-            len(so.blocks_to_swap_in), len(so.blocks_to_copy)))
+        row = (self.replica, start, now - start, len(so.requests), so.num_prefill_tokens, so.num_decode_tokens,
+               so.sum_context_tokens, so.sum_attn_pairs, used, self.block_manager.num_blocks, waiting, running_n,
+               len(so.preempted_req_ids), swapped, so.num_swapped_out, len(so.blocks_to_swap_out),
+               len(so.blocks_to_swap_in), len(so.blocks_to_copy))
+        self.records.steps.append(row + (scheduled,) if self.record_scheduled else row)
         return outputs
 
     def _beam_step(self, rows: list, now: float, outputs: list[EngineCoreOutput]) -> bool:

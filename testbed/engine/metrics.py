@@ -32,6 +32,11 @@ STEP_COLUMNS = BASE_STEP_COLUMNS + BLOCK_STEP_COLUMNS
 # Pipeline-parallel runs only (after STEP_COLUMNS): the batch-queue slot a step took (its sequence number modulo
 # pipeline_parallel_size, vLLM's virtual engine) and the batches in flight once it was launched, itself included.
 PIPELINE_STEP_COLUMNS = ("microbatch", "num_in_flight")
+# Async-scheduling runs only (after STEP_COLUMNS): the `now` of the schedule call that formed the step. Its `start` is
+# when it began on the device (the update of the step before, if that came later), so a step scheduled while the one
+# before was in flight shows only here when it was scheduled, which arrivals it saw: what a recorded replay needs.
+ASYNC_STEP_COLUMNS = ("scheduled",)
+STEP_FLOAT_COLUMNS = ("start", "duration", "scheduled")
 # Data-parallel runs only: the coordinator's decisions and the stats they used. `seq` numbers the
 # coordinator's events (routes and stats receipts share it), so the two tables replay its order.
 ROUTE_COLUMNS = ("seq", "request_id", "replica", "arrival", "sent", "routed", "added")
@@ -54,7 +59,7 @@ class Recorder:
     routes: list[tuple] = field(default_factory=list)        # ROUTE_COLUMNS rows (DP runs)
     publications: list[tuple] = field(default_factory=list)  # PUBLICATION_COLUMNS rows (DP runs)
     loras: dict[str, str] = field(default_factory=dict)  # request id -> its LoRA adapter's name (LoRA runs only)
-    step_extra: tuple[str, ...] = ()  # columns after STEP_COLUMNS in every step row (PIPELINE_STEP_COLUMNS)
+    step_extra: tuple[str, ...] = ()  # columns after STEP_COLUMNS in every step row (PIPELINE_ or ASYNC_STEP_COLUMNS)
     grammars: list[tuple] = field(default_factory=list)  # GRAMMAR_COLUMNS rows (grammars compiled off the loop)
 
     def record_request(self, req: Request) -> None:
@@ -94,7 +99,8 @@ class Recorder:
     def step_columns(self) -> dict[str, np.ndarray]:
         """Step columns as numpy arrays (float64 for times, int64 otherwise)."""
         names = STEP_COLUMNS + self.step_extra
-        return dict(zip(names, self.steps.columns(len(names), (names.index("start"), names.index("duration")))))
+        return dict(zip(names, self.steps.columns(len(names), tuple(i for i, c in enumerate(names)
+                                                                    if c in STEP_FLOAT_COLUMNS))))
 
 
 def _columns(rows: list[tuple], names: tuple[str, ...]) -> dict[str, list]:

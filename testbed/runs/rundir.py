@@ -34,9 +34,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from testbed.runs.arrow_columns import column
-from testbed.engine.metrics import (BASE_REQUEST_COLUMNS, BASE_STEP_COLUMNS, BLOCK_STEP_COLUMNS,
-                                    PIPELINE_STEP_COLUMNS, GRAMMAR_COLUMNS, PUBLICATION_COLUMNS,
-                                    REQUEST_COLUMNS, ROUTE_COLUMNS, STEP_COLUMNS, Recorder)
+from testbed.engine.metrics import (ASYNC_STEP_COLUMNS, BASE_REQUEST_COLUMNS, BASE_STEP_COLUMNS, BLOCK_STEP_COLUMNS,
+                                    GRAMMAR_COLUMNS, PIPELINE_STEP_COLUMNS, PUBLICATION_COLUMNS, REQUEST_COLUMNS,
+                                    ROUTE_COLUMNS, STEP_COLUMNS, STEP_FLOAT_COLUMNS, Recorder)
 
 if TYPE_CHECKING:  # reading tables imports pandas; writing a run needs only pyarrow
     import pandas as pd
@@ -46,8 +46,9 @@ _REQ_TYPES = {"request_id": pa.string(), "replica": pa.int32(), "priority": pa.i
               "first_scheduled": pa.float64(), "first_token": pa.float64(), "finish": pa.float64(),
               "input_tokens": pa.int64(), "output_tokens": pa.int64(), "cached_tokens": pa.int64(),
               "preemptions": pa.int32(), "finish_reason": pa.string(), "seq": pa.int64()}
-_STEP_TYPES = {c: (pa.float64() if c in ("start", "duration") else pa.int64())
-               for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS}
+OPTIONAL_STEP_COLUMNS = PIPELINE_STEP_COLUMNS + ASYNC_STEP_COLUMNS  # written where a run has them
+_STEP_TYPES = {c: (pa.float64() if c in STEP_FLOAT_COLUMNS else pa.int64())
+               for c in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS}
 _OPTIONAL_TABLES = {  # file -> (Recorder attribute, columns, float columns, string columns): written when not empty
     "routes.parquet": ("routes", ROUTE_COLUMNS, ("arrival", "sent", "routed", "added"), ("request_id",)),
     "publications.parquet": ("publications", PUBLICATION_COLUMNS, ("sampled", "received", "kv_usage"), ()),
@@ -152,8 +153,8 @@ def _write_tables(tmp: Path, records: Recorder, columns: tuple[dict, dict] | Non
     if records.loras:  # a run with LoRA adapters: each request's adapter by name (null: the base model)
         table["lora"] = pa.array([records.loras.get(r) for r in req_cols["request_id"]], pa.string())
     _write_table(pa.table(table), tmp / "requests.parquet")
-    _write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c])  # a pipeline-parallel run's columns too
-                           for c in STEP_COLUMNS + PIPELINE_STEP_COLUMNS if c in step_cols}),
+    _write_table(pa.table({c: column(step_cols[c], _STEP_TYPES[c])  # a pipeline-parallel or async run's too
+                           for c in STEP_COLUMNS + OPTIONAL_STEP_COLUMNS if c in step_cols}),
                  tmp / "steps.parquet")
     for name, (attr, names, floats, strings) in _OPTIONAL_TABLES.items():
         rows = getattr(records, attr)
