@@ -8,7 +8,8 @@
 #                TP_FLAGS=--breakdown adds each case's kernels of a decode step at batch 64)
 #   tp-fidelity  benchmarks/fidelity.py real -tp 2: the TP=2 profile (what ships) and the Azure cases' real runs
 #   dp           benchmarks/dp.py: DP=1 on one GPU against DP=2 on two (DP_LAYOUTS="1x1 2x1 4x1" adds DP=4 on a
-#                4-GPU host), past DP=1's saturation, with a new profile (DP_COST_MODEL=auto: the shipped one)
+#                4-GPU host), past DP=1's saturation, with a new profile (DP_COST_MODEL=auto: the shipped one;
+#                DP_ENGINE_ARGS="--max-model-len 4096 --async-scheduling": async scheduling)
 #   dp-host      `testbed profile --dp-replica-host` of the shipped Llama-3.2-1B and Llama-3.1-8B H100 profiles on
 #                this host's cores (the replicas' loops against the single engine's, emulated steps, no GPU)
 #   dp-policies  benchmarks/dp.py: DP=2 under every other --dp-policy at one rate (needs dp's profile)
@@ -38,7 +39,8 @@ for part in "$@"; do
           --tar $OUT/runs_${MODEL}_${gpu}_tp2.tar.gz --profile-out $OUT/${MODEL}_${gpu}_tp2.json --no-progress \
           --cases ${FID_CASES:-azure-burst,azure-80} --limit ${FID_LIMIT:-1000} --reps ${FID_REPS:-5} --budget-s ${FID_BUDGET_S:-400} 2>&1 | tee $OUT/tp_fidelity.log ;;
     dp) bound python3 benchmarks/dp.py --layouts ${DP_LAYOUTS:-1x1 2x1} --model $DP_MODEL --rates ${DP_RATES:-40 80 160 400} \
-          --num-prompts ${DP_PROMPTS:-1500} --cost-model ${DP_COST_MODEL:-profile} --budget-s ${DP_BUDGET_S:-420} --out $OUT/dp 2>&1 | tee $OUT/dp.log | tail -40 ;;
+          --num-prompts ${DP_PROMPTS:-1500} --cost-model ${DP_COST_MODEL:-profile} --budget-s ${DP_BUDGET_S:-420} \
+          --engine-args "${DP_ENGINE_ARGS:---max-model-len 4096}" --out $OUT/dp 2>&1 | tee $OUT/dp.log | tail -40 ;;
     dp-host) for m in Llama-3.2-1B Llama-3.1-8B; do
           bound python3 -m testbed.cli profile --dp-replica-host --cost-model testbed/profiling/profiles/${m}_H100-SXM_tp1.json \
             --max-model-len 4096 -o $OUT/${m}_dp_replica_host.json 2>&1 | tee -a $OUT/dp_host.log | tail -2; done ;;
