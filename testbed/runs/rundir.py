@@ -211,6 +211,10 @@ class Run:
             frame[c] = 0
         return frame
 
+    def step_column_names(self) -> list[str]:
+        """The columns steps.parquet holds (`scheduled` only in async runs recorded since it existed)."""
+        return pq.read_schema(self.path / "steps.parquet").names
+
     def dp_table(self, name: str) -> pd.DataFrame | None:
         """'routes' or 'publications' of a data-parallel run, or 'grammars'; None when the run has none."""
         path = self.path / f"{name}.parquet"

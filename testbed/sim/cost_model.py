@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from testbed.engine.outputs import SchedulerOutput
+from testbed.sim.async_timeline import AsyncTimeline, missing_scheduled
 from testbed.specs.presets import ModelSpec
 from testbed.specs.hardware import GPUSpec
 
@@ -209,7 +210,8 @@ class RecordedCostModel:
     the simulator schedules step k+1 exactly the arrivals the real engine had admitted are in, and the
     same sans-I/O scheduler must then form the same batch. A batch unlike the recorded one (its rows, prefill
     and decode tokens: `shapes`, where the record has them) or running out of recorded
-    steps means the two runs diverged, which is an error, not a fallback."""
+    steps means the two runs diverged, which is an error, not a fallback. An `--async-scheduling` run is replayed
+    at its recorded schedule and update times instead (`async_timeline`, sim/async_timeline.py)."""
 
     def __init__(self, starts: list[float], durations: list[float],
                  shapes: list[tuple[int, int, int]] | None = None) -> None:
@@ -219,6 +221,7 @@ class RecordedCostModel:
         self.shapes = shapes
         self.first_start = starts[0]  # the replay's first step starts here too (its cycles then follow the record)
         self.step = 0
+        self.async_timeline: AsyncTimeline | None = None  # an async run's: each step scheduled and updated as recorded
         # request id -> (when its grammar outcome reached the scheduler, None or why it failed, the index of the
         # first step scheduled after it): the run's grammars.parquet, replayed by the simulator (sim/grammars.py)
         self.grammar_events: dict[str, tuple[float, str | None, int]] = {}
@@ -228,17 +231,20 @@ class RecordedCostModel:
         import json
         import pandas as pd
         from pathlib import Path
+        from testbed.runs.rundir import read_run
         manifest = Path(path) / "manifest.json"
-        if manifest.exists() and json.loads(manifest.read_text()).get("config", {}).get("async_scheduling"):
-            raise ValueError(f"{path}: this run used --async-scheduling, whose recorded steps overlap their "
-                             "scheduling; recorded timelines replay runs without it (re-run the replay without "
-                             "--async-scheduling, or simulate it with a profile from `testbed profile`)")
-        steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration", *STEP_SHAPE])
+        overlapped = manifest.exists() and json.loads(manifest.read_text()).get("config", {}).get("async_scheduling")
+        if overlapped and "scheduled" not in read_run(path).step_column_names():
+            raise missing_scheduled(path)
+        steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration", *STEP_SHAPE,
+                                                                       *(["scheduled"] if overlapped else [])])
         if steps["replica"].nunique() > 1:
             raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")
-        starts = steps["start"].tolist()
-        model = cls(starts, steps["duration"].tolist(), list(zip(*(steps[c].tolist() for c in STEP_SHAPE))))
-        model.grammar_events = recorded_grammar_events(path, starts)
+        starts, durations = steps["start"].tolist(), steps["duration"].tolist()
+        model = cls(starts, durations, list(zip(*(steps[c].tolist() for c in STEP_SHAPE))))
+        if overlapped:
+            model.async_timeline = AsyncTimeline(steps["scheduled"].tolist(), starts, durations)
+        model.grammar_events = recorded_grammar_events(path, steps["scheduled"].tolist() if overlapped else starts)
         return model
 
     def step_time(self, so: SchedulerOutput) -> float:
@@ -246,6 +252,8 @@ class RecordedCostModel:
             raise RuntimeError(f"the simulation needs more than the {len(self.durations)} recorded steps: its "
                                "decisions diverged from the recorded run (different trace, flags or cache size?)")
         k, d = self.step, self.durations[self.step]
+        if self.async_timeline is not None:
+            self.async_timeline.formed(f"step {k}:")
         if self.shapes is not None:
             shape = (len(so.requests), so.num_prefill_tokens, so.num_decode_tokens)
             if shape != self.shapes[k]:

@@ -27,6 +27,7 @@ from testbed.engine.core import EngineCore
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import SchedulerOutput
 from testbed.workload.lora import trace_loras
+from testbed.sim.async_timeline import AsyncTimeline, missing_scheduled
 from testbed.sim.trace_requests import SimResult, trace_to_request
 from testbed.sim.collector import collector_paused
 from testbed.sim.cost_model import recorded_grammar_events
@@ -44,12 +45,16 @@ StepHook = Callable[[int, int, SchedulerOutput], None]  # (replica, its step ind
 
 
 class _Durations:
-    """One replica's recorded step durations, in order (its cost model in this replay); `on_step` sees each batch."""
+    """One replica's recorded step durations, in order (its cost model in this replay); `on_step` sees each batch;
+    `timeline`: an async run's (each batch checked against it)."""
 
-    def __init__(self, r: int, durations: list[float], on_step: StepHook | None = None) -> None:
-        self.r, self.durations, self.on_step, self.k = r, durations, on_step, 0
+    def __init__(self, r: int, durations: list[float], on_step: StepHook | None = None,
+                 timeline: AsyncTimeline | None = None) -> None:
+        self.r, self.durations, self.on_step, self.k, self.timeline = r, durations, on_step, 0, timeline
 
     def step_time(self, so: SchedulerOutput) -> float:
+        if self.timeline is not None:
+            self.timeline.formed(f"replica {self.r}, step {self.k}:")
         if self.on_step is not None:
             self.on_step(self.r, self.k, so)
         d = self.durations[self.k]
@@ -89,6 +94,39 @@ class RecordedReplica(ReplicaLoop):
         self.report(self.k)
 
 
+class RecordedAsyncReplica(RecordedReplica):
+    """A replica of an `--async-scheduling` DP run on its recorded timeline (sim/async_timeline.py): each schedule
+    call when the real loop made it (after admitting what had reached the replica by then), each update when the
+    real loop made it, its reports after each update as recorded."""
+
+    def __init__(self, env: SimEnvironment, eng: EngineCore, r: int, executor: SimExecutor, grammars: SimGrammars,
+                 timeline: AsyncTimeline, admit: Callable[[float], None], report: Callable[[int], None]) -> None:
+        super().__init__(env, eng, r, executor, grammars, timeline.scheduled, admit, report)
+        self.overlap, self.timeline = True, timeline
+
+    def ready(self, busy: bool) -> Generator[simpy.Event, object, float | None]:
+        t = self.timeline.next_schedule(busy, self.env.now)
+        if t is None:
+            return None
+        if t > self.env.now:
+            yield self.env.timeout_at(t)
+        self.admit(t)
+        return t
+
+    def stalled(self) -> Generator[simpy.Event, object, None]:
+        n = self.timeline.num_scheduled
+        raise _diverged(f"replica {self.r} scheduled step {n} at {self.starts[n]:.6f} s; the simulated one has "
+                        f"nothing to schedule ({len(self.eng.requests)} requests live)")
+        yield  # a generator
+
+    def wait_end(self, start: float, duration: float) -> simpy.Event:
+        return self.env.timeout_at(max(self.env.now, self.timeline.update_time()))
+
+    def updated(self, so: SchedulerOutput, finished: list, busy: bool) -> None:
+        self.timeline.num_updated += 1
+        super().updated(so, finished, busy)
+
+
 @dataclass
 class RecordedDPRun:
     """The timings of a real data-parallel run (see the module docstring)."""
@@ -100,6 +138,7 @@ class RecordedDPRun:
     routes: list[dict]              # ROUTE_COLUMNS rows in seq order
     publications: list[dict]        # PUBLICATION_COLUMNS rows in seq order
     grammars: dict[str, tuple] | None = None  # request id -> (ready time, None or why it failed, None)
+    scheduled: list[list[float]] | None = None  # an async run's: per replica, when step k was scheduled
 
     @property
     def num_replicas(self) -> int:
@@ -124,11 +163,11 @@ class RecordedDPRun:
             raise ValueError(f"{path}: a data-parallel run without routes.parquet / publications.parquet; record it "
                              "with `testbed replay --data-parallel-size N` (which writes the coordinator's record)")
         cfg = run.manifest.get("config", {})
-        if cfg.get("async_scheduling"):
-            raise ValueError(f"{path}: this run used --async-scheduling, whose recorded steps overlap their "
-                             "scheduling; recorded timelines replay runs without it")
+        overlapped = bool(cfg.get("async_scheduling"))
         dp = int(cfg.get("data_parallel_size", 0))
-        steps = run.steps(columns=["replica", "start", "duration"])
+        if overlapped and "scheduled" not in run.step_column_names():
+            raise missing_scheduled(path)
+        steps = run.steps(columns=["replica", "start", "duration", *(["scheduled"] if overlapped else [])])
         if dp < 2 or not steps["replica"].between(0, dp - 1).all():
             raise ValueError(f"{path}: manifest says data_parallel_size={dp} but steps name replicas "
                              f"{sorted(steps['replica'].unique())}")
@@ -136,7 +175,8 @@ class RecordedDPRun:
         grammars = recorded_grammar_events(path) or None
         return cls(str(path), cfg.get("dp_policy", ""), [s["start"].tolist() for s in by],
                    [s["duration"].tolist() for s in by], routes.sort_values("seq").to_dict("records"),
-                   pubs.sort_values("seq").to_dict("records"), grammars)
+                   pubs.sort_values("seq").to_dict("records"), grammars,
+                   [s["scheduled"].tolist() for s in by] if overlapped else None)
 
 
 def _diverged(msg: str) -> RuntimeError:
@@ -165,7 +205,9 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
     env = SimEnvironment()
     engines = [EngineCore(config, num_gpu_blocks, max_model_len, replica=r, stream_outputs=False,
                           num_cpu_blocks=num_cpu_blocks) for r in range(dp)]
-    executors = [SimExecutor(_Durations(r, d, on_step)) for r, d in enumerate(rec.durations)]
+    timelines = ([AsyncTimeline(*parts) for parts in zip(rec.scheduled, rec.starts, rec.durations)]
+                 if rec.scheduled is not None else [None] * dp)
+    executors = [SimExecutor(_Durations(r, d, on_step, timelines[r])) for r, d in enumerate(rec.durations)]
     grammars = SimGrammars(engines, rec.grammars)
     coord = DPCoordinator(dp, config.dp_policy, config.block_size, affinity_capacity_blocks=num_gpu_blocks,
                           lora_capacity=config.max_cpu_loras)
@@ -228,8 +270,11 @@ def simulate_recorded_dp(trace: list[TraceRequest], config: EngineConfig, rec: R
         report(r, 0)  # the reports the replicas sent when they came up
     env.process(coordinator())
     for r in range(dp):
-        env.process(RecordedReplica(env, engines[r], r, executors[r], grammars, rec.starts[r],
-                                    lambda until, r=r: admit(r, until), lambda k, r=r: report(r, k)).run())
+        admit_r, report_r = (lambda until, r=r: admit(r, until)), (lambda k, r=r: report(r, k))
+        replica = (RecordedReplica(env, engines[r], r, executors[r], grammars, rec.starts[r], admit_r, report_r)
+                   if timelines[r] is None else
+                   RecordedAsyncReplica(env, engines[r], r, executors[r], grammars, timelines[r], admit_r, report_r))
+        env.process(replica.run())
     env.run()
     for r in range(dp):
         admit(r, float("inf"))  # what reached a replica after its last step (rejections finish at once)

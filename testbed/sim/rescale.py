@@ -209,6 +209,11 @@ def samples_from_run(run, model: str, config, cost_model, trace=None) -> list[St
     from testbed.sim.recorded_dp import RecordedDPRun, simulate_recorded_dp
     from testbed.specs.presets import get_model_spec
 
+    if config.async_scheduling:  # a step's recorded time is then the overlapped cycle, not the step's own work
+        raise ValueError(f"{run.path}: an --async-scheduling run; calibration pairs each step with the time it took on "
+                         "its own, which only a run without --async-scheduling records (its replay here is exact, "
+                         "`testbed simulate --cost-model recorded:RUN`, but the fit takes sync runs): calibrate on a "
+                         "sync run of the same machine")
     blocks, max_len = run_cache(run)
     config = dataclasses.replace(config, num_gpu_blocks=blocks, max_model_len=max_len)
     spec = get_model_spec(model)
@@ -217,11 +222,11 @@ def samples_from_run(run, model: str, config, cost_model, trace=None) -> list[St
     if trace is None:
         trace, _ = run_workload(run, None, config.seed)
     if config.data_parallel_size > 1:  # every replica on its own timeline, routed as recorded
-        rec = RecordedDPRun.from_run_dir(run.path)  # refuses async runs, whose steps overlap
+        rec = RecordedDPRun.from_run_dir(run.path)
         pairing = StepPairing(cost_model, rec.starts, rec.durations)
         simulate_recorded_dp(trace, config, rec, blocks, max_len, spec.vocab_size, cpu_blocks, on_step=pairing.note)
         return pairing.samples  # the replay ran every recorded step of every replica, or raised
-    recorded = RecordedCostModel.from_run_dir(run.path)  # refuses async runs, whose steps overlap
+    recorded = RecordedCostModel.from_run_dir(run.path)
     steps = run.steps(columns=["start", "duration"])
     pairing = StepPairing(cost_model, [steps["start"].tolist()], [steps["duration"].tolist()])
 
