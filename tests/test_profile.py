@@ -13,6 +13,7 @@ from testbed.cli import main
 from testbed.engine.config import EngineConfig
 from testbed.profiling.profile_file import PROFILES_DIR
 from testbed.sim.profiled import ProfiledCostModel
+from testbed.kernels.decode_attention import num_splits_for, split_edges
 from testbed.profiling.sweep import default_grid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +153,23 @@ def test_every_row_of_the_full_sweep_has_a_point_within_max_model_len(max_model_
     assert all(n + min(grid.chunk_contexts) <= max_model_len for n in grid.chunk_tokens)
     assert all(c + 1 <= max_model_len for c in grid.contexts)
     assert all(0 < d and grid.tail_base + d + 1 <= max_model_len for d in grid.tail_deltas)
+
+
+@settings(max_examples=200, deadline=None)
+@given(kv_heads=st.integers(1, 16), sms=st.integers(1, 200), max_num_seqs=st.integers(1, 512))
+def test_the_uneven_context_table_is_measured_at_both_ends_of_every_split(kv_heads, sms, max_num_seqs):
+    """The extra time of one long row changes where the decode kernel's split does (2 splits at 17-32 rows of 8 KV
+    heads on 132 SMs: an H200 run's async steps there were priced 6-10% long from the tail interpolated between 16
+    and 33 rows): every batch size whose split differs from the next one's is a point, and so is the next one."""
+    edges = split_edges(kv_heads, sms, max_num_seqs)
+    splits = [num_splits_for(b, kv_heads, 1 << 20, 64, sms) for b in range(1, max_num_seqs + 1)]
+    assert edges[0] == 1 and edges[-1] == max_num_seqs and edges == sorted(set(edges))
+    for b in range(1, max_num_seqs):
+        if splits[b - 1] != splits[b]:
+            assert b in edges and b + 1 in edges
+    cfg = EngineConfig(max_num_seqs=max_num_seqs)
+    grid = default_grid(cfg, 8192, [1, 2, 4, 8, 16, 32, 64, 128, 256], split_batches=edges)
+    assert set(grid.tail_batches) >= set(edges) and max(grid.tail_batches) == max_num_seqs
 
 
 def test_engine_host_costs_in_a_real_loop_and_their_bound_on_the_kv_cache(tmp_path):

@@ -195,6 +195,20 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_context: int, block_n: 
     return triton.next_power_of_2(max(splits, 1))
 
 
+def split_edges(num_kv_heads: int, sms: int, max_seqs: int, block_n: int = 64) -> list[int]:
+    """Both ends of every run of batch sizes, 1 to max_seqs, that the kernel splits alike at a long context (its
+    programs per sequence change between runs, and with them how far one long row's extra keys delay the whole
+    step): the batch sizes a profile's uneven-context table is measured at, so that no lookup interpolates across
+    a change of split (at 8 KV heads on 132 SMs: 2 splits from 17 to 32 rows, 1 from 33)."""
+    edges, last = {max_seqs}, None
+    for b in range(1, max_seqs + 1):
+        splits = num_splits_for(b, num_kv_heads, 1 << 20, block_n, sms)
+        if splits != last:
+            edges.update((b - 1, b) if b > 1 else (b,))
+            last = splits
+    return sorted(edges)
+
+
 def split_bt_width(max_blocks: int, page: int, block_n: int, num_splits: int) -> int:
     """Block-table entries (a power of 2) that cover any split's tiles, from the table's width alone."""
     tiles = triton.cdiv(triton.cdiv(max_blocks * page, block_n), num_splits)

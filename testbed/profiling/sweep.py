@@ -25,12 +25,13 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from testbed.engine.config import EngineConfig
+from testbed.kernels.decode_attention import sm_count, split_edges
 from testbed.profiling.host_costs import engine_host_costs
 from testbed.profiling.lora_measure import measure_lora
 from testbed.profiling.profile_file import FORMAT, VERSION
@@ -77,8 +78,11 @@ def batch_edges(graph_sizes: list[int], max_num_seqs: int) -> list[int]:
     return sorted(e for e in edges if 1 <= e <= max_num_seqs)
 
 
-def default_grid(config: EngineConfig, max_model_len: int, graph_sizes: list[int], quick: bool = False) -> Grid:
-    """The full sweep, or (quick) a few points of each kind for tests on a CPU."""
+def default_grid(config: EngineConfig, max_model_len: int, graph_sizes: list[int], quick: bool = False,
+                 split_batches: Sequence[int] = ()) -> Grid:
+    """The full sweep, or (quick) a few points of each kind for tests on a CPU. `split_batches`: both ends of each
+    run of batch sizes the decode kernel splits alike (kernels/decode_attention.split_edges), where the uneven-context
+    table is measured too: its extra time changes with the split, which no interpolation across one can follow."""
     mnbt, mns = config.max_num_batched_tokens, config.max_num_seqs
     contexts = sorted({c for c in CONTEXTS if c < max_model_len} | {max_model_len - 1})
     top_chunk = min(mnbt, max_model_len)  # one sequence's chunk: a longer one cannot be scheduled
@@ -93,7 +97,7 @@ def default_grid(config: EngineConfig, max_model_len: int, graph_sizes: list[int
                     host_admit_tokens=[16, 64], host_decode_steps=3)
     top = max_model_len - TAIL_BASE - 1
     return Grid(batches, contexts, chunks, [c for c in CHUNK_CONTEXTS if c < max_model_len], rows,
-                tail_batches=sorted({b for b in TAIL_BATCHES if b < mns} | {mns}),
+                tail_batches=sorted({b for b in (*TAIL_BATCHES, *split_batches) if b < mns} | {mns}),
                 tail_deltas=sorted({d for d in TAIL_DELTAS if d < top} | {top}))
 
 
@@ -186,7 +190,8 @@ def run_profile(executor, config: EngineConfig, grid: Grid | None = None, quick:
     runner = executor.runner
     max_model_len = executor.max_model_len
     graph_sizes = list(getattr(runner, "graph_sizes", []))
-    grid = grid or default_grid(config, max_model_len, graph_sizes, quick)
+    grid = grid or default_grid(config, max_model_len, graph_sizes, quick, split_edges(
+        runner.num_kv_heads, sm_count(runner.device), config.max_num_seqs))
     if reps is not None:
         if reps < 1:
             raise ValueError(f"--reps must be >= 1, got {reps}")
