@@ -26,9 +26,10 @@ the prediction error of the shared layout measures what that leaves out.
 Everything goes under OUT: the run directories and logs (OUT/runs/), a new profile if measured,
 OUT/dp_results.json (rewritten after every step, so a cut-short run keeps what it did) and
 OUT/dp_tables.md, the markdown tables also printed at the end: throughput and TTFT/TPOT percentiles,
-real vs predicted and the relative error; decision parity; the DP stack's measured routing hop and
-stats-report transit (twice the hop's median is the simulator's --dp-routing-delay). Every run has a
-time limit, and no real run starts once `--budget-s` has passed (those left are marked skipped).
+real vs predicted and the relative error; decision parity; the DP stack's measured routing hop,
+stats-report transit and arrival -> admission at an idle replica (`--dp-routing-delay measured` simulates with
+its median over the benchmark's DP runs; by default the simulator's own delay). Every run has a time limit, and
+no real run starts once `--budget-s` has passed (those left are marked skipped).
 """
 from __future__ import annotations
 
@@ -171,22 +172,47 @@ def capacity(run) -> dict | None:
             "saturated_output_throughput": tokens / (t1 - t0) if t1 > t0 else None}
 
 
+def idle_admissions(routes, requests) -> np.ndarray:
+    """Arrival -> admission of each request routed to a replica that held no unfinished request then (none admitted
+    before the routing had finished by it): the hops alone, with no step of the replica to wait for. What the
+    simulator's --dp-routing-delay stands for (it models the wait for a busy replica's step itself)."""
+    ends = routes.set_index("request_id")["added"].to_frame().join(requests.set_index("request_id")["finish"])
+    idle = []
+    for r, group in routes.dropna(subset=["added"]).groupby("replica"):
+        mine = ends.loc[routes.loc[routes["replica"] == r, "request_id"]].dropna()
+        added, finish = np.sort(mine["added"].to_numpy()), np.sort(mine["finish"].to_numpy())
+        t = group["routed"].to_numpy()
+        live = np.searchsorted(added, t, side="right") - np.searchsorted(finish, t, side="right")
+        idle.append((group["added"] - group["arrival"]).to_numpy()[live == 0])
+    return np.concatenate(idle) if idle else np.empty(0)
+
+
 def dp_timings(run) -> dict | None:
     """Measured latencies of the DP stack in a real run: API server -> coordinator (routing hop),
-    coordinator -> admission by the replica, replica -> coordinator (stats report transit)."""
+    coordinator -> admission by the replica, replica -> coordinator (stats report transit), and arrival ->
+    admission at idle replicas (idle_admissions; `idle_admission_samples_s` keeps them for a pooled median)."""
     routes, pubs = run.dp_table("routes"), run.dp_table("publications")
     if routes is None or pubs is None:
         return None
     hop = (routes["routed"] - routes["sent"]).to_numpy()
     admit = (routes["added"] - routes["routed"]).dropna().to_numpy()
     transit = (pubs["received"] - pubs["sampled"]).to_numpy()
+    idle = idle_admissions(routes, run.requests())
 
     def q(x, p):
         return float(np.percentile(x, p)) if len(x) else None
     return {"routing_hop_s": {"p50": q(hop, 50), "p99": q(hop, 99)},
             "route_to_admission_s": {"p50": q(admit, 50), "p99": q(admit, 99)},
             "report_transit_s": {"p50": q(transit, 50), "p99": q(transit, 99)},
-            "suggested_dp_routing_delay_s": 2 * q(hop, 50) if len(hop) else None}
+            "idle_admission_s": {"p50": q(idle, 50), "p99": q(idle, 99), "n": len(idle)},
+            "idle_admission_samples_s": idle.tolist()}
+
+
+def measured_routing_delay(runs: list[dict]) -> float | None:
+    """The median arrival -> admission at an idle replica over every DP run of the benchmark (this host's DP stack,
+    as a profile is the GPU's), or None where no DP run admitted a request to an idle replica."""
+    samples = [x for r in runs for x in (r.get("dp_timings") or {}).get("idle_admission_samples_s", [])]
+    return float(np.median(samples)) if samples else None
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -252,6 +278,9 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds one real run may take")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no real run starts after this many seconds")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="simulations run at once")
+    ap.add_argument("--dp-routing-delay", default="default", metavar="default|measured|SECONDS",
+                    help="the simulations' --dp-routing-delay: 'default' (the simulator's own), 'measured' (the real DP "
+                         "runs' median arrival -> admission at an idle replica, dp_timings), or seconds")
     ap.add_argument("--resimulate", type=Path, metavar="EARLIER_OUT",
                     help="no real run: simulate the real runs of an earlier benchmark's --out again (on a CPU), with "
                          "its run flags (model, trace, requests, engine flags, layouts) and this call's --cost-model "
@@ -358,6 +387,13 @@ def main() -> int:
             subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout * 4, stdout=log, stderr=subprocess.STDOUT)
         results["phases_s"]["profile"] = time.perf_counter() - t0
     results["cost_model"], results["sim_gpu"] = cost_model, gpu
+    delay = {"measured": measured_routing_delay(measured), "default": None}.get(args.dp_routing_delay)
+    if args.dp_routing_delay not in ("measured", "default"):
+        try:
+            delay = float(args.dp_routing_delay)
+        except ValueError:
+            ap.error(f"--dp-routing-delay {args.dp_routing_delay!r}: give 'measured', 'default' or seconds")
+    results["dp_routing_delay_s"] = delay  # None: the simulator's default
 
     # ---- simulations of the same runs ---------------------------------------------------------------
     t0 = time.perf_counter()
@@ -367,7 +403,7 @@ def main() -> int:
         sim = ["simulate", args.trace, "--limit", str(args.num_prompts), "--request-rate", str(r["rate"]),
                "--model", args.sim_model or args.model, "--gpu", gpu, *engine(r["dp"], r["utilization"]),
                "--num-gpu-blocks", str(m["num_gpu_blocks"]), "--max-model-len", str(m["max_model_len"]),
-               "--no-progress"]
+               "--no-progress", *(["--dp-routing-delay", f"{delay:.9f}"] if delay is not None and r["dp"] > 1 else [])]
         tag = Path(r["real_dir"]).name.replace("real-", "")
         r["sim_dir"] = str(runs / f"sim-{tag}")
         try:
@@ -412,7 +448,10 @@ def render_tables(results: dict) -> str:
     cols = [("output_throughput", None), ("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99")]
     head = " | ".join(f"{k.removesuffix('_s')}{' ' + q if q else ''} real | sim | err" for k, q in cols)
     used = sorted({str(r.get("sim_cost_model") or results["cost_model"]) for r in results["runs"] if "sim" in r})
-    lines = [f"cost model: {results['cost_model']} ({', '.join(used)}), simulated GPU {results['sim_gpu']}; "
+    delay = results.get("dp_routing_delay_s")
+    lines = [f"cost model: {results['cost_model']} ({', '.join(used)}), simulated GPU {results['sim_gpu']}, "
+             + (f"--dp-routing-delay {delay * 1e3:.3f} ms (measured: idle replicas' arrival -> admission); "
+                if delay is not None else "the simulator's default --dp-routing-delay; ")
              + ", ".join(f"{k} {v:.0f} s" for k, v in results["phases_s"].items()), "",
              f"| layout | rate | {head} | parity |", "|---|---|" + "---|---|---|" * len(cols) + "---|"]
     for r in results["runs"]:
@@ -438,12 +477,15 @@ def render_tables(results: dict) -> str:
     timed = [r for r in results["runs"] if r.get("dp_timings")]
     if timed:
         lines += ["", "| layout | rate | routing hop p50 / p99 (ms) | route -> admission p50 / p99 (ms) | "
-                      "report transit p50 / p99 (ms) |", "|---|---|---|---|---|"]
+                      "report transit p50 / p99 (ms) | arrival -> admission at an idle replica p50 (ms, requests) |",
+                  "|---|---|---|---|---|---|"]
         for r in timed:
             t = r["dp_timings"]
+            idle = t.get("idle_admission_s") or {}
             lines.append(f"| {r['layout']} | {r['rate']:g} | " + " | ".join(
                 f"{t[k]['p50'] * 1e3:.3f} / {t[k]['p99'] * 1e3:.3f}"
-                for k in ("routing_hop_s", "route_to_admission_s", "report_transit_s")) + " |")
+                for k in ("routing_hop_s", "route_to_admission_s", "report_transit_s"))
+                + (f" | {idle['p50'] * 1e3:.3f} ({idle['n']}) |" if idle.get("n") else " | - |"))
     return "\n".join(lines) + "\n"
 
 

@@ -68,7 +68,11 @@ def test_committed_dp_runs_resimulate_to_the_committed_tables(tmp_path):
                    check=True, cwd=ROOT, capture_output=True, timeout=280)
     table = (out / "dp_tables.md").read_text().splitlines()
     assert sum(line.endswith("| exact |") for line in table) == 6
-    assert table[1:] == (done / "dp_tables.md").read_text().splitlines()[1:]  # the first line times this call
+    committed = (done / "dp_tables.md").read_text().splitlines()
+    cut = next(i for i, line in enumerate(committed) if line.startswith("| layout | rate | routing hop"))
+    assert table[1:cut] == committed[1:cut]  # the first line times this call
+    # the DP stack's timings, which have gained a column (arrival -> admission at an idle replica) since
+    assert len(table) == len(committed) and all(a.startswith(b.rstrip(" |")) for a, b in zip(table[cut:], committed[cut:]))
 
 
 def test_step_errors_cover_every_back_to_back_step_once_and_refuse_an_async_run():
@@ -126,3 +130,21 @@ def test_an_async_runs_decode_steps_are_rebuilt_from_its_requests_and_priced_at_
     cm = ProfiledCostModel.from_file(PROFILES_DIR / "Llama-3.2-1B_H200_tp1.json", async_scheduling=True)
     errors = async_decode_errors(run, cm)
     assert errors["steps"] > 4000 and errors["all"] < 0.04 and np.isfinite(errors["time_weighted"])
+
+
+def test_idle_admissions_count_only_requests_routed_to_a_replica_that_held_none():
+    """dp.py's arrival -> admission at an idle replica: a request routed while another request of its replica was
+    admitted and unfinished waits for that replica's step, so it is left out; the hops of the others are kept."""
+    import pandas as pd
+    from dp import idle_admissions
+    routes = pd.DataFrame({"request_id": ["a", "b", "c", "d"], "replica": [0, 0, 0, 1],
+                           "arrival": [0.0, 0.5, 2.0, 0.6], "routed": [0.0005, 0.5005, 2.0005, 0.6005],
+                           "added": [0.0015, 0.5012, 2.0016, 0.6020]})
+    requests = pd.DataFrame({"request_id": ["a", "b", "c", "d"], "finish": [1.0, 1.5, 3.0, 0.9]})
+    got = idle_admissions(routes, requests)  # b was routed while a ran on replica 0
+    assert sorted(got.round(6).tolist()) == [0.0015, 0.0016, 0.002]
+    run = ROOT / "benchmarks/results/dp/2026-11-28_3b145d3_h200x2_llama-3.2-1b_async/runs/real-2x1-rate20"
+    from testbed.runs.rundir import read_run
+    real = read_run(run)
+    idle = idle_admissions(real.dp_table("routes"), real.requests())
+    assert 10 < len(idle) < len(real.requests()) and 0.0005 < float(pd.Series(idle).median()) < 0.005
