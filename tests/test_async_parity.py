@@ -24,6 +24,7 @@ from testbed.sim.run import run_simulation
 from conftest import REPO
 
 H200_ASYNC = REPO / "benchmarks" / "results" / "dp" / "2026-11-28_3b145d3_h200x2_llama-3.2-1b_async" / "runs"
+H200_ASYNC_8B = REPO / "benchmarks" / "results" / "dp" / "2026-11-28_b6e7de0_h200x2_llama-3.1-8b_async" / "runs"
 BEFORE = REPO / "benchmarks" / "results" / "fidelity" / "2026-11-28_db46770_h200g_llama-3.2-1b" / "azure-80-async"
 
 
@@ -77,14 +78,18 @@ def test_a_real_async_run_replays_call_for_call(tmp_path, capsys):
     assert sg["ready"].tolist() == pytest.approx(rg["ready"].tolist(), abs=1e-9)
 
 
-@pytest.mark.parametrize("run", ["real-1x1-rate50", "real-1x1-rate200", "real-2x1-rate100", "real-2x1-rate200"])
+@pytest.mark.parametrize("run", [H200_ASYNC / "real-1x1-rate50", H200_ASYNC / "real-1x1-rate200",
+                                 H200_ASYNC / "real-2x1-rate100", H200_ASYNC / "real-2x1-rate200",
+                                 H200_ASYNC_8B / "real-1x1-rate60", H200_ASYNC_8B / "real-2x1-rate60"],
+                         ids=lambda p: f"{p.parents[1].name.split('_')[3]}-{p.name}")
 def test_committed_gpu_async_runs_replay_call_for_call(tmp_path, capsys, run):
-    """One engine, and two replicas behind the coordinator (least_loaded), on two H200s: the replay routes every
-    request, forms every batch and samples every report as the run did, at the run's times."""
-    real = H200_ASYNC / run
+    """One engine, and two replicas behind the coordinator (least_loaded), on two H200s (Llama-3.2-1B and
+    Llama-3.1-8B): the replay routes every request, forms every batch and samples every report as the run did, at
+    the run's times."""
+    real = run
     assert _replay_like(real, tmp_path / "sim", capsys) == 0
     assert_same_calls(real, tmp_path / "sim")
-    if "2x1" in run:
+    if "2x1" in run.name:
         assert_same_decisions(real, tmp_path / "sim")
     steps = read_run(real).steps()
     assert (steps["scheduled"] < steps["start"]).mean() > 0.5 and steps["num_prefill_tokens"].gt(0).sum() > 100
