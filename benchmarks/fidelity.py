@@ -149,6 +149,7 @@ class Paired:
     def __init__(self, recorded, model, durations: list[float]) -> None:
         self.recorded, self.model, self.durations, self.pairs = recorded, model, durations, []
         self.first_start = recorded.first_start  # the replay's first step starts where the run's did
+        self.async_timeline = recorded.async_timeline  # an async run's: each step scheduled and updated as recorded
 
     def step_time(self, so) -> float:
         k = self.recorded.step
@@ -263,7 +264,8 @@ def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None,
               "hardware": m["hardware"]["name"], "model": model}
     for name, spec in models.items():
         result["sim"][name] = run_simulation(trace_path, cfg, cost_model=spec, **kw)[1]
-    if cfg.async_scheduling:  # no recorded timeline replays an async run: its decode-only steps, rebuilt
+    if cfg.async_scheduling and "scheduled" not in run.step_column_names():
+        # an async run recorded before its steps' schedule times (no replay): its decode-only steps, rebuilt
         from testbed.sim.factory import load_cost_model
         from testbed.specs.hardware import get_gpu_spec
         from testbed.specs.presets import get_model_spec
@@ -272,7 +274,7 @@ def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None,
             errors = async_decode_errors(run_dir, cm)
             if errors is not None:
                 result["step_mape"][name] = errors
-    else:  # per-step errors on the real batches (recorded timelines replay sync runs only)
+    else:  # per-step errors on the real batches, the run's own timeline replayed (an async one call for call)
         trace = case_trace(trace_path, tr, cfg)
         durations = run.steps(columns=["duration"])["duration"].tolist()
         for name, spec in models.items():

@@ -37,11 +37,13 @@ class SizedPaired(Paired):
 
 def step_errors(run_dir: Path, profile: str | None = None) -> list[dict]:
     """One row per (kind, batch band) with steps: n, signed mean/median error, and mean cycle, duration and
-    prediction (s). Only sync runs: an async run's steps overlap, so it has no recorded cycle per step."""
+    prediction (s). An async run is replayed call for call (its steps' `scheduled` times): its cycle is then
+    update to update, what the profile's async tables price; one recorded before those times cannot be replayed."""
     run, cfg, trace_path, tr = read_case(run_dir)
-    if cfg.async_scheduling:
-        raise SystemExit(f"step_errors: {run_dir} ran with --async-scheduling; its steps overlap and have no cycle "
-                         "of their own to compare with. Pick a sync run.")
+    if cfg.async_scheduling and "scheduled" not in run.step_column_names():
+        raise SystemExit(f"step_errors: {run_dir} ran with --async-scheduling before its steps recorded when they "
+                         "were scheduled, so its batches cannot be replayed. Pick a sync run, or an async one "
+                         "recorded since.")
     m = run.manifest
     durations = run.steps(columns=["duration"])["duration"].tolist()
     paired = paired_steps(run_dir, cfg, case_trace(trace_path, tr, cfg), m["model"]["name"], m["hardware"]["name"],

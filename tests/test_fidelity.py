@@ -75,7 +75,7 @@ def test_committed_dp_runs_resimulate_to_the_committed_tables(tmp_path):
     assert len(table) == len(committed) and all(a.startswith(b.rstrip(" |")) for a, b in zip(table[cut:], committed[cut:]))
 
 
-def test_step_errors_cover_every_back_to_back_step_once_and_refuse_an_async_run():
+def test_step_errors_cover_every_back_to_back_step_once_and_refuse_an_async_run_without_schedule_times():
     import pandas as pd
     from step_errors import step_errors
     run = ROOT / "benchmarks/results/fidelity/2026-11-28_15d107a_h200_llama-3.2-1b/azure-80"  # the shipped profile's
@@ -87,8 +87,14 @@ def test_step_errors_cover_every_back_to_back_step_once_and_refuse_an_async_run(
     for r in rows:  # a step's update comes before the next schedule
         assert 0 < r["duration_s"] <= r["cycle_s"] and r["predicted_s"] > 0
     async_run = ROOT / "benchmarks/results/fidelity/2026-11-24_795c0af_h200_llama-3.2-1b/azure-80-async"
-    with pytest.raises(SystemExit, match="async-scheduling"):
+    with pytest.raises(SystemExit, match="async-scheduling before its steps recorded when they were scheduled"):
         step_errors(async_run)
+    replayed = ROOT / "benchmarks/results/dp/2026-11-28_3b145d3_h200x2_llama-3.2-1b_async/runs/real-1x1-rate100"
+    rows = step_errors(replayed)  # an async run recorded with its schedule times: every step, mixed ones too
+    steps = pd.read_parquet(replayed / "steps.parquet")
+    gaps = steps["start"].diff().shift(-1) - steps["duration"]
+    assert sum(r["n"] for r in rows) == int((gaps.fillna(0.0) <= 2e-3).sum())
+    assert {r["kind"] for r in rows} == {"decode", "mixed"}
 
 
 def test_spread_judges_the_rounds_against_the_first_and_the_simulation_against_every_round():
