@@ -139,3 +139,22 @@ def test_bad_inputs_fail_clearly(server, tmp_path, capsys):
     assert "give either a TRACE" in capsys.readouterr().err
     assert main(["--url", server.url, "--dataset", "random", "--random-input-len", "300", "--num-prompts", "1"]) == 2
     assert "max_model_len is 256" in capsys.readouterr().err
+
+
+def test_an_async_servers_logged_steps_keep_when_each_was_scheduled(tmp_path):
+    """A server with --async-scheduling logs each step's schedule time after its record (steps.parquet's
+    `scheduled`): the run directory holds it, relative to the run's start like the steps' starts."""
+    log_dir = tmp_path / "steps"
+    srv = ServerProcess("--async-scheduling", "--log-steps", str(log_dir), log_dir=tmp_path)
+    try:
+        srv.wait_ready()
+        code = main(["--url", srv.url, "--server-log-steps", str(log_dir), "-o", str(tmp_path / "run"),
+                     "--disable-tqdm", "--dataset", "random", "--num-prompts", "4", "--random-input-len", "8",
+                     "--random-output-len", "6", "--max-concurrency", "2"])
+    finally:
+        assert srv.terminate() == 0, srv.log_text()
+    assert code == 0
+    steps = read_run(tmp_path / "run").steps(columns=["start", "duration", "scheduled", "num_decode_tokens"])
+    assert len(steps) > 4 and (steps["scheduled"] >= 0).all()
+    assert (steps["scheduled"] <= steps["start"] + 1e-9).all()  # scheduled before it began on the device
+    assert (steps["scheduled"] < steps["start"] - 1e-6).any()  # some while the step before it ran

@@ -110,7 +110,7 @@ def _read_jsonl(path: Path) -> list[list]:
 def build_records(results: list[RequestResult], requests: list[BenchRequest], t0_wall: float, t_end_wall: float,
                   log_dir: str | None) -> Recorder:
     """Client timings as REQUEST_COLUMNS rows (times relative to the start); server steps when logged."""
-    from testbed.engine.metrics import Recorder
+    from testbed.engine.metrics import Recorder, logged_step_extra, shifted_step_row
     rec = Recorder()
     server_reqs: dict[str, list] = {}
     if log_dir is not None:
@@ -120,7 +120,8 @@ def build_records(results: list[RequestResult], requests: list[BenchRequest], t0
         for path in sorted(d.glob("steps*.jsonl")):  # steps.jsonl, or steps.R.jsonl per data-parallel replica
             for row in _read_jsonl(path):
                 if t0_wall <= row[1] <= t_end_wall:
-                    rec.steps.append((row[0], row[1] - t0_wall, *row[2:]))
+                    rec.step_extra = logged_step_extra(row)  # an async server's rows: their schedule times too
+                    rec.steps.append(shifted_step_row(row, t0_wall))
         server_reqs = {row[0]: row for path in sorted(d.glob("requests*.jsonl")) for row in _read_jsonl(path)}
     for i, (res, req) in enumerate(zip(results, requests)):
         srv = server_reqs.get(f"{res.server_id}-0") if res.server_id else None

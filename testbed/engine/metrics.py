@@ -48,6 +48,25 @@ GRAMMAR_COLUMNS = ("request_id", "replica", "ready", "error")
 PERCENTILES = (50, 90, 95, 99)
 
 
+def logged_step_extra(row: tuple | list) -> tuple[str, ...]:
+    """The columns after STEP_COLUMNS that a step row logged by an engine process carries, from its length: none,
+    an async run's schedule time, or a pipeline's microbatch and in-flight count (ValueError otherwise)."""
+    extra = len(row) - len(STEP_COLUMNS)
+    for names in ((), ASYNC_STEP_COLUMNS, PIPELINE_STEP_COLUMNS):
+        if extra == len(names):
+            return names
+    raise ValueError(f"a logged step row of {len(row)} values: expected {len(STEP_COLUMNS)}, "
+                     f"{len(STEP_COLUMNS) + len(ASYNC_STEP_COLUMNS)} or {len(STEP_COLUMNS) + len(PIPELINE_STEP_COLUMNS)} "
+                     "(was the log written by another version?)")
+
+
+def shifted_step_row(row: tuple | list, t0: float) -> tuple:
+    """A logged step row with its times made relative to `t0`: its start, and an async row's schedule time."""
+    if logged_step_extra(row) == ASYNC_STEP_COLUMNS:
+        return (row[0], row[1] - t0, *row[2:-1], row[-1] - t0)
+    return (row[0], row[1] - t0, *row[2:])
+
+
 @dataclass
 class Recorder:
     """Column store of a run's records; appends only, so recording stays O(1) per event. `steps` and `itl` read as

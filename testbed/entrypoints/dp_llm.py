@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from testbed.engine.config import EngineConfig
-from testbed.engine.metrics import ASYNC_STEP_COLUMNS, STEP_COLUMNS, Recorder
+from testbed.engine.metrics import Recorder, logged_step_extra, shifted_step_row
 from testbed.engine.outputs import EngineCoreOutput
 from testbed.engine.params import PoolingParams, SamplingParams
 
@@ -136,11 +136,9 @@ def read_dp_logs(log_dir: Path, size: int, t0: float, sent: dict[str, float]) ->
     reports: list[dict[int, list]] = []
     for r in range(size):
         steps = _rows(log_dir / f"steps.{r}.jsonl")
-        if steps and len(steps[0]) == len(STEP_COLUMNS) + len(ASYNC_STEP_COLUMNS):  # async: when each was scheduled
-            rec.step_extra = ASYNC_STEP_COLUMNS
-            rec.steps.extend((row[0], row[1] - t0, *row[2:-1], row[-1] - t0) for row in steps)
-        else:
-            rec.steps.extend((row[0], row[1] - t0, *row[2:]) for row in steps)
+        if steps:  # an async run's rows also say when each step was scheduled
+            rec.step_extra = logged_step_extra(steps[0])
+            rec.steps.extend(shifted_step_row(row, t0) for row in steps)
         for row in _rows(log_dir / f"requests.{r}.jsonl"):
             for i in _REQUEST_TIMES:
                 row[i] = None if row[i] is None else row[i] - t0
