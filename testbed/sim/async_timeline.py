@@ -11,7 +11,9 @@ nothing newly admitted, and a batch formed there is a divergence, as is a record
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Generator, Sequence
+
+import simpy
 
 SCHEDULED_SINCE = "3b145d3"  # the first commit whose async runs record `scheduled`
 
@@ -58,6 +60,33 @@ class AsyncTimeline:
     def update_time(self) -> float:
         """When the step in flight (the oldest not updated) was updated in the real run."""
         return self.updates[self.num_updated]
+
+
+class OnTimeline:
+    """The ReplicaLoop hooks (sim/replica.py) a replica on a recorded async timeline shares, whichever driver runs it
+    (one engine, or DP replicas): it waits for each recorded schedule time, and lands each update on the recorded
+    one. Mixed in before the driver's loop class; `self.timeline` is the replica's AsyncTimeline."""
+
+    timeline: AsyncTimeline
+
+    def next_call(self, busy: bool) -> Generator[simpy.Event, object, float | None]:
+        """Wait until the replica's next schedule call (AsyncTimeline.next_schedule); its time, or None."""
+        t = self.timeline.next_schedule(busy, self.env.now)
+        if t is not None and t > self.env.now:
+            yield self.env.timeout_at(t)
+        return t
+
+    def nothing_formed(self) -> str:
+        n = self.timeline.num_scheduled
+        return (f"the real loop of replica {self.r} formed step {n} at {self.timeline.scheduled[n]:.6f} s; the "
+                f"simulated one has nothing to schedule then ({len(self.eng.requests)} requests live)")
+
+    def wait_end(self, start: float, duration: float) -> simpy.Event:
+        return self.env.timeout_at(max(self.env.now, self.timeline.update_time()))
+
+    def updated(self, so, finished: list, busy: bool) -> None:
+        self.timeline.num_updated += 1
+        super().updated(so, finished, busy)
 
 
 def missing_scheduled(path) -> ValueError:

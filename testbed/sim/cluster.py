@@ -29,7 +29,7 @@ from testbed.engine.fast_forward import advance
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from testbed.engine.request import Request
-from testbed.sim.async_timeline import AsyncTimeline
+from testbed.sim.async_timeline import AsyncTimeline, OnTimeline
 from testbed.sim.collector import collector_paused
 from testbed.sim.cost_model import CostModel
 from testbed.sim.environment import SimEnvironment, landing
@@ -312,7 +312,7 @@ class ServingReplica(ReplicaLoop):
         self.sim.after_update(self.r, so, finished, busy)
 
 
-class TimelineReplica(ServingReplica):
+class TimelineReplica(OnTimeline, ServingReplica):
     """A replica on a recorded `--async-scheduling` run's timeline (sim/async_timeline.py): each schedule call when the
     real loop made it, each update when the real loop made it."""
 
@@ -321,26 +321,13 @@ class TimelineReplica(ServingReplica):
         self.timeline = timeline
 
     def ready(self, busy: bool) -> Generator[simpy.Event, object, float]:
-        t = self.timeline.next_schedule(busy, self.env.now)
-        if t is None:  # every recorded step ran: idle until the end (a later request would outrun the record)
-            return (yield from super().ready(busy))
-        if t > self.env.now:
-            yield self.env.timeout_at(t)
+        if (yield from self.next_call(busy)) is None:  # every recorded step ran: idle until the end (a later
+            return (yield from super().ready(busy))    # request would outrun the record)
         return self.env.now
 
     def stalled(self) -> Generator[simpy.Event, object, None]:
-        n = self.timeline.num_scheduled
-        raise RuntimeError(f"the simulation diverged from the recorded async run: the real loop scheduled step {n} at "
-                           f"{self.timeline.scheduled[n]:.6f} s; the simulated replica has nothing to schedule then "
-                           f"({len(self.eng.requests)} requests live)")
+        raise RuntimeError(f"the simulation diverged from the recorded async run: {self.nothing_formed()}")
         yield  # a generator
-
-    def wait_end(self, start: float, duration: float) -> simpy.Event:
-        return self.env.timeout_at(max(self.env.now, self.timeline.update_time()))
-
-    def updated(self, so: SchedulerOutput, finished: list, busy: bool) -> None:
-        self.timeline.num_updated += 1
-        super().updated(so, finished, busy)
 
 
 class PipelinedReplica(ServingReplica):

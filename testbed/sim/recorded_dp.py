@@ -27,7 +27,7 @@ from testbed.engine.core import EngineCore
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import SchedulerOutput
 from testbed.workload.lora import trace_loras
-from testbed.sim.async_timeline import AsyncTimeline, missing_scheduled
+from testbed.sim.async_timeline import AsyncTimeline, OnTimeline, missing_scheduled
 from testbed.sim.trace_requests import SimResult, trace_to_request
 from testbed.sim.collector import collector_paused
 from testbed.sim.cost_model import recorded_grammar_events
@@ -94,7 +94,7 @@ class RecordedReplica(ReplicaLoop):
         self.report(self.k)
 
 
-class RecordedAsyncReplica(RecordedReplica):
+class RecordedAsyncReplica(OnTimeline, RecordedReplica):
     """A replica of an `--async-scheduling` DP run on its recorded timeline (sim/async_timeline.py): each schedule
     call when the real loop made it (after admitting what had reached the replica by then), each update when the
     real loop made it, its reports after each update as recorded."""
@@ -105,26 +105,14 @@ class RecordedAsyncReplica(RecordedReplica):
         self.overlap, self.timeline = True, timeline
 
     def ready(self, busy: bool) -> Generator[simpy.Event, object, float | None]:
-        t = self.timeline.next_schedule(busy, self.env.now)
-        if t is None:
-            return None
-        if t > self.env.now:
-            yield self.env.timeout_at(t)
-        self.admit(t)
+        t = yield from self.next_call(busy)
+        if t is not None:
+            self.admit(t)
         return t
 
     def stalled(self) -> Generator[simpy.Event, object, None]:
-        n = self.timeline.num_scheduled
-        raise _diverged(f"replica {self.r} scheduled step {n} at {self.starts[n]:.6f} s; the simulated one has "
-                        f"nothing to schedule ({len(self.eng.requests)} requests live)")
+        raise _diverged(self.nothing_formed())
         yield  # a generator
-
-    def wait_end(self, start: float, duration: float) -> simpy.Event:
-        return self.env.timeout_at(max(self.env.now, self.timeline.update_time()))
-
-    def updated(self, so: SchedulerOutput, finished: list, busy: bool) -> None:
-        self.timeline.num_updated += 1
-        super().updated(so, finished, busy)
 
 
 @dataclass
