@@ -7,6 +7,8 @@
 + LM head and sampler) and the runner's host parts and wall as the profiler times a step; with --in-loop (a file of benchmarks/in_loop.py) also that
 run's real azure-80 decode batches, on the first model, as they came, sorted long-first, short-first,
 shuffled, and at their mean (does the rows' order, the decode kernel's launch order, change the spread's cost?).
+With --async-cycles each batch's async cycle is timed too (StepMeasurer.async_cycle, the profile's way), and
+`analyze` prints the async extra over the uniform batch beside the device extra, by the kernel's split count.
 `analyze`: fits extra = kappa x (longest - mean) / splits, splits being the decode kernel's split count
 (kernels/decode_attention.num_splits_for on 132 SMs), per model, and prints the fit's error against none;
 for the real batches, each order against as-is and kappa from them; with --profile, the profile's decode_tail
@@ -65,13 +67,17 @@ def real(args: argparse.Namespace) -> None:
         measure = StepMeasurer(ex, 5, 2)
 
         def timed(rows) -> dict[str, float]:
-            t = measure.sync(factory.step(rows))
+            so = factory.step(rows)
+            t = measure.sync(so)
+            cycle = {"async_cycle_s": measure.async_cycle(so)} if args.async_cycles else {}
             return {"device_s": t["forward_s"] + t["sample_s"], "prepare_s": t["prepare_s"],
-                    "launch_s": t["launch_s"], "wall_s": t["wall_s"]}
+                    "launch_s": t["launch_s"], "wall_s": t["wall_s"], **cycle}
         rng = np.random.default_rng(0)
         res = []
-        for batch in B_GRID:
-            for mean in MEANS:
+        grid_b = [int(b) for b in args.batches.split(",")] if args.batches else B_GRID
+        grid_mean = [float(m) for m in args.means.split(",")] if args.means else MEANS
+        for batch in grid_b:
+            for mean in grid_mean:
                 for cv in CVS:
                     for _ in range(1 if cv == 0 else 2):
                         cc = _contexts(rng, batch, mean, cv)
@@ -79,7 +85,8 @@ def real(args: argparse.Namespace) -> None:
                             continue  # past this model's KV cache
                         res.append({"B": batch, "mean": sum(cc) / batch, "cv": float(np.std(cc) / np.mean(cc)),
                                     "max": max(cc), "ctx": cc, **timed([(x - 1, 1, True) for x in cc])})
-        out = {"model": model, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        out = {"model": model, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__,
                "kv_heads": get_model_spec(model).num_key_value_heads, "date": time.strftime("%Y-%m-%d"),
                "lognormal": res}
         if k == 0 and args.in_loop:
@@ -136,6 +143,25 @@ def analyze(args: argparse.Namespace) -> None:
               f"{100 * none.max():.1f}% | {100 * fit.mean():.1f}% / {100 * fit.max():.1f}% | "
               f"{1e3 * np.median(host):.3f} |" if host else "")
     for d in loaded:
+        pts = [(r, {(u["B"], round(u["mean"])): u for u in d["lognormal"] if u["cv"] == 0}.get((r["B"], round(r["mean"]))))
+               for r in d["lognormal"] if r["cv"] > 0 and "async_cycle_s" in r]
+        pts = [(r, u) for r, u in pts if u is not None]
+        if pts:
+            print(f"\n{d['model']}: async cycle against device time, spread batch less the uniform one at its mean "
+                  "(ms, medians by split count and mean context)")
+            print("| splits | mean context | batches | longest - mean | device extra | async extra | uniform: async cycle "
+                  "| uniform: device |")
+            print("|---|---|---|---|---|---|---|---|")
+            keyed: dict = {}
+            for r, u in pts:
+                keyed.setdefault((splits(r["B"], d["kv_heads"], r["max"]), round(u["mean"], -2)), []).append((r, u))
+            for (s, m), group in sorted(keyed.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+                med = lambda f: 1e3 * float(np.median([f(r, u) for r, u in group]))  # noqa: E731
+                print(f"| {s} | {m:.0f} | {len(group)} | {med(lambda r, u: r['max'] - r['mean']) / 1e3:.0f} | "
+                      f"{med(lambda r, u: r['device_s'] - u['device_s']):.3f} | "
+                      f"{med(lambda r, u: r['async_cycle_s'] - u['async_cycle_s']):.3f} | "
+                      f"{med(lambda r, u: u['async_cycle_s']):.3f} | {med(lambda r, u: u['device_s']):.3f} |")
+    for d in loaded:
         rb = d.get("real_batches")
         if not rb:
             continue
@@ -167,6 +193,11 @@ def main() -> None:
     r.add_argument("--models", default="Llama-3.2-1B,Qwen3-0.6B,Llama-3.1-8B")
     r.add_argument("--in-loop", default=None, help="an in_loop.py file (json.gz) whose azure-80 batches to re-time")
     r.add_argument("--out", required=True)
+    r.add_argument("--batches", default=None, help="comma-separated batch sizes (default: B_GRID)")
+    r.add_argument("--means", default=None, help="comma-separated mean contexts (default: MEANS)")
+    r.add_argument("--async-cycles", action="store_true",
+                   help="also time each batch's async cycle (the profile's steady way): what a spread costs where "
+                        "the loop overlaps the host with the device")
     a = sub.add_parser("analyze", help="the fit and the order test from a folder of `real` files")
     a.add_argument("dir")
     a.add_argument("--profile", default=None, help="compare its decode_tail term on the real batches")
