@@ -59,6 +59,16 @@ def real(args: argparse.Namespace) -> None:
 
     os.makedirs(args.out, exist_ok=True)
     models = args.models.split(",")
+    if len(models) > 1:  # one process a model: an executor's KV cache is not handed back to the device before exit
+        import subprocess
+        import sys
+        for k, model in enumerate(models):
+            argv = ["real", "--out", args.out, "--models", model, *(["--async-cycles"] if args.async_cycles else []),
+                    *(["--batches", args.batches] if args.batches else []),
+                    *(["--means", args.means] if args.means else []),
+                    *(["--in-loop", args.in_loop] if args.in_loop and k == 0 else [])]  # the first model's batches
+            subprocess.run([sys.executable, __file__, *argv], check=True)
+        return
     for k, model in enumerate(models):
         cfg = EngineConfig()
         t0 = time.time()
