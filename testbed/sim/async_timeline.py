@@ -11,9 +11,10 @@ nothing newly admitted, and a batch formed there is a divergence, as is a record
 """
 from __future__ import annotations
 
-from typing import Generator, Sequence
+from typing import TYPE_CHECKING, Generator, Sequence
 
-import simpy
+if TYPE_CHECKING:  # the cost models import this module; only the replicas' loops run on simpy
+    import simpy
 
 SCHEDULED_SINCE = "3b145d3"  # the first commit whose async runs record `scheduled`
 
@@ -30,9 +31,6 @@ class AsyncTimeline:
         self.num_scheduled = 0  # steps the replay has scheduled
         self.num_updated = 0    # steps the replay has updated
         self.batch_due = False  # whether the real loop formed a batch at the schedule call being made
-
-    def __len__(self) -> int:
-        return len(self.scheduled)
 
     def next_schedule(self, busy: bool, now: float) -> float | None:
         """When the replica calls schedule next (`busy`: a step is in flight): the next step's recorded time where the
