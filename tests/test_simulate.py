@@ -111,10 +111,20 @@ def test_async_scheduling_overlaps_steps_and_serves_the_same_requests(tmp_path):
     assert (done.arrival <= done.first_scheduled).all() and (done.first_token <= done.finish).all()
 
 
-def test_recorded_timeline_of_an_async_run_is_refused(tmp_path, capsys):
+def test_recorded_timeline_replayed_under_other_scheduling_is_refused_with_the_way_out(tmp_path, capsys):
+    """An async run replays only as an async simulation (its calls are an async loop's), a sync run only as a sync
+    one; the error says which flag to add or drop. With the run's own flag it replays."""
     run_dir, _ = simulate(tmp_path, "async", limit=20, async_scheduling=True)
     rc, out, err = cli(capsys, SAMPLE, "--limit", "20", "--cost-model", f"recorded:{run_dir}", "-o", tmp_path / "x")
-    assert rc == 2 and "--async-scheduling" in err, err
+    assert rc == 2 and "that run was made with --async-scheduling, this simulation without it" in err, err
+    assert "add the flag" in err and not (tmp_path / "x").exists()
+    sync_dir, _ = simulate(tmp_path, "sync", limit=20)
+    rc, out, err = cli(capsys, SAMPLE, "--limit", "20", "--async-scheduling", "--cost-model", f"recorded:{sync_dir}",
+                       "-o", tmp_path / "y")
+    assert rc == 2 and "made without --async-scheduling, this simulation with it" in err and "drop the flag" in err
+    rc, out, err = cli(capsys, SAMPLE, "--limit", "20", "--async-scheduling", "--cost-model", f"recorded:{run_dir}",
+                       "-o", tmp_path / "z")
+    assert rc == 0, err
 
 def test_requests_that_arrive_together_replay_in_the_order_they_were_queued(tmp_path, capsys):
     """A burst (every request at 0 s) writes its requests as they end, not as they were queued; read back with

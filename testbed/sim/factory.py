@@ -75,6 +75,12 @@ def _load_stage_cost_model(spec: str, model: ModelSpec, gpu: GPUSpec, config: En
             run = read_run(run_dir)
         except RunDirError as e:
             raise ValueError(f"--cost-model {spec}: not a readable run directory: {e}") from None
+        recorded_async = bool(run.manifest.get("config", {}).get("async_scheduling"))
+        if recorded_async != config.async_scheduling:  # the replay makes the calls of the loop the run had
+            raise ValueError(f"--cost-model {spec}: that run was made {'with' if recorded_async else 'without'} "
+                             f"--async-scheduling, this simulation {'with' if config.async_scheduling else 'without'} "
+                             f"it; replay it as it ran ({'add' if recorded_async else 'drop'} the flag, or take the "
+                             f"run's flags with --like {run_dir})")
         if RecordedDPRun.is_dp_run(run_dir):  # per-replica timelines and the coordinator's record
             return RecordedDPRun.from_run_dir(run_dir), spec
         recorded_pp = int(run.manifest.get("config", {}).get("pipeline_parallel_size", 1))
