@@ -118,8 +118,8 @@ def cases(tmp: Path) -> dict[str, list[str]]:
 
 # Added after the references were saved: left out of the digests and summaries, so the references stay valid. The
 # block moves are 0 in every case they hold (a change in them shows in the columns and keys they derive from);
-# `scheduled` (async runs: when each step was scheduled) is the schedule's `now`, which the rest of a step's row and
-# the requests' first_scheduled times already follow.
+# `scheduled` (async runs: each step's schedule time) is new in the records, its values held by
+# tests/test_async_parity.py (a replay from it reproduces every step and request).
 LATER_COLUMNS = ("num_swapped", "num_swapped_out", "blocks_swapped_out", "blocks_swapped_in", "blocks_copied",
                  "scheduled")
 LATER_SUMMARY_KEYS = ("num_swap_preemptions", "num_blocks_swapped_out", "num_blocks_swapped_in", "num_blocks_copied")
