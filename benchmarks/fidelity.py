@@ -14,6 +14,7 @@ then replay Poisson arrivals at a fraction of it (light 0.3, near saturation 0.8
 are (sim - real) / real of throughput, TTFT/TPOT/E2E mean/p50/p99 and the mean batch. Per-step error: the
 simulator replays the real run's own step timeline (decision parity, so its batches are the real ones)
 while the cost model predicts each of those steps; MAPE against the real cycle (schedule to schedule). An async run
+recorded with its steps' schedule times (from 3b145d3) replays call for call the same way; one recorded before
 replays no timeline: its decode-only steps are rebuilt from its requests table and priced at their shape instead.
 """
 from __future__ import annotations
@@ -246,7 +247,8 @@ def async_decode_errors(run_dir: Path, cost_model) -> dict | None:
     err = miss / real
     return {"all": float(err.mean()), "decode": float(err.mean()), "eager": None, "steps": int(keep.sum()),
             "idle_followed": None, "time_weighted": float(miss.sum() / real.sum()),
-            "basis": "decode-only steps, batches rebuilt from the requests table (an async run replays no timeline)"}
+            "basis": "decode-only steps, batches rebuilt from the requests table (an async run recorded before its "
+                     "steps' schedule times replays no timeline)"}
 
 
 def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None,
