@@ -179,7 +179,7 @@ def idle_admissions(routes, requests) -> np.ndarray:
     ends = routes.set_index("request_id")["added"].to_frame().join(requests.set_index("request_id")["finish"])
     idle = []
     for r, group in routes.dropna(subset=["added"]).groupby("replica"):
-        mine = ends.loc[routes.loc[routes["replica"] == r, "request_id"]].dropna()
+        mine = ends.loc[group["request_id"]].dropna()
         added, finish = np.sort(mine["added"].to_numpy()), np.sort(mine["finish"].to_numpy())
         t = group["routed"].to_numpy()
         live = np.searchsorted(added, t, side="right") - np.searchsorted(finish, t, side="right")

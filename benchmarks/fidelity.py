@@ -266,7 +266,8 @@ def sim_case(run_dir: Path, profile: str | None, gpu: str | None = None,
               "hardware": m["hardware"]["name"], "model": model}
     for name, spec in models.items():
         result["sim"][name] = run_simulation(trace_path, cfg, cost_model=spec, **kw)[1]
-    if cfg.async_scheduling and "scheduled" not in run.step_column_names():
+    from testbed.sim.async_timeline import replayable
+    if not replayable(run):
         # an async run recorded before its steps' schedule times (no replay): its decode-only steps, rebuilt
         from testbed.sim.factory import load_cost_model
         from testbed.specs.hardware import get_gpu_spec

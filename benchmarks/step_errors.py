@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import Paired, case_trace, paired_steps, read_case  # noqa: E402
+from testbed.sim.async_timeline import replayable  # noqa: E402
 
 BANDS = (1, 16, 32, 64, 128, 256, 1 << 30)
 
@@ -40,7 +41,7 @@ def step_errors(run_dir: Path, profile: str | None = None) -> list[dict]:
     prediction (s). An async run is replayed call for call (its steps' `scheduled` times): its cycle is then
     update to update, what the profile's async tables price; one recorded before those times cannot be replayed."""
     run, cfg, trace_path, tr = read_case(run_dir)
-    if cfg.async_scheduling and "scheduled" not in run.step_column_names():
+    if not replayable(run):
         raise SystemExit(f"step_errors: {run_dir} ran with --async-scheduling before its steps recorded when they "
                          "were scheduled, so its batches cannot be replayed. Pick a sync run, or an async one "
                          "recorded since.")

@@ -14,12 +14,10 @@ import shutil
 import pandas as pd
 import pytest
 
-from test_dp_parity import assert_same_decisions
+from test_dp_parity import assert_same_decisions, simulated_and_replayed
 from test_parity import FLAGS, REQUEST_OUTCOMES, STEP_DECISIONS, write_trace
 from testbed.cli import main
-from testbed.engine.config import EngineConfig
 from testbed.runs.rundir import read_run
-from testbed.sim.run import run_simulation
 
 from conftest import REPO
 
@@ -97,13 +95,8 @@ def test_committed_gpu_async_runs_replay_call_for_call(tmp_path, capsys, run):
 
 @pytest.mark.parametrize("dp", [1, 3])
 def test_a_simulated_async_run_replays_itself(tmp_path, dp):
-    kw = dict(async_scheduling=True, data_parallel_size=dp, max_num_seqs=6, num_gpu_blocks=200,
-              enable_prefix_caching=True, dp_routing_delay=0.004)
-    trace = str(REPO / "traces" / "azure_conv_10min.jsonl")
-    a, _ = run_simulation(trace, EngineConfig(**kw), limit=120, request_rate=25.0, output=tmp_path / "a",
-                          progress=False)
-    b, _ = run_simulation(trace, EngineConfig(**kw), limit=120, request_rate=25.0, output=tmp_path / "b",
-                          progress=False, cost_model=f"recorded:{a}")
+    a, b = simulated_and_replayed(tmp_path, async_scheduling=True, data_parallel_size=dp, max_num_seqs=6,
+                                  num_gpu_blocks=200, enable_prefix_caching=True, dp_routing_delay=0.004)
     assert_same_calls(a, b)
 
 

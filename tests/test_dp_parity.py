@@ -41,16 +41,23 @@ def assert_same_decisions(a, b) -> None:
                                   pb.sort_values("seq", ignore_index=True)[stats])
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_a_simulated_dp_run_replays_itself_exactly(tmp_path, policy):
-    """Recorded timings of a simulation (stale stats, routing delay, prefix sharing) reproduce it."""
-    kw = dict(data_parallel_size=3, dp_policy=policy, max_num_seqs=6, num_gpu_blocks=200, dp_stats_interval=0.03,
-              dp_routing_delay=0.004, enable_prefix_caching=True)
+def simulated_and_replayed(tmp_path, **kw):
+    """(run, its replay): 120 requests of the Azure slice at 25 req/s simulated with engine flags `kw`, then simulated
+    again from that run's own recorded timings."""
     trace = str(REPO / "traces" / "azure_conv_10min.jsonl")
     a, _ = run_simulation(trace, EngineConfig(**kw), limit=120, request_rate=25.0, output=tmp_path / "a",
                           progress=False)
     b, _ = run_simulation(trace, EngineConfig(**kw), limit=120, request_rate=25.0, output=tmp_path / "b",
                           progress=False, cost_model=f"recorded:{a}")
+    return a, b
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_simulated_dp_run_replays_itself_exactly(tmp_path, policy):
+    """Recorded timings of a simulation (stale stats, routing delay, prefix sharing) reproduce it."""
+    a, b = simulated_and_replayed(tmp_path, data_parallel_size=3, dp_policy=policy, max_num_seqs=6,
+                                  num_gpu_blocks=200, dp_stats_interval=0.03, dp_routing_delay=0.004,
+                                  enable_prefix_caching=True)
     assert_same_decisions(a, b)
     assert read_run(a).requests()["replica"].nunique() == 3
 

@@ -87,6 +87,12 @@ class OnTimeline:
         super().updated(so, finished, busy)
 
 
+def replayable(run) -> bool:
+    """Whether a recorded replay can follow `run` (a read run directory): a sync run, or an async one whose steps
+    record when each was scheduled."""
+    return not run.manifest.get("config", {}).get("async_scheduling") or "scheduled" in run.step_column_names()
+
+
 def missing_scheduled(path) -> ValueError:
     """The error for an async run recorded before steps.parquet held each step's schedule time."""
     return ValueError(f"{path}: this --async-scheduling run was recorded before steps.parquet held when each step was "

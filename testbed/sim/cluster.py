@@ -185,8 +185,8 @@ class ClusterSim:
             for r in range(dp):  # the report each replica sends once it is up, long before the first request
                 self.publish(r, transit=False)
         env.process(self.arrivals())
+        timeline = getattr(self.cost_model, "async_timeline", None)  # a recorded async run's (one replica)
         for r in range(dp):
-            timeline = getattr(self.cost_model, "async_timeline", None)
             replica = (PipelinedReplica(self, r) if self.config.pipeline_parallel_size > 1
                        else TimelineReplica(self, r, timeline) if timeline is not None
                        else ServingReplica(self, r, fast_forward_decodes))

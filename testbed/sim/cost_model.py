@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from testbed.engine.outputs import SchedulerOutput
-from testbed.sim.async_timeline import AsyncTimeline, missing_scheduled
+from testbed.sim.async_timeline import AsyncTimeline, missing_scheduled, replayable
 from testbed.specs.presets import ModelSpec
 from testbed.specs.hardware import GPUSpec
 
@@ -228,16 +228,12 @@ class RecordedCostModel:
 
     @classmethod
     def from_run_dir(cls, path) -> "RecordedCostModel":
-        import json
-        import pandas as pd
-        from pathlib import Path
         from testbed.runs.rundir import read_run
-        manifest = Path(path) / "manifest.json"
-        overlapped = manifest.exists() and json.loads(manifest.read_text()).get("config", {}).get("async_scheduling")
-        if overlapped and "scheduled" not in read_run(path).step_column_names():
+        run = read_run(path)
+        if not replayable(run):
             raise missing_scheduled(path)
-        steps = pd.read_parquet(Path(path) / "steps.parquet", columns=["replica", "start", "duration", *STEP_SHAPE,
-                                                                       *(["scheduled"] if overlapped else [])])
+        overlapped = bool(run.manifest.get("config", {}).get("async_scheduling"))
+        steps = run.steps(columns=["replica", "start", "duration", *STEP_SHAPE, *(["scheduled"] if overlapped else [])])
         if steps["replica"].nunique() > 1:
             raise ValueError(f"{path}: recorded timelines replay one replica; this run has {steps['replica'].nunique()}")
         starts, durations = steps["start"].tolist(), steps["duration"].tolist()

@@ -27,7 +27,7 @@ from testbed.engine.core import EngineCore
 from testbed.engine.metrics import Recorder
 from testbed.engine.outputs import SchedulerOutput
 from testbed.workload.lora import trace_loras
-from testbed.sim.async_timeline import AsyncTimeline, OnTimeline, missing_scheduled
+from testbed.sim.async_timeline import AsyncTimeline, OnTimeline, missing_scheduled, replayable
 from testbed.sim.trace_requests import SimResult, trace_to_request
 from testbed.sim.collector import collector_paused
 from testbed.sim.cost_model import recorded_grammar_events
@@ -153,7 +153,7 @@ class RecordedDPRun:
         cfg = run.manifest.get("config", {})
         overlapped = bool(cfg.get("async_scheduling"))
         dp = int(cfg.get("data_parallel_size", 0))
-        if overlapped and "scheduled" not in run.step_column_names():
+        if not replayable(run):
             raise missing_scheduled(path)
         steps = run.steps(columns=["replica", "start", "duration", *(["scheduled"] if overlapped else [])])
         if dp < 2 or not steps["replica"].between(0, dp - 1).all():
